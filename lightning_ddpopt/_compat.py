@@ -1,0 +1,34 @@
+"""Version checks for torch and Lightning, in one place."""
+
+import warnings
+
+import lightning
+import torch
+from lightning_utilities.core.imports import compare_version
+
+__all__ = ["LIGHTNING_TESTED_RANGE", "check_lightning_version"]
+
+#: The Lightning releases whose private ``DDPStrategy`` methods the strategy overrides and that CI tests.
+LIGHTNING_TESTED_RANGE = ("2.6.0", "2.7.0")
+
+_TORCH_GREATER_EQUAL_2_4 = compare_version("torch", lambda a, b: a >= b, "2.4.0")
+
+
+def check_lightning_version() -> None:
+    """Warn once when the installed Lightning is outside the range whose private methods we override."""
+    low, high = LIGHTNING_TESTED_RANGE
+    installed = lightning.__version__
+    in_range = compare_version("lightning", lambda a, b: a >= b, low) and not compare_version(
+        "lightning", lambda a, b: a >= b, high
+    )
+    if not in_range:
+        warnings.warn(
+            f"lightning_ddpopt is tested with lightning>={low},<{high}; lightning {installed} is installed. "
+            "OptimizedDDPStrategy overrides private DDPStrategy methods that may have changed.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if not _TORCH_GREATER_EQUAL_2_4:
+        warnings.warn(
+            f"lightning_ddpopt needs torch>=2.4; torch {torch.__version__} is installed.", RuntimeWarning, stacklevel=3
+        )

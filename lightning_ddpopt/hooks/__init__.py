@@ -1,0 +1,15 @@
+"""Comm hooks with torch's ``(state, bucket) -> Future[Tensor]`` signature, and their registry."""
+
+from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec
+
+__all__ = [
+    "COMM_HOOKS",
+    "CommHookState",
+    "HookSpec",
+    "allreduce_mean_hook",
+    "bf16_allreduce_hook",
+    "fp16_allreduce_hook",
+    "get_hook_spec",
+]

@@ -1,0 +1,93 @@
+"""Comm-hook registry: name -> factory; the one place that lists the valid ``comm_hook`` names."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.ledger import CommHook, CommLedger
+
+__all__ = ["COMM_HOOKS", "HookSpec", "get_hook_spec", "validate_hook_callable"]
+
+#: Backends on which every hook here has been run in tests.
+TESTED_BACKENDS = ("gloo", "nccl")
+
+
+def _any_backend(backend: str) -> str | None:
+    return None
+
+
+def _bf16_backend(backend: str) -> str | None:
+    if backend == "nccl":
+        version = torch.cuda.nccl.version() if torch.cuda.is_available() else (0, 0, 0)
+        if tuple(version) < (2, 10):
+            return f"bf16 all-reduce needs NCCL >= 2.10, this build has NCCL {'.'.join(map(str, version))}"
+        if not torch.cuda.is_bf16_supported():
+            return "this GPU does not support bfloat16 (it needs compute capability 8.0, A100 or later)"
+    return None
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """A registered comm hook.
+
+    Attributes:
+        name: the registry name users pass as ``comm_hook``.
+        summary: one line for error messages and docs.
+        hook: the hook function, torch's ``(state, bucket) -> Future[Tensor]`` signature.
+        unsupported_reason: given a process-group backend name, why the hook cannot run there, or ``None``.
+    """
+
+    name: str
+    summary: str
+    hook: CommHook
+    unsupported_reason: Callable[[str], str | None] = _any_backend
+
+    def build(self, process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
+        """Create the state this hook runs with."""
+        return CommHookState(process_group=process_group, ledger=ledger)
+
+
+COMM_HOOKS: dict[str, HookSpec] = {
+    spec.name: spec
+    for spec in (
+        HookSpec("allreduce", "fp32 mean all-reduce (DDP's behaviour), bytes recorded", allreduce_mean_hook),
+        HookSpec("fp16", "float16-compressed all-reduce: half the bytes", fp16_allreduce_hook),
+        HookSpec("bf16", "bfloat16-compressed all-reduce: half the bytes, fp32 range", bf16_allreduce_hook, _bf16_backend),
+    )
+}
+
+
+def get_hook_spec(name: str) -> HookSpec:
+    """Look up ``name``, or raise a ``ValueError`` that lists the valid names."""
+    try:
+        return COMM_HOOKS[name]
+    except KeyError:
+        raise ValueError(
+            f"comm_hook={name!r} is not a known hook; choose one of {sorted(COMM_HOOKS)}, "
+            "a callable hook(state, bucket) -> Future, or None"
+        ) from None
+
+
+def validate_hook_callable(hook: Callable, argument: str = "comm_hook") -> None:
+    """Raise ``TypeError`` unless ``hook`` can be called as ``hook(state, bucket)``."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: DDP checks them when registering
+    try:
+        signature.bind(object(), object())
+        if "bucket" not in signature.parameters:
+            raise TypeError
+    except TypeError:
+        raise TypeError(
+            f"{argument}={getattr(hook, '__qualname__', hook)!r} must take two positional arguments "
+            f"named (state, bucket), as DDP requires, and return a torch.futures.Future; "
+            f"its signature is {signature}"
+        ) from None

@@ -1,0 +1,343 @@
+"""OptimizedDDPStrategy: Lightning's DDPStrategy with planned buckets, comm hooks on every backend, and a ledger."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddpopt._compat import check_lightning_version
+from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
+from lightning_ddpopt.buckets import (
+    BucketPlan,
+    built_bucket_bytes,
+    format_mb,
+    plan_buckets,
+    validate_bucket_cap_mb,
+)
+from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.registry import TESTED_BACKENDS, HookSpec, get_hook_spec, validate_hook_callable
+from lightning_ddpopt.ledger import CommHook, CommLedger
+
+__all__ = ["OptimizedDDPStrategy"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_COMM_HOOK = "allreduce"
+#: DDP settles its bucket layout after its first synchronised step; by the end of the second the layout is final.
+_LAYOUT_FINAL_AFTER_STEPS = 2
+
+
+class OptimizedDDPStrategy(DDPStrategy):
+    """A drop-in :class:`~lightning.pytorch.strategies.DDPStrategy` that makes data-parallel training scale.
+
+    Differences from the stock strategy:
+
+    * ``comm_hook`` is registered on **every** backend (gloo on CPU, NCCL on GPU) and checked to be attached;
+      Lightning's ``DDPStrategy`` registers hooks on CUDA only and silently drops them elsewhere.
+    * ``bucket_cap_mb="auto"`` sizes DDP's gradient buckets from the model and the world size
+      (see :func:`lightning_ddpopt.buckets.auto_bucket_cap_mb`); rank 0 logs the plan at setup and the layout
+      DDP actually built once it is final.
+    * Every hook of the registry reports to a per-rank :class:`~lightning_ddpopt.ledger.CommLedger` (bytes before
+      and after compression, sync time, sync rounds per optimizer step), which the callbacks read.
+    * ``cpu_affinity`` pins each local rank to its own cores.
+    * ``static_graph=True`` with gradient accumulation is refused (pytorch#143580 makes it compute wrong results).
+
+    Args:
+        comm_hook: a registry name (see :data:`lightning_ddpopt.hooks.COMM_HOOKS`), a torch-style hook
+            ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's
+            built-in allreduce with nothing recorded.
+        comm_state: the state passed to a callable ``comm_hook``.
+        bucket_cap_mb: DDP's bucket cap in MiB, a positive number, or ``"auto"``.
+        gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a copy and memory).
+        find_unused_parameters: forwarded to ``DistributedDataParallel``.
+        static_graph: forwarded to ``DistributedDataParallel``.
+        cpu_affinity: ``True`` splits this process's usable cores evenly among the local ranks; a list gives
+            each local rank its cores explicitly; ``False`` (default) leaves affinity alone.
+        accelerator: see ``DDPStrategy``.
+        parallel_devices: see ``DDPStrategy``.
+        cluster_environment: see ``DDPStrategy``.
+        checkpoint_io: see ``DDPStrategy``.
+        precision_plugin: see ``DDPStrategy``.
+        ddp_comm_state: Lightning's name for a hook state; use with ``ddp_comm_hook``.
+        ddp_comm_hook: Lightning's name for a callable hook; unlike in ``DDPStrategy`` it runs on every backend.
+            Give either this or ``comm_hook``, not both.
+        ddp_comm_wrapper: Lightning's hook wrapper, applied around ``ddp_comm_hook``.
+        model_averaging_period: see ``DDPStrategy`` (post-local SGD).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: NCCL on CUDA, gloo otherwise.
+        timeout: process-group timeout.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        **kwargs: forwarded to ``DistributedDataParallel``.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=OptimizedDDPStrategy(comm_hook="fp16"))
+    """
+
+    strategy_name = "ddp_optimized"
+
+    def __init__(
+        self,
+        comm_hook: str | Callable | None = _DEFAULT_COMM_HOOK,
+        comm_state: object | None = None,
+        bucket_cap_mb: float | Literal["auto"] = "auto",
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        cpu_affinity: bool | list[list[int]] = False,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        check_lightning_version()
+        self._hook_spec, self._hook_callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
+        if ddp_comm_hook is not None:
+            validate_hook_callable(ddp_comm_hook, "ddp_comm_hook")
+        if ddp_comm_wrapper is not None and ddp_comm_hook is None:
+            raise ValueError(
+                f"ddp_comm_wrapper={ddp_comm_wrapper!r} wraps ddp_comm_hook, which is not given; pass "
+                "ddp_comm_hook too, or use comm_hook="
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            **kwargs,
+        )
+        self._comm_state_arg = comm_state
+        self._bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
+        self._cpu_affinity = validate_cpu_affinity(cpu_affinity)
+        self.ledger: CommLedger | None = None
+        self.comm_state: object | None = None
+        self.comm_hook_name: str | None = None
+        self.bucket_plan: BucketPlan | None = None
+        self.bucket_layout: tuple[int, ...] | None = None
+        self.core_binding: CoreBinding | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        # Bind before the process group starts its threads, so they inherit the binding.
+        self._bind_cores()
+        self.ledger = CommLedger()
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if (
+            trainer.state.fn == TrainerFn.FITTING
+            and self._ddp_kwargs.get("static_graph")
+            and trainer.accumulate_grad_batches > 1
+        ):
+            raise ValueError(
+                f"static_graph=True cannot be combined with accumulate_grad_batches={trainer.accumulate_grad_batches}:"
+                " DDP's static graph mode mis-syncs gradients under no_sync (pytorch#143580). Use static_graph=False."
+            )
+        super().setup(trainer)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        self.bucket_plan = plan_buckets(model, self._bucket_cap_mb, self.world_size)
+        self._ddp_kwargs["bucket_cap_mb"] = self.bucket_plan.cap_mb
+        return super()._setup_model(model)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)
+        backend = self._get_process_group_backend()
+        hook = self._build_hook(model, backend)
+        if hook is not None:
+            if backend not in TESTED_BACKENDS:
+                rank_zero_warn(
+                    f"ddpopt: comm hook {self.comm_hook_name!r} registered on backend {backend!r}, which is not "
+                    f"tested ({', '.join(TESTED_BACKENDS)} are); check its results."
+                )
+            assert self.ledger is not None
+            model.register_comm_hook(self.comm_state, self.ledger.record_hook(hook))
+            attached = model._get_ddp_logging_data().get("comm_hook")
+            if attached != hook.__qualname__:
+                raise RuntimeError(
+                    f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
+                )
+        self._log_plan(backend)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.ledger is not None and isinstance(self.model, DistributedDataParallel):
+            self.ledger.close_step()
+            if self.bucket_layout is None and self.ledger.total_steps >= _LAYOUT_FINAL_AFTER_STEPS:
+                self._log_layout()
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
+            self._log_layout()
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self.core_binding is not None:
+            self.core_binding.release()
+            self.core_binding = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets such as ``ddp_optimized_fp16``."""
+        start_methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
+        for suffix, start_method in start_methods.items():
+            strategy_registry.register(
+                f"{cls.strategy_name}{suffix}",
+                cls,
+                description=f"OptimizedDDPStrategy with start_method={start_method!r}",
+                start_method=start_method,
+            )
+        for hook in ("fp16", "bf16"):
+            for suffix in ("", "_spawn"):
+                strategy_registry.register(
+                    f"{cls.strategy_name}{suffix}_{hook}",
+                    cls,
+                    description=f"OptimizedDDPStrategy with comm_hook={hook!r}, start_method={start_methods[suffix]!r}",
+                    comm_hook=hook,
+                    start_method=start_methods[suffix],
+                )
+
+    def _bind_cores(self) -> None:
+        if self._cpu_affinity is False:
+            return
+        local_world_size = self.num_processes
+        if self._cpu_affinity is True:
+            core_sets = plan_core_sets(available_cores(), local_world_size)
+        else:
+            core_sets = [list(cores) for cores in self._cpu_affinity]
+            if len(core_sets) != local_world_size:
+                raise ValueError(
+                    f"cpu_affinity gives {len(core_sets)} core sets but there are {local_world_size} local ranks; "
+                    "pass one list of cores per local rank"
+                )
+        self.core_binding = CoreBinding(core_sets[self.local_rank])
+        rank_zero_info(
+            f"ddpopt: cores per local rank {core_sets}, torch threads "
+            f"{[len(cores) for cores in core_sets]} (cpu_affinity={self._cpu_affinity})"
+        )
+
+    def _build_hook(self, model: DistributedDataParallel, backend: str) -> CommHook | None:
+        if self._hook_spec is not None:
+            reason = self._hook_spec.unsupported_reason(backend)
+            if reason is not None:
+                raise ValueError(f"comm_hook={self._hook_spec.name!r} cannot run on backend {backend!r}: {reason}")
+            self.comm_state = self._hook_spec.build(model.process_group, self.ledger)
+            self.comm_hook_name = self._hook_spec.name
+            return self._hook_spec.hook
+        hook: Callable | None = self._hook_callable
+        self.comm_state = self._comm_state_arg
+        if hook is None and self._ddp_comm_hook is not None:
+            hook = self._ddp_comm_hook
+            self.comm_state = self._ddp_comm_state
+            if self._ddp_comm_wrapper is not None:
+                hook = self._ddp_comm_wrapper(hook)
+        self.comm_hook_name = hook.__qualname__ if hook is not None else None
+        if isinstance(self.comm_state, CommHookState) and self.comm_state.ledger is None:
+            self.comm_state.ledger = self.ledger
+        return hook
+
+    def _log_plan(self, backend: str) -> None:
+        plan = self.bucket_plan
+        assert plan is not None
+        cap = f"cap {plan.cap_mb:g} MB" + (f", auto for {self.world_size} ranks" if plan.requested == "auto" else "")
+        rank_zero_info(
+            f"ddpopt: plan {format_mb(plan.gradient_bytes)} of gradients in "
+            f"{_buckets(len(plan.predicted_bucket_bytes))} ({cap}), hook {self.comm_hook_name or 'none (DDP built-in allreduce)'} on {backend}"
+        )
+
+    def _log_layout(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel) and self.bucket_plan is not None
+        last = self.ledger.steps[-1] if self.ledger is not None and self.ledger.steps else None
+        self.bucket_layout = last.bucket_bytes if last is not None and last.bucket_bytes else built_bucket_bytes(
+            self.model
+        )
+        sizes = ", ".join(format_mb(size).removesuffix(" MB") for size in self.bucket_layout)
+        rank_zero_info(
+            f"ddpopt: {format_mb(sum(self.bucket_layout))} of gradients in {_buckets(len(self.bucket_layout))} "
+            f"(cap {self.bucket_plan.cap_mb:g} MB) [{sizes}] MB, hook "
+            f"{self.comm_hook_name or 'none (DDP built-in allreduce)'} on {self._get_process_group_backend()}"
+        )
+
+
+def _buckets(count: int) -> str:
+    return f"{count} bucket" if count == 1 else f"{count} buckets"
+
+
+def _validate_comm_hook(
+    comm_hook: object, comm_state: object, ddp_comm_hook: Callable | None
+) -> tuple[HookSpec | None, Callable | None]:
+    """Check ``comm_hook`` at construction; return its registry entry or the callable."""
+    if ddp_comm_hook is not None and comm_hook not in (None, _DEFAULT_COMM_HOOK):
+        raise ValueError(
+            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_comm_hook!r} both given; pass one of them "
+            "(comm_hook takes a registry name or a callable)"
+        )
+    if isinstance(comm_hook, str):
+        if comm_state is not None:
+            raise ValueError(
+                f"comm_state={comm_state!r} is only used with a callable comm_hook; registry hooks such as "
+                f"{comm_hook!r} build their own state"
+            )
+        if ddp_comm_hook is not None:
+            return None, None
+        return get_hook_spec(comm_hook), None
+    if comm_hook is None:
+        if comm_state is not None:
+            raise ValueError(f"comm_state={comm_state!r} given without a callable comm_hook to receive it")
+        return None, None
+    if not callable(comm_hook):
+        raise TypeError(
+            f"comm_hook={comm_hook!r} must be a registry name (str), a callable hook(state, bucket), or None"
+        )
+    validate_hook_callable(comm_hook)
+    return None, comm_hook
