@@ -41,16 +41,19 @@ def validate_bucket_cap_mb(value: object) -> BucketCap:
     if isinstance(value, str):
         if value in BUCKET_CAP_CHOICES:
             return "auto"
-        raise ValueError(f"bucket_cap_mb={value!r} is not valid; pass a positive number of MiB or one of "
-                         f"{list(BUCKET_CAP_CHOICES)}")
+        raise ValueError(
+            f"bucket_cap_mb={value!r} is not valid; pass a positive number of MiB or one of {list(BUCKET_CAP_CHOICES)}"
+        )
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"bucket_cap_mb={value!r} must be a positive number of MiB or one of {list(BUCKET_CAP_CHOICES)}")
+        raise TypeError(
+            f"bucket_cap_mb={value!r} must be a positive number of MiB or one of {list(BUCKET_CAP_CHOICES)}"
+        )
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"bucket_cap_mb={value!r} must be a positive, finite number of MiB")
     return float(value)
 
 
-def gradient_bytes(parameters: Iterable[torch.nn.Parameter]) -> int:
+def gradient_bytes(parameters: Iterable[torch.Tensor]) -> int:
     """Bytes of the gradients DDP all-reduces: every parameter that requires a gradient."""
     return sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
 
@@ -98,15 +101,15 @@ class BucketPlan:
 
 def plan_buckets(module: torch.nn.Module, requested: BucketCap, world_size: int) -> BucketPlan:
     """Choose the cap for ``module`` and predict DDP's layout with the assignment function DDP itself uses."""
-    params = [p for p in module.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
     grad_bytes = gradient_bytes(params)
     cap_mb = auto_bucket_cap_mb(grad_bytes, world_size) if requested == "auto" else float(requested)
     predicted: tuple[int, ...] = ()
     if params:
         cap_bytes = int(cap_mb * MB)
-        ordered = list(reversed(params))
+        ordered: list[torch.Tensor] = list(reversed(params))
         assignment, _ = dist._compute_bucket_assignment_by_size(ordered, [cap_bytes], [False] * len(ordered))
-        predicted = tuple(sum(gradient_bytes([ordered[i]]) for i in bucket) for bucket in assignment)
+        predicted = tuple(gradient_bytes(ordered[i] for i in bucket) for bucket in assignment)
     return BucketPlan(requested, cap_mb, grad_bytes, predicted)
 
 

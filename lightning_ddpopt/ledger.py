@@ -8,13 +8,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["BucketRecord", "CommLedger", "StepRecord"]
 
-CommHook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 @dataclass(frozen=True)

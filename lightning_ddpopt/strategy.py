@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_ddpopt._compat import check_lightning_version
 from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
 from lightning_ddpopt.buckets import (
+    MB,
     BucketPlan,
     built_bucket_bytes,
     format_mb,
@@ -289,28 +290,26 @@ class OptimizedDDPStrategy(DDPStrategy):
     def _log_plan(self, backend: str) -> None:
         plan = self.bucket_plan
         assert plan is not None
-        cap = f"cap {plan.cap_mb:g} MB" + (f", auto for {self.world_size} ranks" if plan.requested == "auto" else "")
-        rank_zero_info(
-            f"ddpopt: plan {format_mb(plan.gradient_bytes)} of gradients in "
-            f"{_buckets(len(plan.predicted_bucket_bytes))} ({cap}), hook {self.comm_hook_name or 'none (DDP built-in allreduce)'} on {backend}"
-        )
+        auto = f", auto for {self.world_size} ranks" if plan.requested == "auto" else ""
+        rank_zero_info(f"ddpopt: plan {self._describe_buckets(plan.predicted_bucket_bytes, auto)} on {backend}")
 
     def _log_layout(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel) and self.bucket_plan is not None
+        assert isinstance(self.model, DistributedDataParallel)
         last = self.ledger.steps[-1] if self.ledger is not None and self.ledger.steps else None
-        self.bucket_layout = last.bucket_bytes if last is not None and last.bucket_bytes else built_bucket_bytes(
-            self.model
-        )
-        sizes = ", ".join(format_mb(size).removesuffix(" MB") for size in self.bucket_layout)
+        recorded = last.bucket_bytes if last is not None else ()
+        self.bucket_layout = recorded or built_bucket_bytes(self.model)
+        sizes = ", ".join(f"{size / MB:.1f}" for size in self.bucket_layout)
         rank_zero_info(
-            f"ddpopt: {format_mb(sum(self.bucket_layout))} of gradients in {_buckets(len(self.bucket_layout))} "
-            f"(cap {self.bucket_plan.cap_mb:g} MB) [{sizes}] MB, hook "
-            f"{self.comm_hook_name or 'none (DDP built-in allreduce)'} on {self._get_process_group_backend()}"
+            f"ddpopt: {self._describe_buckets(self.bucket_layout)} on {self._get_process_group_backend()}, "
+            f"bucket sizes [{sizes}] MB"
         )
 
-
-def _buckets(count: int) -> str:
-    return f"{count} bucket" if count == 1 else f"{count} buckets"
+    def _describe_buckets(self, sizes: tuple[int, ...], cap_note: str = "") -> str:
+        assert self.bucket_plan is not None
+        count = f"{len(sizes)} bucket" + ("" if len(sizes) == 1 else "s")
+        hook = self.comm_hook_name or "none (DDP built-in allreduce)"
+        cap = f"cap {self.bucket_plan.cap_mb:g} MB{cap_note}"
+        return f"{format_mb(sum(sizes))} of gradients in {count} ({cap}), hook {hook}"
 
 
 def _validate_comm_hook(

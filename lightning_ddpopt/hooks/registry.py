@@ -59,7 +59,9 @@ COMM_HOOKS: dict[str, HookSpec] = {
     for spec in (
         HookSpec("allreduce", "fp32 mean all-reduce (DDP's behaviour), bytes recorded", allreduce_mean_hook),
         HookSpec("fp16", "float16-compressed all-reduce: half the bytes", fp16_allreduce_hook),
-        HookSpec("bf16", "bfloat16-compressed all-reduce: half the bytes, fp32 range", bf16_allreduce_hook, _bf16_backend),
+        HookSpec(
+            "bf16", "bfloat16-compressed all-reduce: half the bytes, fp32 range", bf16_allreduce_hook, _bf16_backend
+        ),
     )
 }
 

@@ -1,0 +1,120 @@
+"""Shared test models and a 2-process CPU DDP runner that brings back what each rank saw."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddpopt import OptimizedDDPStrategy
+
+WIDTH = 256
+LAYERS = 6
+
+
+class StackModel(pl.LightningModule):
+    """``LAYERS`` Linear(WIDTH, WIDTH) layers: several buckets at a 1 MiB cap, a deterministic regression loss."""
+
+    def __init__(self, lr: float = 0.05, optimizer: str = "sgd", seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lr = lr
+        self.optimizer_name = optimizer
+        layers: list[nn.Module] = []
+        for _ in range(LAYERS):
+            layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        self.net = nn.Sequential(*layers)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def stack_gradient_bytes() -> int:
+    return LAYERS * (WIDTH * WIDTH + WIDTH) * 4
+
+
+def regression_data(samples: int = 64, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, WIDTH, generator=generator)
+    y = torch.randn(samples, WIDTH, generator=generator)
+    return TensorDataset(x, y)
+
+
+class RankProbe(pl.Callback):
+    """Saves, on every rank at the end of fit, what the tests assert on."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        model = strategy.model
+        record: dict[str, Any] = {
+            "rank": trainer.global_rank,
+            "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]).clone(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads(),
+        }
+        if isinstance(model, DistributedDataParallel):
+            record["ddp_comm_hook"] = model._get_ddp_logging_data().get("comm_hook")
+        if isinstance(strategy, OptimizedDDPStrategy):
+            record["comm_hook_name"] = strategy.comm_hook_name
+            record["bucket_layout"] = strategy.bucket_layout
+            record["bucket_plan"] = asdict(strategy.bucket_plan) if strategy.bucket_plan else None
+            record["steps"] = [asdict(step) for step in strategy.ledger.steps] if strategy.ledger else []
+        torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+def fit_ddp(
+    out_dir: Path,
+    strategy: pl.strategies.Strategy,
+    *,
+    model: pl.LightningModule | None = None,
+    devices: int = 2,
+    batch_size: int = 8,
+    samples: int = 64,
+    ckpt_path: str | None = None,
+    save_last_to: Path | None = None,
+    callbacks: list[pl.Callback] | None = None,
+    **trainer_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Fit on ``devices`` CPU processes and return each rank's :class:`RankProbe` record, ordered by rank.
+
+    ``save_last_to`` saves ``last.ckpt`` there at the end of every epoch.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer_kwargs.setdefault("max_epochs", 1)
+    callbacks = [RankProbe(str(out_dir)), *(callbacks or [])]
+    if save_last_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_last_to, save_last=True, save_top_k=0))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        default_root_dir=out_dir,
+        logger=False,
+        enable_checkpointing=save_last_to is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+    pl.seed_everything(0)
+    model = model if model is not None else StackModel()
+    loader = DataLoader(regression_data(samples), batch_size=batch_size, shuffle=False)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(devices)]

@@ -1,0 +1,53 @@
+"""Bucket planning: the "auto" heuristic and the predicted layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ddpopt.buckets import MB, auto_bucket_cap_mb, format_mb, gradient_bytes, plan_buckets
+
+
+def test_auto_targets_eight_buckets_between_the_latency_floor_and_the_ceiling():
+    # 400 MB of gradients on 2 ranks: 400 / 8 = 50 MB, between the floor and 100 MB.
+    assert auto_bucket_cap_mb(400 * MB, 2) == 50.0
+    # 4 GB: capped at 100 MB.
+    assert auto_bucket_cap_mb(4096 * MB, 2) == 100.0
+    # 4 MB on 2 ranks: 0.5 MB would be latency-bound; floor = 2 x 1 x 50 us x 1.25 GB/s / 0.1 = 1.25e6 bytes.
+    assert auto_bucket_cap_mb(4 * MB, 2) == round(1.25e6 / MB, 3)
+    # The floor grows with the ring: 8 ranks -> 14 messages -> 8.75e6 bytes.
+    assert auto_bucket_cap_mb(40 * MB, 8) == round(8.75e6 / MB, 3)
+    # Never above the gradients themselves; one process needs no buckets of its own size.
+    assert auto_bucket_cap_mb(MB // 2, 8) == 0.5
+    assert auto_bucket_cap_mb(400 * MB, 1) == 25.0
+
+
+def test_plan_predicts_layout_in_reverse_definition_order():
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 4))
+    plan = plan_buckets(model, 1.0, world_size=2)
+    layer = (512 * 512 + 512) * 4
+    head = (512 * 4 + 4) * 4
+    assert plan.gradient_bytes == 2 * layer + head
+    # Reverse order: head + first big layer reaches 1 MiB, then the last layer.
+    assert plan.predicted_bucket_bytes == (head + layer, layer)
+    assert plan.cap_mb == 1.0 and plan.requested == 1.0
+
+
+def test_plan_auto_and_frozen_parameters():
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    model[0].requires_grad_(False)
+    plan = plan_buckets(model, "auto", world_size=2)
+    assert plan.gradient_bytes == gradient_bytes(model[1].parameters()) == (1024 * 1024 + 1024) * 4
+    assert plan.cap_mb == auto_bucket_cap_mb(plan.gradient_bytes, 2)
+    assert sum(plan.predicted_bucket_bytes) == plan.gradient_bytes
+
+
+@pytest.mark.parametrize(("nbytes", "text"), [(0, "0.0 MB"), (MB, "1.0 MB"), (int(103.24 * MB), "103.2 MB")])
+def test_format_mb(nbytes, text):
+    assert format_mb(nbytes) == text
+
+
+def test_gradient_bytes_counts_dtype_width():
+    half = nn.Linear(10, 10).to(torch.float16)
+    assert gradient_bytes(half.parameters()) == 110 * 2
