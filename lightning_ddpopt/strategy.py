@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,7 +32,14 @@ from lightning_ddpopt.buckets import (
     validate_bucket_cap_mb,
 )
 from lightning_ddpopt.hooks.base import CommHookState
-from lightning_ddpopt.hooks.registry import TESTED_BACKENDS, HookSpec, get_hook_spec, validate_hook_callable
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.registry import (
+    TESTED_BACKENDS,
+    HookSpec,
+    get_hook_spec,
+    powersgd_spec,
+    validate_hook_callable,
+)
 from lightning_ddpopt.ledger import CommHook, CommLedger
 
 __all__ = ["OptimizedDDPStrategy"]
@@ -39,6 +47,7 @@ __all__ = ["OptimizedDDPStrategy"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_COMM_HOOK = "allreduce"
+_CHECKPOINT_KEY = "ddpopt"
 #: DDP settles its bucket layout after its first synchronised step; by the end of the second the layout is final.
 _LAYOUT_FINAL_AFTER_STEPS = 2
 
@@ -59,9 +68,10 @@ class OptimizedDDPStrategy(DDPStrategy):
     * ``static_graph=True`` with gradient accumulation is refused (pytorch#143580 makes it compute wrong results).
 
     Args:
-        comm_hook: a registry name (see :data:`lightning_ddpopt.hooks.COMM_HOOKS`), a torch-style hook
-            ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's
-            built-in allreduce with nothing recorded.
+        comm_hook: a registry name (see :data:`lightning_ddpopt.hooks.COMM_HOOKS`), a
+            :class:`~lightning_ddpopt.hooks.PowerSGDConfig`, a torch-style hook
+            ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's built-in
+            allreduce with nothing recorded. The hook's state is saved in checkpoints (every rank's) and restored.
         comm_state: the state passed to a callable ``comm_hook``.
         bucket_cap_mb: DDP's bucket cap in MiB, a positive number, or ``"auto"``.
         gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a copy and memory).
@@ -93,7 +103,7 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        comm_hook: str | Callable | None = _DEFAULT_COMM_HOOK,
+        comm_hook: str | PowerSGDConfig | Callable | None = _DEFAULT_COMM_HOOK,
         comm_state: object | None = None,
         bucket_cap_mb: float | Literal["auto"] = "auto",
         gradient_as_bucket_view: bool = True,
@@ -150,6 +160,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         self.bucket_plan: BucketPlan | None = None
         self.bucket_layout: tuple[int, ...] | None = None
         self.core_binding: CoreBinding | None = None
+        self._saved_hook_state: dict[str, Any] | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -196,7 +207,32 @@ class OptimizedDDPStrategy(DDPStrategy):
                 raise RuntimeError(
                     f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
                 )
+            self._restore_hook_state()
         self._log_plan(backend)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Add every rank's hook state (gathered to rank 0) to the checkpoint; all ranks must call this."""
+        state = self.comm_state.state_dict() if isinstance(self.comm_state, CommHookState) else {}
+        if state:  # the same hook on every rank, so every rank takes this branch or none does
+            states: list[object] = [None] * self.world_size
+            if self.world_size > 1:
+                torch.distributed.all_gather_object(states, state)
+            else:
+                states = [state]
+            checkpoint[_CHECKPOINT_KEY] = {
+                "comm_hook": self.comm_hook_name,
+                "world_size": self.world_size,
+                "hook_states": states,
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self._saved_hook_state = checkpoint.get(_CHECKPOINT_KEY)
+        self._restore_hook_state()
+        return checkpoint
 
     @override
     def optimizer_step(
@@ -248,6 +284,26 @@ class OptimizedDDPStrategy(DDPStrategy):
                     start_method=start_methods[suffix],
                 )
 
+    def _restore_hook_state(self) -> None:
+        """Load this rank's saved hook state once both the checkpoint and the hook's state exist."""
+        saved = self._saved_hook_state
+        if saved is None or not isinstance(self.comm_state, CommHookState):
+            return
+        self._saved_hook_state = None
+        if saved["comm_hook"] != self.comm_hook_name:
+            rank_zero_warn(
+                f"ddpopt: the checkpoint holds state of comm hook {saved['comm_hook']!r}, this run uses "
+                f"{self.comm_hook_name!r}; the hook starts with fresh state"
+            )
+        elif saved["world_size"] != self.world_size:
+            rank_zero_warn(
+                f"ddpopt: the checkpoint was saved with world size {saved['world_size']} and this run has "
+                f"{self.world_size}; per-rank hook state (error feedback, step count) cannot be mapped and starts "
+                f"afresh, so {self.comm_hook_name!r} warms up again"
+            )
+        else:
+            self.comm_state.load_state_dict(saved["hook_states"][self.global_rank])
+
     def _bind_cores(self) -> None:
         if self._cpu_affinity is False:
             return
@@ -273,6 +329,7 @@ class OptimizedDDPStrategy(DDPStrategy):
             if reason is not None:
                 raise ValueError(f"comm_hook={self._hook_spec.name!r} cannot run on backend {backend!r}: {reason}")
             self.comm_state = self._hook_spec.build(model.process_group, self.ledger)
+            self.comm_state.bind_module(model.module)
             self.comm_hook_name = self._hook_spec.name
             return self._hook_spec.hook
         hook: Callable | None = self._hook_callable
@@ -283,8 +340,10 @@ class OptimizedDDPStrategy(DDPStrategy):
             if self._ddp_comm_wrapper is not None:
                 hook = self._ddp_comm_wrapper(hook)
         self.comm_hook_name = hook.__qualname__ if hook is not None else None
-        if isinstance(self.comm_state, CommHookState) and self.comm_state.ledger is None:
-            self.comm_state.ledger = self.ledger
+        if isinstance(self.comm_state, CommHookState):
+            self.comm_state.bind_module(model.module)
+            if self.comm_state.ledger is None:
+                self.comm_state.ledger = self.ledger
         return hook
 
     def _log_plan(self, backend: str) -> None:
@@ -321,6 +380,8 @@ def _validate_comm_hook(
             f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_comm_hook!r} both given; pass one of them "
             "(comm_hook takes a registry name or a callable)"
         )
+    if isinstance(comm_hook, PowerSGDConfig):
+        return powersgd_spec(comm_hook), None
     if isinstance(comm_hook, str):
         if comm_state is not None:
             raise ValueError(
@@ -336,7 +397,8 @@ def _validate_comm_hook(
         return None, None
     if not callable(comm_hook):
         raise TypeError(
-            f"comm_hook={comm_hook!r} must be a registry name (str), a callable hook(state, bucket), or None"
+            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, a callable hook(state, bucket), "
+            "or None"
         )
     validate_hook_callable(comm_hook)
     return None, comm_hook

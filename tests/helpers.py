@@ -59,6 +59,13 @@ class RankProbe(pl.Callback):
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
+        self.first_grads: torch.Tensor | None = None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.first_grads is None:
+            self.first_grads = torch.cat([p.grad.detach().flatten() for p in pl_module.parameters()]).clone()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -68,6 +75,7 @@ class RankProbe(pl.Callback):
             "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]).clone(),
             "cores": sorted(os.sched_getaffinity(0)),
             "threads": torch.get_num_threads(),
+            "first_grads": self.first_grads,
         }
         if isinstance(model, DistributedDataParallel):
             record["ddp_comm_hook"] = model._get_ddp_logging_data().get("comm_hook")

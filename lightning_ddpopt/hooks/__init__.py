@@ -2,14 +2,19 @@
 
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
-from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, powersgd_spec
 
 __all__ = [
     "COMM_HOOKS",
     "CommHookState",
     "HookSpec",
+    "PowerSGDConfig",
+    "PowerSGDState",
     "allreduce_mean_hook",
     "bf16_allreduce_hook",
     "fp16_allreduce_hook",
     "get_hook_spec",
+    "powersgd_hook",
+    "powersgd_spec",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.ledger import CommLedger
@@ -31,6 +32,9 @@ class CommHookState:
         """Tell the ledger how many bytes this rank sent for ``bucket``."""
         if self.ledger is not None:
             self.ledger.add_wire_bytes(bucket.index(), nbytes)
+
+    def bind_module(self, module: torch.nn.Module) -> None:
+        """Learn about the module DDP wraps (its parameter names); stateless hooks need nothing."""
 
     def state_dict(self) -> dict[str, object]:
         """Everything that must survive a checkpoint (nothing, for stateless hooks)."""

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.ledger import CommHook, CommLedger
 
-__all__ = ["COMM_HOOKS", "HookSpec", "get_hook_spec", "validate_hook_callable"]
+__all__ = ["COMM_HOOKS", "HookSpec", "get_hook_spec", "powersgd_spec", "validate_hook_callable"]
 
 #: Backends on which every hook here has been run in tests.
 TESTED_BACKENDS = ("gloo", "nccl")
@@ -21,6 +23,16 @@ TESTED_BACKENDS = ("gloo", "nccl")
 
 def _any_backend(backend: str) -> str | None:
     return None
+
+
+def _plain_state(process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
+    return CommHookState(process_group=process_group, ledger=ledger)
+
+
+def _powersgd_state(
+    config: PowerSGDConfig, process_group: dist.ProcessGroup | None, ledger: CommLedger | None
+) -> PowerSGDState:
+    return PowerSGDState(config=config, process_group=process_group, ledger=ledger)
 
 
 def _bf16_backend(backend: str) -> str | None:
@@ -41,18 +53,30 @@ class HookSpec:
         name: the registry name users pass as ``comm_hook``.
         summary: one line for error messages and docs.
         hook: the hook function, torch's ``(state, bucket) -> Future[Tensor]`` signature.
+        make_state: creates the state the hook runs with, from the process group and the ledger.
         unsupported_reason: given a process-group backend name, why the hook cannot run there, or ``None``.
     """
 
     name: str
     summary: str
     hook: CommHook
+    make_state: Callable[[dist.ProcessGroup | None, CommLedger | None], CommHookState] = _plain_state
     unsupported_reason: Callable[[str], str | None] = _any_backend
 
     def build(self, process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
         """Create the state this hook runs with."""
-        return CommHookState(process_group=process_group, ledger=ledger)
+        return self.make_state(process_group, ledger)
 
+
+def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
+    """A registry entry for PowerSGD with ``config``; pass a ``PowerSGDConfig`` as ``comm_hook`` to get one."""
+    dtype = "" if config.matrix_dtype == "fp32" else f", P/Q sent in {config.matrix_dtype}"
+    summary = f"{'batched ' if config.batched else ''}PowerSGD rank {config.rank} from step {config.start_iter}{dtype}"
+    reason = _bf16_backend if config.matrix_dtype == "bf16" else _any_backend
+    return HookSpec(name, summary, powersgd_hook, functools.partial(_powersgd_state, config), reason)
+
+
+_POWERSGD_DEFAULT = PowerSGDConfig()
 
 COMM_HOOKS: dict[str, HookSpec] = {
     spec.name: spec
@@ -60,8 +84,15 @@ COMM_HOOKS: dict[str, HookSpec] = {
         HookSpec("allreduce", "fp32 mean all-reduce (DDP's behaviour), bytes recorded", allreduce_mean_hook),
         HookSpec("fp16", "float16-compressed all-reduce: half the bytes", fp16_allreduce_hook),
         HookSpec(
-            "bf16", "bfloat16-compressed all-reduce: half the bytes, fp32 range", bf16_allreduce_hook, _bf16_backend
+            "bf16",
+            "bfloat16-compressed all-reduce: half the bytes, fp32 range",
+            bf16_allreduce_hook,
+            unsupported_reason=_bf16_backend,
         ),
+        powersgd_spec(_POWERSGD_DEFAULT),
+        powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="fp16"), "powersgd_fp16"),
+        powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="bf16"), "powersgd_bf16"),
+        powersgd_spec(replace(_POWERSGD_DEFAULT, batched=True), "batched_powersgd"),
     )
 }
 
@@ -73,7 +104,7 @@ def get_hook_spec(name: str) -> HookSpec:
     except KeyError:
         raise ValueError(
             f"comm_hook={name!r} is not a known hook; choose one of {sorted(COMM_HOOKS)}, "
-            "a callable hook(state, bucket) -> Future, or None"
+            "a PowerSGDConfig, a callable hook(state, bucket) -> Future, or None"
         ) from None
 
 

@@ -1,0 +1,197 @@
+"""Compression hooks in real 2-process CPU (gloo) DDP: parity, exact bytes, multi-bucket PowerSGD, resume."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState, powersgd_spec
+from lightning_ddpopt.ledger import CommLedger
+from tests.helpers import LAYERS, WIDTH, StackModel, fit_ddp, stack_gradient_bytes
+
+PSGD_VARIANTS = {
+    "powersgd": PowerSGDConfig(start_iter=2),
+    "powersgd_fp16": PowerSGDConfig(start_iter=2, matrix_dtype="fp16"),
+    "powersgd_bf16": PowerSGDConfig(start_iter=2, matrix_dtype="bf16"),
+    "batched_powersgd": PowerSGDConfig(start_iter=2, batched=True),
+}
+BUCKET_CAP_MB = 0.3  # three buckets of two Linear(256, 256) layers each
+BUCKET_ELEMENTS = 2 * (WIDTH * WIDTH + WIDTH)
+
+
+def compressed_wire_bytes(config: PowerSGDConfig) -> int:
+    """(m + n) x r elements per compressed m x n matrix, everything else uncompressed fp32."""
+    width = 2 if config.matrix_dtype != "fp32" else 4
+    if config.batched:
+        side = math.isqrt(BUCKET_ELEMENTS - 1) + 1
+        return 3 * (2 * side * config.rank) * width
+    per_layer = (WIDTH + WIDTH) * config.rank * width + WIDTH * 4
+    return LAYERS * per_layer
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    strategy = OptimizedDDPStrategy(comm_hook="allreduce", bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+    return fit_ddp(tmp_path_factory.mktemp("allreduce"), strategy, max_steps=4)
+
+
+@pytest.mark.parametrize(("name", "rtol"), [("fp16", 1e-3), ("bf16", 8e-3)])
+def test_cast_hooks_match_allreduce_and_send_half(tmp_path, reference, name, rtol):
+    strategy = OptimizedDDPStrategy(comm_hook=name, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+    ranks = fit_ddp(tmp_path, strategy, max_steps=4)
+    for record, ref in zip(ranks, reference, strict=True):
+        # One synced step: each element is rounded twice (cast, then the sum): within rtol of itself, and within
+        # rtol of the largest gradient for elements near fp16's subnormal range.
+        scale = ref["first_grads"].abs().max().item()
+        torch.testing.assert_close(record["first_grads"], ref["first_grads"], rtol=rtol, atol=rtol * scale)
+        assert [s["wire_bytes"] for s in record["steps"]] == [stack_gradient_bytes() // 2] * 4
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(PSGD_VARIANTS))
+def test_powersgd_exact_before_start_then_formula_bytes(tmp_path, reference, name):
+    config = PSGD_VARIANTS[name]
+    strategy = OptimizedDDPStrategy(comm_hook=config, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+    ranks = fit_ddp(tmp_path, strategy, max_steps=4)
+    for record, ref in zip(ranks, reference, strict=True):
+        assert torch.equal(record["first_grads"], ref["first_grads"])
+        wire = [s["wire_bytes"] for s in record["steps"]]
+        assert wire == [stack_gradient_bytes()] * 2 + [compressed_wire_bytes(config)] * 2
+        assert all(s["sync_rounds"] == 1 for s in record["steps"])
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+def test_registry_presets_use_the_documented_configs():
+    assert COMM_HOOKS["powersgd"].summary == powersgd_spec(PowerSGDConfig()).summary
+    assert "P/Q sent in fp16" in COMM_HOOKS["powersgd_fp16"].summary
+    assert COMM_HOOKS["batched_powersgd"].summary.startswith("batched PowerSGD")
+
+
+def _multi_bucket_worker(rank: int, port: int, steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {}
+    for name, config in PSGD_VARIANTS.items():
+        torch.manual_seed(0)
+        module = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
+        model = DistributedDataParallel(module, bucket_cap_mb=1)
+        ledger = CommLedger()
+        state = PowerSGDState(config=config, ledger=ledger)
+        state.bind_module(module)
+        model.register_comm_hook(state, ledger.record_hook(powersgd_spec(config).hook))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(4, 512, generator=data)).pow(2).mean().backward()
+            optimizer.step()
+            ledger.close_step()
+        params = torch.cat([p.detach().flatten() for p in module.parameters()])
+        gathered = [torch.empty_like(params) for _ in range(2)]
+        dist.all_gather(gathered, params)
+        results[name] = {
+            "identical": torch.equal(gathered[0], gathered[1]),
+            "finite": bool(params.isfinite().all()),
+            "buckets": len(ledger.steps[-1].bucket_bytes),
+            "compressed_steps": sum(s.wire_bytes < s.logical_bytes for s in ledger.steps),
+        }
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_every_powersgd_variant_runs_multi_bucket_on_gloo(tmp_path):
+    # torch's powerSGD_hook aborts here (gloo "Received data size doesn't match expected size").
+    out = str(tmp_path / "results.pt")
+    mp.start_processes(_multi_bucket_worker, args=(29531, 110, out), nprocs=2, start_method="fork")
+    results = torch.load(out)
+    for name, result in results.items():
+        assert result == {"identical": True, "finite": True, "buckets": 6, "compressed_steps": 108}, name
+
+
+def test_resume_with_error_feedback_matches_uninterrupted_run(tmp_path):
+    def strategy():
+        config = PowerSGDConfig(rank=2, start_iter=2)
+        return OptimizedDDPStrategy(comm_hook=config, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+
+    uninterrupted = fit_ddp(tmp_path / "full", strategy(), model=StackModel(optimizer="adam"), max_epochs=2)
+    fit_ddp(tmp_path / "first", strategy(), model=StackModel(optimizer="adam"), max_epochs=1, save_last_to=tmp_path)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["ddpopt"]
+    assert saved["world_size"] == 2 and saved["comm_hook"] == "powersgd"
+    states = saved["hook_states"]
+    assert [s["iteration"] for s in states] == [4, 4]
+    # Error feedback is each rank's own, kept for the compressed weight matrices only (biases are sent exactly).
+    assert set(states[0]["errors"]) == {f"net.{i}.weight" for i in range(0, 2 * LAYERS, 2)}
+    assert not torch.equal(states[0]["errors"]["net.0.weight"], states[1]["errors"]["net.0.weight"])
+
+    resumed = fit_ddp(
+        tmp_path / "resumed",
+        strategy(),
+        model=StackModel(optimizer="adam"),
+        max_epochs=2,
+        ckpt_path=str(tmp_path / "last.ckpt"),
+    )
+    for before, after in zip(uninterrupted, resumed, strict=True):
+        torch.testing.assert_close(after["params"], before["params"], rtol=0, atol=0)
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_resume_on_another_world_size_warns_and_starts_afresh(gloo_group):
+    strategy = OptimizedDDPStrategy(comm_hook="powersgd")
+    strategy.comm_state = PowerSGDState(config=PowerSGDConfig())
+    strategy.comm_hook_name = "powersgd"
+    strategy._saved_hook_state = {"comm_hook": "powersgd", "world_size": 2, "hook_states": [{}, {}]}
+    with pytest.warns(UserWarning, match="saved with world size 2 and this run has 1; per-rank hook state"):
+        strategy._restore_hook_state()
+    assert strategy.comm_state.iteration == 0
+
+
+def test_resume_with_another_hook_warns(gloo_group):
+    strategy = OptimizedDDPStrategy(comm_hook="powersgd")
+    strategy.comm_state = PowerSGDState(config=PowerSGDConfig())
+    strategy.comm_hook_name = "powersgd"
+    strategy._saved_hook_state = {"comm_hook": "batched_powersgd", "world_size": 1, "hook_states": [{}]}
+    with pytest.warns(UserWarning, match="holds state of comm hook 'batched_powersgd', this run uses 'powersgd'"):
+        strategy._restore_hook_state()
+
+
+def test_loading_state_of_another_config_is_refused(gloo_group):
+    state = PowerSGDState(config=PowerSGDConfig(rank=2))
+    other = PowerSGDState(config=PowerSGDConfig(rank=4))
+    with pytest.raises(ValueError, match="saved PowerSGD state has config"):
+        other.load_state_dict(state.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 0}, "rank=0 must be an int >= 1"),
+        ({"start_iter": 1}, "start_iter=1 must be at least 2 with error_feedback or warm_start"),
+        ({"start_iter": -1}, "start_iter=-1 must be an int >= 0"),
+        ({"min_compression_rate": 0.5}, "min_compression_rate=0.5 must be >= 1"),
+        ({"matrix_dtype": "fp8"}, "matrix_dtype='fp8' is not valid; choose one of \\['bf16', 'fp16', 'fp32'\\]"),
+        ({"orthogonalization_epsilon": -1.0}, "orthogonalization_epsilon=-1.0 must be >= 0"),
+    ],
+)
+def test_bad_powersgd_configs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PowerSGDConfig(**kwargs)
+
+
+def test_start_iter_below_two_is_fine_without_state():
+    assert PowerSGDConfig(start_iter=0, error_feedback=False, warm_start=False).start_iter == 0
