@@ -65,14 +65,14 @@ class RankProbe(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self.first_grads is None:
-            self.first_grads = torch.cat([p.grad.detach().flatten() for p in pl_module.parameters()]).clone()
+            self.first_grads = torch.cat([p.grad.detach().flatten() for p in pl_module.parameters()]).cpu()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         model = strategy.model
         record: dict[str, Any] = {
             "rank": trainer.global_rank,
-            "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]).clone(),
+            "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]).cpu(),
             "cores": sorted(os.sched_getaffinity(0)),
             "threads": torch.get_num_threads(),
             "first_grads": self.first_grads,
@@ -92,6 +92,7 @@ def fit_ddp(
     strategy: pl.strategies.Strategy,
     *,
     model: pl.LightningModule | None = None,
+    loader: DataLoader | None = None,
     devices: int = 2,
     batch_size: int = 8,
     samples: int = 64,
@@ -109,8 +110,8 @@ def fit_ddp(
     callbacks = [RankProbe(str(out_dir)), *(callbacks or [])]
     if save_last_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_last_to, save_last=True, save_top_k=0))
+    trainer_kwargs.setdefault("accelerator", "cpu")
     trainer = pl.Trainer(
-        accelerator="cpu",
         devices=devices,
         strategy=strategy,
         default_root_dir=out_dir,
@@ -123,6 +124,6 @@ def fit_ddp(
     )
     pl.seed_everything(0)
     model = model if model is not None else StackModel()
-    loader = DataLoader(regression_data(samples), batch_size=batch_size, shuffle=False)
+    loader = loader if loader is not None else DataLoader(regression_data(samples), batch_size=batch_size)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(devices)]

@@ -92,7 +92,7 @@ COMM_HOOKS: dict[str, HookSpec] = {
         powersgd_spec(_POWERSGD_DEFAULT),
         powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="fp16"), "powersgd_fp16"),
         powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="bf16"), "powersgd_bf16"),
-        powersgd_spec(replace(_POWERSGD_DEFAULT, batched=True), "batched_powersgd"),
+        powersgd_spec(replace(_POWERSGD_DEFAULT, batched=True, rank=16), "batched_powersgd"),
     )
 }
 

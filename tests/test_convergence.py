@@ -1,0 +1,73 @@
+"""Every hook trains the example's digits classifier to within 1 point of plain allreduce's test accuracy."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader
+
+from lightning_ddpopt import COMM_HOOKS, OptimizedDDPStrategy
+from tests.helpers import fit_ddp
+
+EPOCHS = 6
+
+
+def _load_example():
+    path = Path(__file__).parents[1] / "examples" / "train_digits.py"
+    spec = importlib.util.spec_from_file_location("train_digits", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_digits"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _load_example()
+TRAIN, TEST = example.digits_split()
+
+
+class HeldOutAccuracy(pl.Callback):
+    """Rank 0 scores the trained model on the whole held-out split with torchmetrics."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=10, sync_on_compute=False)
+            with torch.no_grad():
+                x, y = TEST.tensors
+                accuracy.update(pl_module(x), y)
+            torch.save(accuracy.compute().item(), self.out)
+
+
+def _accuracy(tmp_path: Path, hook: str) -> float:
+    out = tmp_path / f"{hook}.pt"
+    pl.seed_everything(0)
+    fit_ddp(
+        tmp_path / hook,
+        OptimizedDDPStrategy(comm_hook=hook, start_method="fork"),
+        model=example.DigitsClassifier(),
+        loader=DataLoader(TRAIN, batch_size=32, shuffle=True),
+        callbacks=[HeldOutAccuracy(str(out))],
+        max_epochs=EPOCHS,
+    )
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def allreduce_accuracy(tmp_path_factory):
+    return _accuracy(tmp_path_factory.mktemp("allreduce"), "allreduce")
+
+
+@pytest.mark.parametrize("hook", sorted(set(COMM_HOOKS) - {"allreduce"}))
+def test_hook_converges_like_allreduce(tmp_path, allreduce_accuracy, hook):
+    assert allreduce_accuracy > 0.9
+    accuracy = _accuracy(tmp_path, hook)
+    print(f"convergence: {hook} {accuracy:.4f}, allreduce {allreduce_accuracy:.4f}")
+    assert accuracy >= allreduce_accuracy - 0.01, f"{hook}: {accuracy:.4f} vs allreduce {allreduce_accuracy:.4f}"
