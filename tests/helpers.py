@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,25 @@ def fit_ddp(
     loader = loader if loader is not None else DataLoader(regression_data(samples), batch_size=batch_size)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(devices)]
+
+
+def uninterrupted_and_resumed(
+    tmp_path: Path, make_strategy: Callable[[], pl.strategies.Strategy]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
+    """Two epochs straight; and one epoch, ``last.ckpt``, then resumed to two. Adam, so optimizer state matters.
+
+    Returns both runs' per-rank records and the checkpoint's path.
+    """
+    uninterrupted = fit_ddp(tmp_path / "full", make_strategy(), model=StackModel(optimizer="adam"), max_epochs=2)
+    fit_ddp(
+        tmp_path / "first", make_strategy(), model=StackModel(optimizer="adam"), max_epochs=1, save_last_to=tmp_path
+    )
+    checkpoint = tmp_path / "last.ckpt"
+    resumed = fit_ddp(
+        tmp_path / "resumed",
+        make_strategy(),
+        model=StackModel(optimizer="adam"),
+        max_epochs=2,
+        ckpt_path=str(checkpoint),
+    )
+    return uninterrupted, resumed, checkpoint

@@ -7,7 +7,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.affinity import available_cores, plan_core_sets
-from tests.helpers import WIDTH, StackModel, fit_ddp, stack_gradient_bytes
+from tests.helpers import WIDTH, fit_ddp, stack_gradient_bytes, uninterrupted_and_resumed
 
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 
@@ -65,15 +65,7 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     def strategy():
         return OptimizedDDPStrategy(comm_hook="fp16", bucket_cap_mb=0.3, start_method="fork")
 
-    uninterrupted = fit_ddp(tmp_path / "full", strategy(), model=StackModel(optimizer="adam"), max_epochs=2)
-    fit_ddp(tmp_path / "first", strategy(), model=StackModel(optimizer="adam"), max_epochs=1, save_last_to=tmp_path)
-    resumed = fit_ddp(
-        tmp_path / "resumed",
-        strategy(),
-        model=StackModel(optimizer="adam"),
-        max_epochs=2,
-        ckpt_path=str(tmp_path / "last.ckpt"),
-    )
+    uninterrupted, resumed, _ = uninterrupted_and_resumed(tmp_path, strategy)
     # Bit for bit: the same data order, the same deterministic gloo sums, Adam's state restored.
     for before, after in zip(uninterrupted, resumed, strict=True):
         torch.testing.assert_close(after["params"], before["params"], rtol=0, atol=0)

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState, powersgd_spec
 from lightning_ddpopt.ledger import CommLedger
-from tests.helpers import LAYERS, WIDTH, StackModel, fit_ddp, stack_gradient_bytes
+from tests.helpers import LAYERS, WIDTH, fit_ddp, stack_gradient_bytes, uninterrupted_and_resumed
 
 PSGD_VARIANTS = {
     "powersgd": PowerSGDConfig(start_iter=2),
@@ -123,32 +123,16 @@ def test_resume_with_error_feedback_matches_uninterrupted_run(tmp_path):
         config = PowerSGDConfig(rank=2, start_iter=2)
         return OptimizedDDPStrategy(comm_hook=config, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
 
-    uninterrupted = fit_ddp(tmp_path / "full", strategy(), model=StackModel(optimizer="adam"), max_epochs=2)
-    fit_ddp(tmp_path / "first", strategy(), model=StackModel(optimizer="adam"), max_epochs=1, save_last_to=tmp_path)
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["ddpopt"]
+    uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, strategy)
+    saved = torch.load(checkpoint, weights_only=True)["ddpopt"]
     assert saved["world_size"] == 2 and saved["comm_hook"] == "powersgd"
     states = saved["hook_states"]
     assert [s["iteration"] for s in states] == [4, 4]
     # Error feedback is each rank's own, kept for the compressed weight matrices only (biases are sent exactly).
     assert set(states[0]["errors"]) == {f"net.{i}.weight" for i in range(0, 2 * LAYERS, 2)}
     assert not torch.equal(states[0]["errors"]["net.0.weight"], states[1]["errors"]["net.0.weight"])
-
-    resumed = fit_ddp(
-        tmp_path / "resumed",
-        strategy(),
-        model=StackModel(optimizer="adam"),
-        max_epochs=2,
-        ckpt_path=str(tmp_path / "last.ckpt"),
-    )
     for before, after in zip(uninterrupted, resumed, strict=True):
         torch.testing.assert_close(after["params"], before["params"], rtol=0, atol=0)
-
-
-@pytest.fixture
-def gloo_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_resume_on_another_world_size_warns_and_starts_afresh(gloo_group):

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt.hooks import COMM_HOOKS
 from lightning_ddpopt.ledger import CommLedger
-
-
-@pytest.fixture
-def gloo_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _ddp_with_hook(name: str, ledger: CommLedger) -> DistributedDataParallel:
