@@ -238,10 +238,11 @@ def _low_rank_allreduce(
     for p in ps:
         _orthogonalize(p, config.orthogonalization_epsilon)
     # Q = M^T P averaged over ranks, so that M ~ P Q^T.
-    local_qs = [m.t() @ p for m, p in zip(matrices, ps, strict=True)]
+    # (P^T M)^T rather than M^T P: BLAS is several times faster with the large matrix untransposed.
+    local_qs = [(p.t() @ m).t() for m, p in zip(matrices, ps, strict=True)]
     errors = []
     if config.error_feedback:
-        errors = [m - p @ q.t() for m, p, q in zip(matrices, ps, local_qs, strict=True)]
+        errors = [torch.addmm(m, p, q.t(), alpha=-1) for m, p, q in zip(matrices, ps, local_qs, strict=True)]
     qs = _allreduce_matrices(state, bucket, [q.div_(state.world_size) for q in local_qs], wire_dtype)
     for m, p, q in zip(matrices, ps, qs, strict=True):
         torch.matmul(p, q.t(), out=m)
