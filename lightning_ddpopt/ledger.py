@@ -51,6 +51,8 @@ class StepRecord:
         wire_bytes: bytes sent after compression over all rounds; ``None`` when a hook did not report them.
         sync_time_s: summed over rounds, first bucket handed to the hook until the last bucket's future completed.
         bucket_bytes: the logical size of each bucket in the last round, in DDP's bucket order.
+        micro_batches: training batches this rank ran for this step (the accumulation group's length).
+        samples: samples in those batches on this rank; ``None`` when a batch's size could not be determined.
     """
 
     step: int
@@ -59,6 +61,8 @@ class StepRecord:
     wire_bytes: int | None
     sync_time_s: float
     bucket_bytes: tuple[int, ...]
+    micro_batches: int = 0
+    samples: int | None = None
 
     @property
     def compression_ratio(self) -> float | None:
@@ -87,9 +91,9 @@ class _OpenBucket:
 class CommLedger:
     """Records, on one rank, every bucket each comm hook handled and groups them into optimizer steps.
 
-    Hooks write (through :meth:`record_hook` and :meth:`add_wire_bytes`); the strategy closes a step at every
-    optimizer step (:meth:`close_step`); callbacks read :attr:`steps` and the running totals. Nothing here
-    communicates: figures are this rank's own.
+    Hooks write (through :meth:`record_hook` and :meth:`add_wire_bytes`); the strategy counts training batches
+    (:meth:`add_micro_batch`) and closes a step at every optimizer step (:meth:`close_step`); callbacks read
+    :attr:`steps` and the running totals. Nothing here communicates: figures are this rank's own.
 
     Args:
         history: how many closed steps to keep in :attr:`steps` (older ones only count in the totals).
@@ -100,6 +104,8 @@ class CommLedger:
             raise ValueError(f"history must be a positive int, got {history!r}")
         self._lock = threading.Lock()
         self._rounds: list[list[_OpenBucket]] = []
+        self._micro_batches = 0
+        self._samples: int | None = 0
         self.steps: deque[StepRecord] = deque(maxlen=history)
         self.total_steps = 0
         self.total_sync_rounds = 0
@@ -135,10 +141,18 @@ class CommLedger:
                     return
         raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
 
+    def add_micro_batch(self, samples: int | None) -> None:
+        """Count one training batch of the current step; ``samples=None`` when its size is unknown."""
+        with self._lock:
+            self._micro_batches += 1
+            self._samples = None if samples is None or self._samples is None else self._samples + samples
+
     def close_step(self) -> StepRecord:
         """Close the current optimizer step: group the rounds recorded since the last call into a record."""
         with self._lock:
             rounds, self._rounds = self._rounds, []
+            micro_batches, samples = self._micro_batches, self._samples
+            self._micro_batches, self._samples = 0, 0
             frozen = [[entry.freeze() for entry in round_] for round_ in rounds]
             buckets = [record for round_ in frozen for record in round_]
             wire: int | None = sum(b.wire_bytes or 0 for b in buckets)
@@ -151,6 +165,8 @@ class CommLedger:
                 wire_bytes=wire,
                 sync_time_s=sum(max(b.end_s for b in r) - min(b.start_s for b in r) for r in frozen),
                 bucket_bytes=tuple(b.logical_bytes for b in frozen[-1]) if frozen else (),
+                micro_batches=micro_batches,
+                samples=samples if micro_batches else None,
             )
             self.steps.append(record)
             self.total_steps += 1

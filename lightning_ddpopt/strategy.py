@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -16,12 +17,15 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddpopt._compat import check_lightning_version
+from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_step
 from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
 from lightning_ddpopt.buckets import (
     MB,
@@ -161,6 +165,8 @@ class OptimizedDDPStrategy(DDPStrategy):
         self.bucket_layout: tuple[int, ...] | None = None
         self.core_binding: CoreBinding | None = None
         self._saved_hook_state: dict[str, Any] | None = None
+        self._micro_batch_in_group = 0
+        self._warned_extra_syncs = False
 
     @override
     def setup_environment(self) -> None:
@@ -235,6 +241,16 @@ class OptimizedDDPStrategy(DDPStrategy):
         return checkpoint
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.ledger is not None:
+            try:
+                samples: int | None = extract_batch_size(batch)
+            except (MisconfigurationException, RecursionError):
+                samples = None
+            self.ledger.add_micro_batch(samples)
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -244,10 +260,56 @@ class OptimizedDDPStrategy(DDPStrategy):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.ledger is not None and isinstance(self.model, DistributedDataParallel):
-            self.ledger.close_step()
+            record = self.ledger.close_step()
             if self.bucket_layout is None and self.ledger.total_steps >= _LAYOUT_FINAL_AFTER_STEPS:
                 self._log_layout()
+            self._check_syncs_per_step(record.sync_rounds, record.micro_batches)
+            if record.samples and self.lightning_module is not None:
+                # Assumes every rank runs batches of the same size, as DistributedSampler makes them.
+                self.lightning_module.log(
+                    "ddpopt/effective_batch_size", float(record.samples * self.world_size), on_step=True, on_epoch=False
+                )
         return output
+
+    @contextmanager
+    def accumulate(self, every: int) -> Iterator[AccumulationStep]:
+        """Gradient accumulation for manual optimization, with one gradient sync per optimizer step.
+
+        Run the forward pass and ``manual_backward`` of one micro-batch inside; the gradients are synchronised
+        only on the last micro-batch of each group of ``every`` (or the epoch's last batch, which ends a shorter
+        group). Step the optimizer when the yielded step says so::
+
+            def training_step(self, batch, batch_idx):
+                opt = self.optimizers()
+                with self.trainer.strategy.accumulate(every=4) as step:
+                    loss = self.loss(batch)
+                    self.manual_backward(loss / step.every)
+                if step.should_step:
+                    opt.step()
+                    opt.zero_grad()
+
+        Raises:
+            ValueError: ``every`` is not a positive int, or the strategy runs with ``static_graph=True``
+                (DDP's static graph mode mis-syncs under ``no_sync``, pytorch#143580).
+            RuntimeError: the LightningModule uses automatic optimization (use
+                ``Trainer(accumulate_grad_batches=K)`` there).
+        """
+        module = self.lightning_module
+        if module is None or module.automatic_optimization:
+            raise RuntimeError(
+                "OptimizedDDPStrategy.accumulate() is for manual optimization; with automatic optimization use "
+                "Trainer(accumulate_grad_batches=K), which already syncs once per optimizer step"
+            )
+        if self._ddp_kwargs.get("static_graph") and every != 1:
+            raise ValueError(
+                f"accumulate(every={every}) cannot run with static_graph=True: DDP's static graph mode mis-syncs "
+                "gradients under no_sync (pytorch#143580). Use static_graph=False."
+            )
+        last_batch = module.trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+        step = next_accumulation_step(self._micro_batch_in_group, every, last_batch)
+        self._micro_batch_in_group = 0 if step.should_step else step.micro_batch
+        with nullcontext() if step.should_step else self.block_backward_sync():
+            yield step
 
     @override
     def on_train_end(self) -> None:
@@ -283,6 +345,19 @@ class OptimizedDDPStrategy(DDPStrategy):
                     comm_hook=hook,
                     start_method=start_methods[suffix],
                 )
+
+    def _check_syncs_per_step(self, sync_rounds: int, micro_batches: int) -> None:
+        """Warn once when a manual-optimization loop synchronised gradients on more than one micro-batch."""
+        module = self.lightning_module
+        if self._warned_extra_syncs or sync_rounds <= 1 or module is None or module.automatic_optimization:
+            return
+        self._warned_extra_syncs = True
+        rank_zero_warn(
+            f"ddpopt: this manual-optimization loop synchronised gradients {sync_rounds} times for one optimizer "
+            f"step ({micro_batches} micro-batches): every micro-batch paid a full allreduce. Run forward and "
+            "manual_backward inside `with self.trainer.strategy.accumulate(every=K) as step:` and call "
+            "opt.step() only `if step.should_step`, so only the last micro-batch of each group syncs."
+        )
 
     def _restore_hook_state(self) -> None:
         """Load this rank's saved hook state once both the checkpoint and the hook's state exist."""

@@ -12,3 +12,11 @@ def gloo_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """An in-process Trainer run leaves Lightning's default group behind; later tests need a clean slate."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -42,6 +43,48 @@ class StackModel(pl.LightningModule):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class ManualStackModel(StackModel):
+    """Manual optimization with K-step accumulation, through ``strategy.accumulate`` or a naive loop that syncs
+    every micro-batch (what users write by hand)."""
+
+    def __init__(self, every: int, use_helper: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.every = every
+        self.use_helper = use_helper
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        if self.use_helper:
+            with self.trainer.strategy.accumulate(every=self.every) as step:
+                self.manual_backward(nn.functional.mse_loss(self.net(x), y) / step.every)
+            should_step = step.should_step
+        else:
+            self.manual_backward(nn.functional.mse_loss(self.net(x), y) / self.every)
+            should_step = (batch_idx + 1) % self.every == 0 or batch_idx + 1 == self.trainer.num_training_batches
+        if should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+class WarningsProbe(pl.Callback):
+    """Records, on rank 0, the text of every warning raised during fit."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catcher.__exit__(None, None, None)
+        if trainer.global_rank == 0:
+            torch.save([str(w.message) for w in self._caught], self.out)
 
 
 def stack_gradient_bytes() -> int:
@@ -85,6 +128,7 @@ class RankProbe(pl.Callback):
             record["bucket_layout"] = strategy.bucket_layout
             record["bucket_plan"] = asdict(strategy.bucket_plan) if strategy.bucket_plan else None
             record["steps"] = [asdict(step) for step in strategy.ledger.steps] if strategy.ledger else []
+            record["hook_iteration"] = getattr(strategy.comm_state, "iteration", None)
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
@@ -112,11 +156,11 @@ def fit_ddp(
     if save_last_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_last_to, save_last=True, save_top_k=0))
     trainer_kwargs.setdefault("accelerator", "cpu")
+    trainer_kwargs.setdefault("logger", False)
     trainer = pl.Trainer(
         devices=devices,
         strategy=strategy,
         default_root_dir=out_dir,
-        logger=False,
         enable_checkpointing=save_last_to is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
