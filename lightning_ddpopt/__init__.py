@@ -3,11 +3,21 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ddpopt.__about__ import __version__
+from lightning_ddpopt.callbacks import AMPMonitor
 from lightning_ddpopt.hooks import COMM_HOOKS
 from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.precision import fp16_mixed_precision
 from lightning_ddpopt.strategy import OptimizedDDPStrategy
 
-__all__ = ["COMM_HOOKS", "CommLedger", "OptimizedDDPStrategy", "StepRecord", "__version__"]
+__all__ = [
+    "COMM_HOOKS",
+    "AMPMonitor",
+    "CommLedger",
+    "OptimizedDDPStrategy",
+    "StepRecord",
+    "__version__",
+    "fp16_mixed_precision",
+]
 
 if OptimizedDDPStrategy.strategy_name not in StrategyRegistry:
     OptimizedDDPStrategy.register_strategies(StrategyRegistry)

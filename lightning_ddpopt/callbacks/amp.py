@@ -1,0 +1,260 @@
+"""AMPMonitor: loss scale, overflows, skipped steps and non-finite gradients inside Lightning's Trainer."""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_ddpopt.precision import bf16_supported
+
+__all__ = ["AMPMonitor"]
+
+OnNonFinite = Literal["warn", "stop", "raise"]
+_ON_NONFINITE = ("warn", "stop", "raise")
+
+
+class AMPMonitor(Callback):
+    """Makes the GradScaler's behaviour and non-finite gradients visible.
+
+    With fp16 and a GradScaler (e.g. :func:`lightning_ddpopt.precision.fp16_mixed_precision`), every optimizer step
+    is classified exactly: the scaler skips it when its unscaled gradients hold inf/NaN (an *overflow*, followed
+    by a scale backoff). These are AMP's expected overflows, counted, not reported as failures. Without a scaler
+    (bf16, fp32) a cheap check - one fused finiteness test per parameter on the device, one all-reduced flag and one
+    host sync per step - finds non-finite gradients and names the first offending parameters; every rank takes
+    the same decision, so ``on_nonfinite="stop"`` or ``"raise"`` cannot deadlock the others.
+
+    Logged at every optimizer step (``on_step``), through the Trainer's loggers:
+
+    ================================  ==================================================================  ===========
+    key                               meaning                                                             when
+    ================================  ==================================================================  ===========
+    ``ddpopt/amp/scale``              the loss scale this step's backward ran with                        GradScaler
+    ``ddpopt/amp/skipped_steps``      optimizer steps the scaler skipped so far (inf/NaN found)           GradScaler
+    ``ddpopt/amp/skip_rate``          skipped share of the last ``window`` steps                          GradScaler
+    ``ddpopt/amp/growth_events``      scale growths so far                                                GradScaler
+    ``ddpopt/amp/backoff_events``     scale backoffs so far (one per overflow)                            GradScaler
+    ``ddpopt/amp/nonfinite_steps``    steps with non-finite gradients outside AMP's overflow handling     no scaler
+    ================================  ==================================================================  ===========
+
+    Warns once when the scale falls below ``underflow_threshold`` (gradients are underflowing) and once when the
+    skip rate over a full window exceeds ``skip_rate_threshold``, with the advice to use bf16 where the hardware
+    has it (and saying whether it does).
+
+    Args:
+        window: optimizer steps over which ``skip_rate`` is computed.
+        skip_rate_threshold: warn when the skip rate over a full window exceeds this.
+        underflow_threshold: warn when the loss scale falls below this.
+        skip_scheduler_on_overflow: keep step-interval LR schedulers from stepping on skipped optimizer steps
+            (Lightning steps them anyway, and torch warns "Detected call of lr_scheduler.step() before
+            optimizer.step()").
+        check_nonfinite: run the non-finite gradient check when there is no GradScaler.
+        on_nonfinite: ``"warn"``, ``"stop"`` (the Trainer stops after the step on every rank) or ``"raise"``
+            (``FloatingPointError`` on every rank).
+        max_names: how many offending parameters to name.
+    """
+
+    def __init__(
+        self,
+        window: int = 100,
+        skip_rate_threshold: float = 0.1,
+        underflow_threshold: float = 1.0,
+        skip_scheduler_on_overflow: bool = False,
+        check_nonfinite: bool = True,
+        on_nonfinite: OnNonFinite = "warn",
+        max_names: int = 5,
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be an int >= 1")
+        if not isinstance(skip_rate_threshold, int | float) or not 0 <= skip_rate_threshold <= 1:
+            raise ValueError(f"skip_rate_threshold={skip_rate_threshold!r} must be between 0 and 1")
+        if not isinstance(underflow_threshold, int | float) or underflow_threshold <= 0:
+            raise ValueError(f"underflow_threshold={underflow_threshold!r} must be a positive number")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not valid; choose one of {list(_ON_NONFINITE)}")
+        if isinstance(max_names, bool) or not isinstance(max_names, int) or max_names < 1:
+            raise ValueError(f"max_names={max_names!r} must be an int >= 1")
+        self.window = window
+        self.skip_rate_threshold = skip_rate_threshold
+        self.underflow_threshold = underflow_threshold
+        self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
+        self.check_nonfinite = check_nonfinite
+        self.on_nonfinite = on_nonfinite
+        self.max_names = max_names
+
+        self.steps = 0
+        self.skipped_steps = 0
+        self.growth_events = 0
+        self.backoff_events = 0
+        self.nonfinite_steps = 0
+        self.skipped_step_indices: list[int] = []
+        self.nonfinite_reports: list[dict[str, Any]] = []
+        self._recent: deque[bool] = deque(maxlen=window)
+        self._last_scale: float | None = None
+        self._warned_underflow = False
+        self._warned_skip_rate = False
+        self._last_step_skipped = False
+        self._scaler: torch.amp.GradScaler | None = None
+        self._patched_module: pl.LightningModule | None = None
+
+    @property
+    def skip_rate(self) -> float:
+        """Skipped share of the last ``window`` optimizer steps (0 before the first)."""
+        return sum(self._recent) / len(self._recent) if self._recent else 0.0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scaler = scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not (self.skip_scheduler_on_overflow and self._scaler is not None):
+            return
+        step_schedulers = {id(c.scheduler) for c in trainer.lr_scheduler_configs if c.interval == "step"}
+        if not step_schedulers:
+            return
+        # Wrap the module's lr_scheduler_step hook (an instance attribute, gone at teardown) rather than the
+        # schedulers: a scheduler's state_dict holds every attribute it has, and a wrapper cannot be saved.
+        original = pl_module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any | None) -> None:
+            if self._last_step_skipped and id(scheduler) in step_schedulers:
+                return
+            original(scheduler, metric)
+
+        pl_module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+        self._patched_module = pl_module
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._patched_module is not None:
+            del self._patched_module.lr_scheduler_step
+            self._patched_module = None
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.steps += 1
+        if self._scaler is not None:
+            self._observe_scaler(trainer, pl_module, optimizer, self._scaler)
+        elif self.check_nonfinite:
+            self._check_nonfinite(trainer, pl_module)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "growth_events": self.growth_events,
+            "backoff_events": self.backoff_events,
+            "nonfinite_steps": self.nonfinite_steps,
+            "skipped_step_indices": list(self.skipped_step_indices),
+            "recent": list(self._recent),
+            "last_scale": self._last_scale,
+            "warned_underflow": self._warned_underflow,
+            "warned_skip_rate": self._warned_skip_rate,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = state_dict["steps"]
+        self.skipped_steps = state_dict["skipped_steps"]
+        self.growth_events = state_dict["growth_events"]
+        self.backoff_events = state_dict["backoff_events"]
+        self.nonfinite_steps = state_dict["nonfinite_steps"]
+        self.skipped_step_indices = list(state_dict["skipped_step_indices"])
+        self._recent = deque(state_dict["recent"], maxlen=self.window)
+        self._last_scale = state_dict["last_scale"]
+        self._warned_underflow = state_dict["warned_underflow"]
+        self._warned_skip_rate = state_dict["warned_skip_rate"]
+
+    def _observe_scaler(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+    ) -> None:
+        scale = scaler.get_scale()
+        if self._last_scale is not None and scale > self._last_scale:
+            self.growth_events += 1
+        self._last_scale = scale
+        # What GradScaler.step itself reads to decide whether to skip: filled in by unscale_, which Lightning
+        # runs before this hook. The values are synced to the host by GradScaler.step anyway.
+        found_inf = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        skipped = bool(sum(value.item() for value in found_inf.values()))
+        self._last_step_skipped = skipped
+        self._recent.append(skipped)
+        if skipped:
+            self.skipped_steps += 1
+            self.backoff_events += 1
+            self.skipped_step_indices.append(self.steps)
+        metrics = {
+            "scale": scale,
+            "skipped_steps": self.skipped_steps,
+            "skip_rate": self.skip_rate,
+            "growth_events": self.growth_events,
+            "backoff_events": self.backoff_events,
+        }
+        for key, value in metrics.items():
+            pl_module.log(f"ddpopt/amp/{key}", float(value), on_step=True, on_epoch=False)
+
+        if scale < self.underflow_threshold and not self._warned_underflow:
+            self._warned_underflow = True
+            rank_zero_warn(
+                f"ddpopt: the AMP loss scale fell to {scale:g}, below {self.underflow_threshold:g}, at optimizer step "
+                f"{self.steps}: gradients are underflowing fp16 or are non-finite every step. "
+                f"{bf16_supported(pl_module.device)[1]}."
+            )
+        if (
+            len(self._recent) == self.window
+            and self.skip_rate > self.skip_rate_threshold
+            and not self._warned_skip_rate
+        ):
+            self._warned_skip_rate = True
+            rank_zero_warn(
+                f"ddpopt: the GradScaler skipped {self.skip_rate:.0%} of the last {self.window} optimizer steps "
+                f"(threshold {self.skip_rate_threshold:.0%}): those batches trained nothing. "
+                f"{bf16_supported(pl_module.device)[1]}."
+            )
+
+    def _check_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        local = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).to(torch.float32)
+        ranks_with_nonfinite = trainer.strategy.reduce(local, reduce_op="sum")
+        if float(ranks_with_nonfinite) > 0:
+            self.nonfinite_steps += 1
+            self._report_nonfinite(trainer, pl_module)
+        pl_module.log("ddpopt/amp/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
+
+    def _report_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        names = [
+            name for name, p in pl_module.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()
+        ][: self.max_names]
+        per_rank: list[list[str]] = [names]
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            per_rank = [[] for _ in range(trainer.world_size)]
+            dist.all_gather_object(per_rank, names)
+        by_rank = dict(enumerate(per_rank))
+        self.nonfinite_reports.append({"step": self.steps, "names": by_rank})
+        where = "; ".join(f"rank {rank}: {', '.join(n) or 'none'}" for rank, n in by_rank.items())
+        message = (
+            f"ddpopt: non-finite gradients at optimizer step {self.steps} (rank {trainer.global_rank} reporting), "
+            f"first offending parameters - {where}"
+        )
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if self.on_nonfinite == "stop":
+            trainer.should_stop = True

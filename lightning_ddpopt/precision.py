@@ -1,0 +1,62 @@
+"""fp16 mixed precision with GradScaler settings Lightning does not expose, on GPU and CPU alike."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+__all__ = ["bf16_supported", "fp16_mixed_precision"]
+
+
+def fp16_mixed_precision(
+    device: str = "cuda",
+    *,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> MixedPrecision:
+    """A ``MixedPrecision("16-mixed")`` plugin whose GradScaler has the given settings.
+
+    Pass it as ``Trainer(plugins=[fp16_mixed_precision(...)])``. On ``device="cpu"`` it runs real fp16 autocast
+    with a GradScaler (Lightning turns a plain ``precision="16-mixed"`` into bf16 on CPU).
+
+    Args:
+        device: ``"cuda"`` or ``"cpu"``.
+        init_scale: the first loss scale.
+        growth_factor: multiplies the scale after ``growth_interval`` steps without overflow (> 1).
+        backoff_factor: multiplies the scale at every overflow, whose optimizer step is skipped (in (0, 1)).
+        growth_interval: overflow-free steps between two growths (>= 1).
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r} is not valid; choose 'cuda' or 'cpu'")
+    if not (isinstance(init_scale, int | float) and math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"init_scale={init_scale!r} must be a positive, finite number")
+    if not (isinstance(growth_factor, int | float) and growth_factor > 1):
+        raise ValueError(f"growth_factor={growth_factor!r} must be > 1")
+    if not (isinstance(backoff_factor, int | float) and 0 < backoff_factor < 1):
+        raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1")
+    scaler = torch.amp.GradScaler(
+        device,
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
+    return MixedPrecision("16-mixed", device, scaler=scaler)
+
+
+def bf16_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether bf16 autocast runs natively on ``device``, with the reason in words."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{torch.cuda.get_device_name(device)} supports bf16: use precision='bf16-mixed'"
+        return False, (
+            f"{torch.cuda.get_device_name(device)} has no native bf16 (it needs compute capability 8.0, A100 or "
+            "later): lower the learning rate or check the model for values beyond fp16's range"
+        )
+    return True, "bf16 autocast runs on CPUs: use precision='bf16-mixed'"

@@ -1,0 +1,199 @@
+"""AMPMonitor with real fp16 autocast and a GradScaler on CPU, single process and 2-process DDP."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
+from tests.helpers import StackModel, fit_ddp, regression_data
+
+INIT_SCALE = 2.0**16
+LR = 0.05
+
+
+class OverflowModel(StackModel):
+    """Scales the loss to inf at the given 1-based optimizer steps; optionally a per-step halving LR scheduler."""
+
+    def __init__(self, overflow_at: tuple[int, ...] = (), scheduler: bool = False) -> None:
+        super().__init__(lr=LR)
+        self.overflow_at = overflow_at
+        self.scheduler = scheduler
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx + 1 in self.overflow_at else loss
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class NaNOnOneRank(StackModel):
+    """Rank 1 puts a NaN into net.4.weight's gradient at its second step, before DDP all-reduces it."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 1:
+            self._hook = self.net[4].weight.register_hook(lambda grad: grad + float("nan"))
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self):
+        if getattr(self, "_hook", None) is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def fit_single(tmp_path: Path, model, monitor, max_steps=10, ckpt_path=None, **kwargs) -> pl.Trainer:
+    plugin = kwargs.pop("plugin", fp16_mixed_precision("cpu", init_scale=INIT_SCALE))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        plugins=[plugin] if plugin is not None else None,
+        callbacks=[monitor],
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+    trainer.fit(model, DataLoader(regression_data(80), batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def metric_columns(tmp_path: Path) -> dict[str, list[float]]:
+    (metrics,) = tmp_path.glob("logs/version_*/metrics.csv")
+    with metrics.open() as handle:
+        rows = list(csv.DictReader(handle))
+    return {key: [float(row[key]) for row in rows if row[key]] for key in rows[0]}
+
+
+@pytest.mark.parametrize("skip_scheduler", [True, False])
+def test_injected_overflows_are_counted_exactly_and_logged(tmp_path, skip_scheduler):
+    monitor = AMPMonitor(skip_scheduler_on_overflow=skip_scheduler)
+    model = OverflowModel(overflow_at=(3, 7), scheduler=True)
+    fit_single(tmp_path, model, monitor)
+
+    assert monitor.skipped_step_indices == [3, 7]
+    assert (monitor.skipped_steps, monitor.backoff_events, monitor.growth_events) == (2, 2, 0)
+    columns = metric_columns(tmp_path)
+    # The scale a step ran with halves after each skipped step.
+    expected_scales = [INIT_SCALE * 0.5 ** sum(s < step for s in (3, 7)) for step in range(1, 11)]
+    assert columns["ddpopt/amp/scale"] == expected_scales
+    assert columns["ddpopt/amp/skipped_steps"] == [0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    assert columns["ddpopt/amp/backoff_events"] == columns["ddpopt/amp/skipped_steps"]
+    assert columns["ddpopt/amp/skip_rate"][-1] == pytest.approx(2 / 10)
+    assert "ddpopt/amp/nonfinite_steps" not in columns  # overflows are AMP's business, not failures
+    # The scheduler halves the LR per step; with the option it does not step on the two skipped steps.
+    scheduler_steps = 10 - 2 if skip_scheduler else 10
+    assert model.optimizers().param_groups[0]["lr"] == pytest.approx(LR * 0.5**scheduler_steps)
+
+
+def test_underflow_and_skip_rate_warn_once_with_bf16_advice(tmp_path):
+    monitor = AMPMonitor(window=4, skip_rate_threshold=0.25)
+    plugin = fp16_mixed_precision("cpu", init_scale=4.0)
+    with pytest.warns(UserWarning) as caught:
+        fit_single(tmp_path, OverflowModel(overflow_at=(1, 2, 3, 4, 5)), monitor, max_steps=8, plugin=plugin)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("ddpopt:")]
+    underflow = [m for m in ours if "loss scale fell to" in m]
+    skip_rate = [m for m in ours if "skipped" in m and "of the last 4 optimizer steps" in m]
+    assert underflow == [
+        "ddpopt: the AMP loss scale fell to 0.5, below 1, at optimizer step 4: gradients are underflowing fp16 or "
+        "are non-finite every step. bf16 autocast runs on CPUs: use precision='bf16-mixed'."
+    ]
+    assert len(skip_rate) == 1 and skip_rate[0].startswith("ddpopt: the GradScaler skipped 100% of the last 4")
+
+
+def test_counters_survive_resume(tmp_path):
+    first = AMPMonitor()
+    trainer = fit_single(tmp_path / "a", OverflowModel(overflow_at=(3, 7)), first, max_steps=5)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = AMPMonitor()
+    fit_single(tmp_path / "b", OverflowModel(overflow_at=(3, 7)), resumed, ckpt_path=str(tmp_path / "mid.ckpt"))
+    assert first.skipped_step_indices == [3]
+    assert resumed.steps == 10
+    assert resumed.skipped_step_indices == [3, 7] and resumed.skipped_steps == 2
+
+
+def test_bf16_has_no_scaler_keys_and_fp32_checks_quietly(tmp_path):
+    monitor = AMPMonitor()
+    fit_single(tmp_path, StackModel(), monitor, max_steps=4, plugin=None, precision="bf16-mixed")
+    columns = metric_columns(tmp_path)
+    assert not [key for key in columns if key.startswith("ddpopt/amp/") and key != "ddpopt/amp/nonfinite_steps"]
+    assert columns["ddpopt/amp/nonfinite_steps"] == [0, 0, 0, 0]
+    assert monitor.nonfinite_reports == []
+
+
+class ReportProbe(pl.Callback):
+    def __init__(self, monitor: AMPMonitor, out: str) -> None:
+        self.monitor, self.out = monitor, out
+
+    def on_train_end(self, trainer, pl_module):
+        record = {"reports": self.monitor.nonfinite_reports, "global_step": trainer.global_step}
+        torch.save(record, Path(self.out) / f"amp{trainer.global_rank}.pt")
+
+
+def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path):
+    monitor = AMPMonitor(on_nonfinite="stop")
+    strategy = OptimizedDDPStrategy(start_method="fork")
+    fit_ddp(
+        tmp_path,
+        strategy,
+        model=NaNOnOneRank(),
+        precision="bf16-mixed",
+        callbacks=[monitor, ReportProbe(monitor, str(tmp_path))],
+        max_steps=6,
+    )
+    for rank in (0, 1):
+        record = torch.load(tmp_path / f"amp{rank}.pt")
+        # All-reduced by DDP, the NaN reaches net.4.weight on both ranks; both stop after that step.
+        assert record["reports"] == [{"step": 2, "names": {0: ["net.4.weight"], 1: ["net.4.weight"]}}]
+        assert record["global_step"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": 0}, "window=0 must be an int >= 1"),
+        ({"skip_rate_threshold": 1.5}, "skip_rate_threshold=1.5 must be between 0 and 1"),
+        ({"underflow_threshold": 0}, "underflow_threshold=0 must be a positive number"),
+        ({"on_nonfinite": "ignore"}, r"on_nonfinite='ignore' is not valid; choose one of \['warn', 'stop', 'raise'\]"),
+        ({"max_names": 0}, "max_names=0 must be an int >= 1"),
+    ],
+)
+def test_bad_monitor_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AMPMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"device": "tpu"}, "device='tpu' is not valid; choose 'cuda' or 'cpu'"),
+        ({"init_scale": 0}, "init_scale=0 must be a positive, finite number"),
+        ({"growth_factor": 1.0}, "growth_factor=1.0 must be > 1"),
+        ({"backoff_factor": 1.0}, "backoff_factor=1.0 must be between 0 and 1"),
+        ({"growth_interval": 0}, "growth_interval=0 must be an int >= 1"),
+    ],
+)
+def test_bad_scaler_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fp16_mixed_precision(**kwargs)
+
+
+def test_scaler_settings_reach_the_grad_scaler():
+    plugin = fp16_mixed_precision("cpu", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+    scaler = plugin.scaler
+    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor()) == (1024.0, 4.0, 0.25)
+    assert scaler.get_growth_interval() == 7 and plugin.device == "cpu" and plugin.precision == "16-mixed"
