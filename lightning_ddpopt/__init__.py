@@ -3,7 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ddpopt.__about__ import __version__
-from lightning_ddpopt.callbacks import AMPMonitor
+from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
 from lightning_ddpopt.hooks import COMM_HOOKS
 from lightning_ddpopt.ledger import CommLedger, StepRecord
 from lightning_ddpopt.precision import fp16_mixed_precision
@@ -13,8 +13,10 @@ __all__ = [
     "COMM_HOOKS",
     "AMPMonitor",
     "CommLedger",
+    "CommProfiler",
     "OptimizedDDPStrategy",
     "StepRecord",
+    "StragglerDetector",
     "__version__",
     "fp16_mixed_precision",
 ]

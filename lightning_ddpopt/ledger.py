@@ -53,6 +53,8 @@ class StepRecord:
         bucket_bytes: the logical size of each bucket in the last round, in DDP's bucket order.
         micro_batches: training batches this rank ran for this step (the accumulation group's length).
         samples: samples in those batches on this rank; ``None`` when a batch's size could not be determined.
+        sync_start_s: ``time.perf_counter()`` when the step's first bucket reached its hook: this rank's arrival at
+            the sync point (``None`` without syncs).
     """
 
     step: int
@@ -63,6 +65,7 @@ class StepRecord:
     bucket_bytes: tuple[int, ...]
     micro_batches: int = 0
     samples: int | None = None
+    sync_start_s: float | None = None
 
     @property
     def compression_ratio(self) -> float | None:
@@ -167,6 +170,7 @@ class CommLedger:
                 bucket_bytes=tuple(b.logical_bytes for b in frozen[-1]) if frozen else (),
                 micro_batches=micro_batches,
                 samples=samples if micro_batches else None,
+                sync_start_s=frozen[0][0].start_s if frozen else None,
             )
             self.steps.append(record)
             self.total_steps += 1

@@ -61,6 +61,8 @@ class AMPMonitor(Callback):
         max_names: how many offending parameters to name.
     """
 
+    summary_key = "amp"
+
     def __init__(
         self,
         window: int = 100,
@@ -103,6 +105,21 @@ class AMPMonitor(Callback):
         self._last_step_skipped = False
         self._scaler: torch.amp.GradScaler | None = None
         self._patched_module: pl.LightningModule | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and the latest scale, for the diagnosis."""
+        return {
+            "scaler": self._scaler is not None,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "skip_rate": self.skip_rate,
+            "skip_rate_threshold": self.skip_rate_threshold,
+            "window": self.window,
+            "scale": self._last_scale,
+            "underflow_threshold": self.underflow_threshold,
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_reports": self.nonfinite_reports[-3:],
+        }
 
     @property
     def skip_rate(self) -> float:

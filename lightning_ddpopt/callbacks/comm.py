@@ -1,0 +1,282 @@
+"""CommProfiler: sync time, bytes, bandwidth, jitter and the comm share of the step, aggregated across ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torchmetrics.aggregation import CatMetric
+from typing_extensions import override
+
+from lightning_ddpopt.callbacks._cursor import LedgerCursor
+from lightning_ddpopt.costmodel import bus_bandwidth
+from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
+
+__all__ = ["CommProfiler"]
+
+_INTERVAL_FIELDS = ("step_time", "sync_time", "bytes_sent", "bytes_uncompressed", "sync_rounds")
+
+
+class CommProfiler(Callback):
+    """Measures, per optimizer step, what gradient synchronisation costs; logs it aggregated over all ranks.
+
+    Reads the :class:`~lightning_ddpopt.ledger.CommLedger` of :class:`~lightning_ddpopt.OptimizedDDPStrategy`
+    (with Lightning's stock ``DDPStrategy`` only step times and jitter are available; on one device it warns
+    once and steps aside). Every ``every_n_steps`` optimizer steps the ranks' figures are aggregated with
+    torchmetrics (one small gather) and logged; nothing else communicates during training.
+
+    ====================================  ==========================================================================
+    key                                   meaning (over the last ``every_n_steps`` steps, all ranks)
+    ====================================  ==========================================================================
+    ``ddpopt/comm/step_time_ms``          mean wall time of an optimizer step
+    ``ddpopt/comm/sync_time_ms``          mean sync time: first bucket handed to the hook to last bucket done
+    ``ddpopt/comm/sync_time_max_ms``      the largest sync time of any rank and step
+    ``ddpopt/comm/sync_time_min_rank_ms`` the lowest rank mean: the last rank to arrive waits least, so this is the
+                                          transfer itself and the rest of ``sync_time_ms`` is waiting for it
+    ``ddpopt/comm/comm_share``            sync time / step time
+    ``ddpopt/comm/transfer_share``        sync_time_min_rank / step time: the network's own share
+    ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression
+    ``ddpopt/comm/bytes_uncompressed``    gradient bytes per step before compression
+    ``ddpopt/comm/compression_ratio``     uncompressed / sent
+    ``ddpopt/comm/algbw_gbps``            bytes sent / transfer time (``sync_time_min_rank``), GB/s
+    ``ddpopt/comm/busbw_gbps``            algbw x 2 (n - 1) / n: comparable with the link's rate
+    ``ddpopt/comm/sync_rounds``           gradient syncs per optimizer step (1 with accumulation done right)
+    ``ddpopt/comm/step_time_cv``          coefficient of variation of the step time over the last ``window``
+    ``ddpopt/comm/step_time_p{50,95,99}_ms``  step-time percentiles over the last ``window`` steps
+    ``ddpopt/comm/sync_time_cv``          coefficient of variation of the sync time
+    ``ddpopt/comm/sync_time_p{50,95,99}_ms``  sync-time percentiles
+    ====================================  ==========================================================================
+
+    At the end of fit, rank 0 prints the findings of :mod:`lightning_ddpopt.diagnosis` (network, AMP from an
+    :class:`AMPMonitor`, accumulation, stragglers from a :class:`StragglerDetector`) and writes them, with every
+    rank's per-step series, to ``ddpopt_report.json`` in the Trainer's log directory; ``ddpopt report`` plots it.
+
+    Args:
+        every_n_steps: optimizer steps between two aggregations (and log points).
+        window: steps over which jitter (CV and percentiles) is computed.
+        probe_link: at fit start, time ``probe_repeats`` allreduces of ``probe_mb`` MiB to measure the link, so
+            findings can say which fraction of it the training achieved.
+        probe_mb: size of a probe allreduce.
+        probe_repeats: timed probe allreduces (after one warm-up).
+        report: print findings and write the JSON report at the end of fit.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 20,
+        window: int = 200,
+        probe_link: bool = False,
+        probe_mb: float = 16.0,
+        probe_repeats: int = 3,
+        report: bool = True,
+    ) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("window", window), ("probe_repeats", probe_repeats)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(probe_mb, int | float) or probe_mb <= 0:
+            raise ValueError(f"probe_mb={probe_mb!r} must be a positive number")
+        self.every_n_steps = every_n_steps
+        self.window = window
+        self.probe_link = probe_link
+        self.probe_mb = probe_mb
+        self.probe_repeats = probe_repeats
+        self.report = report
+
+        self.link_busbw_gbps: float | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.report_path: Path | None = None
+        self._cursor = LedgerCursor()
+        self._active = False
+        self._last_mark: float | None = None
+        self._since_log = 0
+        self._step_times: deque[float] = deque(maxlen=window)
+        self._sync_times: deque[float] = deque(maxlen=window)
+        self._series: dict[str, list[float]] = {"step": [], "step_time_ms": [], "sync_time_ms": [], "bytes_sent": []}
+        self._interval: dict[str, list[float]] = {name: [] for name in _INTERVAL_FIELDS}
+        self._gather: dict[str, CatMetric] = {}
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._active = trainer.world_size > 1
+        if not self._active:
+            rank_zero_warn("ddpopt: CommProfiler needs more than one process to measure communication; it is off.")
+            return
+        if LedgerCursor.ledger_of(trainer) is None:
+            rank_zero_warn(
+                "ddpopt: CommProfiler found no ledger (use OptimizedDDPStrategy for sync time and bytes); it logs "
+                "step times and jitter only."
+            )
+        device = pl_module.device
+        # torchmetrics gathers every rank's values when computed: once per aggregation, never per step.
+        self._gather = {name: CatMetric(nan_strategy="ignore").to(device) for name in ("per_rank", "step", "sync")}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active and self.probe_link:
+            self.link_busbw_gbps = self._probe(pl_module.device, trainer.world_size)
+            rank_zero_info(
+                f"ddpopt: link probe, {self.probe_repeats} allreduces of {self.probe_mb:g} MiB: "
+                f"bus bandwidth {self.link_busbw_gbps:.3f} GB/s"
+            )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active:
+            return
+        steps = self._cursor.new_steps(trainer)
+        if not steps:
+            return
+        now = time.perf_counter()
+        step_time = (now - self._last_mark) / len(steps) if self._last_mark is not None else None
+        self._last_mark = now
+        for record in steps:
+            self._since_log += 1
+            self._series["step"].append(float(trainer.global_step))
+            self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
+            if step_time is not None:
+                self._step_times.append(step_time)
+                self._interval["step_time"].append(step_time)
+            if record is not None:
+                self._sync_times.append(record.sync_time_s)
+                self._interval["sync_time"].append(record.sync_time_s)
+                self._interval["bytes_uncompressed"].append(float(record.logical_bytes))
+                self._interval["sync_rounds"].append(float(record.sync_rounds))
+                if record.wire_bytes is not None:
+                    self._interval["bytes_sent"].append(float(record.wire_bytes))
+                self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
+                self._series["bytes_sent"].append(float(record.wire_bytes or 0))
+        if self._since_log >= self.every_n_steps:
+            self._since_log = 0
+            self.last_metrics = self._aggregate(trainer.world_size)
+            for key, value in self.last_metrics.items():
+                pl_module.log(f"ddpopt/comm/{key}", value, on_step=True, on_epoch=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active:
+            return
+        if self._since_log:
+            self._since_log = 0
+            self.last_metrics = self._aggregate(trainer.world_size)
+        # trainer.log_dir broadcasts: every rank must ask.
+        directory = Path(trainer.log_dir or trainer.default_root_dir)
+        series: list[Any] = [self._series]
+        if dist.is_available() and dist.is_initialized():
+            series = [None] * trainer.world_size
+            dist.all_gather_object(series, self._series)
+        if self.report and trainer.is_global_zero:
+            summary = summarize(trainer)
+            findings = diagnose(summary)
+            print(format_findings(findings), flush=True)
+            directory.mkdir(parents=True, exist_ok=True)
+            self.report_path = directory / REPORT_NAME
+            payload = {
+                "version": 1,
+                "summary": summary,
+                "findings": [finding.as_dict() for finding in findings],
+                "series": {str(rank): s for rank, s in enumerate(series)},
+            }
+            self.report_path.write_text(json.dumps(_finite(payload), indent=1))
+            rank_zero_info(f"ddpopt: report written to {self.report_path}")
+
+    summary_key = "comm"
+
+    def summary(self) -> dict[str, Any]:
+        """The latest aggregated figures, for the diagnosis."""
+        return {**self.last_metrics, "link_busbw_gbps": self.link_busbw_gbps}
+
+    def _aggregate(self, world_size: int) -> dict[str, float]:
+        """Gather the interval's per-rank means and the jitter windows from all ranks; derive the logged figures."""
+        local = [statistics.fmean(v) if v else math.nan for v in self._interval.values()]
+        local.append(max(self._interval["sync_time"], default=math.nan))
+        for values in self._interval.values():
+            values.clear()
+        per_rank = self._gathered("per_rank", local).reshape(-1, len(local))
+        fields = dict(zip((*_INTERVAL_FIELDS, "sync_max"), per_rank.t(), strict=True))
+
+        def mean(name: str) -> float:
+            return float(fields[name].nanmean())
+
+        out: dict[str, float] = {}
+        step, sync = mean("step_time"), mean("sync_time")
+        if not math.isnan(step):
+            out["step_time_ms"] = step * 1e3
+        if not math.isnan(sync):
+            out["sync_time_ms"] = sync * 1e3
+            # The last rank to arrive waits least: its sync time is the transfer itself, the rest is waiting.
+            out["sync_time_min_rank_ms"] = float(fields["sync_time"].nan_to_num(math.inf).min()) * 1e3
+            out["sync_time_max_ms"] = float(fields["sync_max"].nan_to_num(-math.inf).max()) * 1e3
+            out["sync_rounds"] = mean("sync_rounds")
+            out["bytes_uncompressed"] = mean("bytes_uncompressed")
+            if "step_time_ms" in out:
+                out["comm_share"] = sync / step
+                out["transfer_share"] = out["sync_time_min_rank_ms"] / out["step_time_ms"]
+            sent = mean("bytes_sent")
+            if not math.isnan(sent):
+                out["bytes_sent"] = sent
+                out["compression_ratio"] = out["bytes_uncompressed"] / sent if sent else math.nan
+                transfer = out["sync_time_min_rank_ms"] / 1e3
+                algbw = sent / transfer / 1e9 if transfer else math.nan
+                out["algbw_gbps"] = algbw
+                out["busbw_gbps"] = bus_bandwidth(algbw, world_size)
+        for name, recent in (("step_time", self._step_times), ("sync_time", self._sync_times)):
+            gathered = [v for v in self._gathered(name.split("_")[0], list(recent) or [math.nan]).tolist()]
+            gathered = [v for v in gathered if not math.isnan(v)]
+            if len(gathered) >= 2:
+                average = statistics.fmean(gathered)
+                out[f"{name}_cv"] = statistics.pstdev(gathered) / average if average else math.nan
+                for q in (50, 95, 99):
+                    out[f"{name}_p{q}_ms"] = _percentile(gathered, q) * 1e3
+        return out
+
+    def _gathered(self, name: str, values: list[float]) -> torch.Tensor:
+        metric = self._gather[name]
+        metric.update(torch.tensor(values, dtype=torch.float64, device=metric.device))
+        result = metric.compute().flatten().double().cpu()
+        metric.reset()
+        return result
+
+    def _probe(self, device: torch.device, world_size: int) -> float:
+        tensor = torch.ones(int(self.probe_mb * 1024 * 1024 / 4), dtype=torch.float32, device=device)
+        dist.all_reduce(tensor)
+        times = []
+        for _ in range(self.probe_repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        algbw = tensor.numel() * 4 / statistics.median(times) / 1e9
+        return bus_bandwidth(algbw, world_size)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by ``None``, which JSON can hold."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value

@@ -1,0 +1,164 @@
+"""StragglerDetector: which rank is slow, by how much, and whether data loading or compute makes it slow."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_ddpopt.callbacks._cursor import LedgerCursor
+
+__all__ = ["StragglerDetector"]
+
+PHASES = ("data", "compute", "wait")
+
+
+class StragglerDetector(Callback):
+    """Finds the rank that makes every other rank wait.
+
+    The allreduce is a barrier, so a rank's backward wall time is the same everywhere and cannot point at the slow
+    rank. Instead each rank measures, per optimizer step: time waiting for its next batch (**data**), time from
+    batch start until its first gradient bucket reaches the sync point (**compute**, forward and backward up to the
+    sync), and time from there until the sync completed (**wait**, which the fast ranks spend waiting for the slow
+    one). Every ``every_n_steps`` steps the per-rank means are gathered (one small all-gather); the rank with the
+    most data + compute is the slowest, and it is named a straggler when it exceeds the median of the others by
+    both ``min_excess_ms`` and ``min_excess_fraction`` of the median step. The phase named is the one in which it
+    exceeds the others most. Times are host times (on GPU they include kernel queueing).
+
+    Without :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s ledger the sync point is unknown and wait counts as
+    compute; on one device it warns once and steps aside.
+
+    ===================================  ========================================================================
+    key                                  meaning (over the last ``every_n_steps`` steps)
+    ===================================  ========================================================================
+    ``ddpopt/straggler/slowest_rank``    the rank with the most data + compute time
+    ``ddpopt/straggler/excess_ms``       its data + compute time above the median of the other ranks
+    ``ddpopt/straggler/is_straggler``    1 when the excess crosses both thresholds, else 0
+    ``ddpopt/straggler/data_ms``         the slowest rank's mean data time per step
+    ``ddpopt/straggler/compute_ms``      the slowest rank's mean compute time per step
+    ``ddpopt/straggler/wait_ms``         the largest mean wait of any rank
+    ===================================  ========================================================================
+
+    Args:
+        every_n_steps: optimizer steps between two gathers.
+        min_excess_ms: smallest excess, in ms per step, that names a straggler.
+        min_excess_fraction: smallest excess, as a fraction of the median step time, that names a straggler.
+    """
+
+    summary_key = "stragglers"
+
+    def __init__(self, every_n_steps: int = 20, min_excess_ms: float = 20.0, min_excess_fraction: float = 0.1) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps!r} must be an int >= 1")
+        if not isinstance(min_excess_ms, int | float) or min_excess_ms < 0:
+            raise ValueError(f"min_excess_ms={min_excess_ms!r} must be a number >= 0")
+        if not isinstance(min_excess_fraction, int | float) or min_excess_fraction < 0:
+            raise ValueError(f"min_excess_fraction={min_excess_fraction!r} must be a number >= 0")
+        self.every_n_steps = every_n_steps
+        self.min_excess_ms = min_excess_ms
+        self.min_excess_fraction = min_excess_fraction
+        self.last: dict[str, Any] | None = None
+        self.straggler_windows: dict[int, int] = {}
+        self.windows = 0
+        self._cursor = LedgerCursor()
+        self._active = False
+        self._batch_start: float | None = None
+        self._batch_end: float | None = None
+        self._busy_s = 0.0
+        self._data_s = 0.0
+        self._totals = torch.zeros(3, dtype=torch.float64)
+        self._steps_in_window = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._active = trainer.world_size > 1
+        if not self._active:
+            rank_zero_warn("ddpopt: StragglerDetector needs more than one process; it is off.")
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._batch_end = None  # the gap across an epoch boundary (validation, loader restart) is not data time
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._batch_end is not None:
+            self._data_s += now - self._batch_end
+        self._batch_start = now
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._batch_start is not None:
+            self._busy_s += now - self._batch_start
+        self._batch_end = now
+        if not self._active:
+            return
+        steps = self._cursor.new_steps(trainer)
+        if not steps:
+            return
+        wait = sum(record.sync_time_s for record in steps if record is not None)
+        self._totals += torch.tensor([self._data_s, max(self._busy_s - wait, 0.0), wait], dtype=torch.float64)
+        self._steps_in_window += len(steps)
+        self._busy_s = self._data_s = 0.0
+        if self._steps_in_window >= self.every_n_steps:
+            self._analyse(trainer, pl_module)
+
+    def summary(self) -> dict[str, Any]:
+        """The latest analysis and how often each rank was named, for the diagnosis."""
+        return {
+            "last": self.last,
+            "windows": self.windows,
+            "straggler_windows": {str(rank): count for rank, count in self.straggler_windows.items()},
+        }
+
+    def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        local = (self._totals / self._steps_in_window * 1e3).to(pl_module.device)
+        self._totals.zero_()
+        self._steps_in_window = 0
+        per_rank = trainer.strategy.all_gather(local).reshape(-1, 3).double().cpu()  # (world, [data, compute, wait])
+        busy = per_rank[:, 0] + per_rank[:, 1]
+        slowest = int(busy.argmax())
+        others = [r for r in range(per_rank.shape[0]) if r != slowest]
+        median_others = per_rank[others].median(dim=0).values
+        excess = float(busy[slowest] - (median_others[0] + median_others[1]))
+        step_ms = float(per_rank.sum(dim=1).median())
+        is_straggler = excess >= self.min_excess_ms and excess >= self.min_excess_fraction * step_ms
+        phase_excess = (per_rank[slowest, :2] - median_others[:2]).tolist()
+        phase = PHASES[int(torch.tensor(phase_excess).argmax())]
+        self.windows += 1
+        self.last = {
+            "step": trainer.global_step,
+            "slowest_rank": slowest,
+            "excess_ms": excess,
+            "phase": phase,
+            "is_straggler": is_straggler,
+            "step_ms": step_ms,
+            "per_rank_ms": {str(r): dict(zip(PHASES, row, strict=True)) for r, row in enumerate(per_rank.tolist())},
+        }
+        if is_straggler:
+            self.straggler_windows[slowest] = self.straggler_windows.get(slowest, 0) + 1
+            rank_zero_info(
+                f"ddpopt: rank {slowest} is a straggler: {excess:.0f} ms/step slower than the median rank, "
+                f"in {phase} ({per_rank[slowest, PHASES.index(phase)]:.0f} ms vs "
+                f"{median_others[PHASES.index(phase)]:.0f} ms)"
+            )
+        metrics = {
+            "slowest_rank": float(slowest),
+            "excess_ms": excess,
+            "is_straggler": float(is_straggler),
+            "data_ms": float(per_rank[slowest, 0]),
+            "compute_ms": float(per_rank[slowest, 1]),
+            "wait_ms": float(per_rank[:, 2].max()),
+        }
+        for key, value in metrics.items():
+            pl_module.log(f"ddpopt/straggler/{key}", value, on_step=True, on_epoch=False)

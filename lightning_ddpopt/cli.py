@@ -1,0 +1,156 @@
+"""The ``ddpopt`` command: ``plan`` (cost model) and ``report`` (findings and a plot of a run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_ddpopt.costmodel import LINKS, estimate_hooks, parse_count, resolve_link
+from lightning_ddpopt.diagnosis import REPORT_NAME, Finding, format_findings
+
+__all__ = ["main"]
+
+
+class CLIError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ddpopt``; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except CLIError as error:
+        print(f"ddpopt {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddpopt", description="Plan and inspect data-parallel training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser(
+        "plan",
+        help="bytes per step, ring-allreduce time and scaling efficiency per comm hook",
+        description="Ring-allreduce lower bound t = 2(n-1)/n x S/B + 2(n-1) x latency for each comm hook.",
+    )
+    plan.add_argument("--params", required=True, help="parameter count, e.g. 100M, 1.3B")
+    plan.add_argument("--world-size", type=int, required=True, help="number of data-parallel processes")
+    plan.add_argument("--link", choices=sorted(LINKS), type=str.lower, help="link preset")
+    plan.add_argument("--gbps", type=float, help="link bandwidth in Gbit/s (instead of --link)")
+    plan.add_argument("--latency-us", type=float, help="per-message latency in microseconds (default: the preset's)")
+    plan.add_argument("--hook", choices=["allreduce", "fp16", "bf16", "powersgd"], action="append", help="repeatable")
+    plan.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
+    plan.add_argument("--width", type=int, default=4096, help="typical weight-matrix width for PowerSGD (4096)")
+    plan.add_argument("--step-compute-ms", type=float, default=0.0, help="forward+backward time of one step")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.set_defaults(run=_plan)
+
+    report = commands.add_parser(
+        "report",
+        help="findings table and a PNG plot of a run",
+        description=f"Reads {REPORT_NAME} (written by CommProfiler), prints its findings and plots it.",
+    )
+    report.add_argument("source", help=f"a {REPORT_NAME} file or a run directory holding one")
+    report.add_argument("--out", help="PNG path (default: next to the report)")
+    report.set_defaults(run=_report)
+    return parser
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        params = parse_count(args.params)
+        link = resolve_link(args.link, args.gbps, args.latency_us)
+        if args.world_size < 1:
+            raise ValueError(f"--world-size {args.world_size} must be at least 1")
+        if args.rank < 1 or args.width < 1:
+            raise ValueError("--rank and --width must be at least 1")
+        estimates = estimate_hooks(
+            params,
+            args.world_size,
+            link,
+            args.step_compute_ms / 1e3,
+            powersgd_rank=args.rank,
+            matrix_width=args.width,
+            hooks=tuple(args.hook or ("allreduce", "fp16", "powersgd")),
+        )
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    if args.json:
+        print(json.dumps([e.__dict__ for e in estimates], indent=1))
+        return 0
+    print(
+        f"{params / 1e6:.1f}M fp32 parameters, {args.world_size} ranks, {link.summary} "
+        f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), compute {args.step_compute_ms:g} ms/step"
+    )
+    print(f"{'hook':<10}{'MB/step':>12}{'comm ms':>12}{'eff. no overlap':>18}{'eff. overlap':>15}")
+    for e in estimates:
+        print(
+            f"{e.hook:<10}{e.bytes_per_step / 1e6:>12.1f}{e.comm_s * 1e3:>12.1f}"
+            f"{e.efficiency_no_overlap:>18.1%}{e.efficiency_full_overlap:>15.1%}"
+        )
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    path = _find_report(Path(args.source))
+    try:
+        payload = json.loads(path.read_text())
+        findings = [Finding(**finding) for finding in payload["findings"]]
+        series = payload["series"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise CLIError(f"{path} is not a ddpopt report ({type(error).__name__}: {error})") from None
+    print(format_findings(findings))
+    out = Path(args.out) if args.out else path.with_suffix(".png")
+    _plot(series, out)
+    print(f"plot: {out}")
+    return 0
+
+
+def _find_report(source: Path) -> Path:
+    if source.is_file():
+        return source
+    if source.is_dir():
+        found = sorted(source.rglob(REPORT_NAME), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1]
+        raise CLIError(f"no {REPORT_NAME} under {source}")
+    raise CLIError(f"{source} does not exist")
+
+
+def _plot(series: dict[str, dict[str, list[Any]]], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CLIError("plotting needs matplotlib: pip install 'lightning-ddpopt[plot]'") from None
+    figure, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    panels = (("step_time_ms", "step time (ms)"), ("sync_time_ms", "sync time (ms)"), ("bytes_sent", "MB sent"))
+    for axis, (key, label) in zip(axes, panels, strict=True):
+        for rank, data in sorted(series.items(), key=lambda item: int(item[0])):
+            values = [math.nan if v is None else v for v in data.get(key, [])]
+            if key == "bytes_sent":
+                values = [v / 1e6 for v in values]
+            steps = data.get("step", [])[: len(values)]
+            axis.plot(steps, values, label=f"rank {rank}", linewidth=1)
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    axes[0].legend(loc="upper right", fontsize="small")
+    axes[-1].set_xlabel("optimizer step")
+    figure.suptitle("ddpopt: per-rank step time, sync time and bytes per optimizer step")
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

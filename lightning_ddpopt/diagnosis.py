@@ -1,0 +1,207 @@
+"""Turns the callbacks' measurements into findings, in the order network -> AMP -> accumulation -> stragglers."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+
+__all__ = ["AREAS", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
+
+#: The file CommProfiler writes at the end of fit and ``ddpopt report`` reads.
+REPORT_NAME = "ddpopt_report.json"
+
+AREAS = ("network", "amp", "accumulation", "stragglers")
+Status = Literal["problem", "ok", "unknown"]
+
+#: Sync above this share of the step makes the network the bottleneck.
+COMM_SHARE_PROBLEM = 0.3
+#: Step-time coefficient of variation above this is reported as jitter.
+JITTER_CV = 0.2
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of the diagnosis.
+
+    Attributes:
+        area: ``"network"``, ``"amp"``, ``"accumulation"`` or ``"stragglers"``.
+        status: ``"problem"``, ``"ok"`` or ``"unknown"`` (not measured).
+        evidence: the figures behind the verdict.
+        recommendation: what to do; empty when nothing needs doing.
+    """
+
+    area: str
+    status: Status
+    evidence: str
+    recommendation: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        """The finding as a JSON-ready dict."""
+        return asdict(self)
+
+
+def summarize(trainer: pl.Trainer) -> dict[str, Any]:
+    """Collect what the run's measuring callbacks and strategy know, keyed by area (a JSON-ready dict)."""
+    strategy = trainer.strategy
+    summary: dict[str, Any] = {
+        "world_size": trainer.world_size,
+        "strategy": type(strategy).__name__,
+        "comm_hook": getattr(strategy, "comm_hook_name", None),
+        "backend": getattr(strategy, "process_group_backend", None),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+    }
+    ledger = getattr(strategy, "ledger", None)
+    if ledger is not None and ledger.total_steps:
+        steps = list(ledger.steps)
+        summary["ledger"] = {
+            "optimizer_steps": ledger.total_steps,
+            "sync_rounds_per_step": ledger.total_sync_rounds / ledger.total_steps,
+            "max_sync_rounds": max(step.sync_rounds for step in steps),
+            "micro_batches_per_step": sum(step.micro_batches for step in steps) / len(steps),
+        }
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        key = getattr(callback, "summary_key", None)
+        if key is not None:
+            summary[key] = callback.summary()
+    return summary
+
+
+def diagnose(summary: dict[str, Any]) -> list[Finding]:
+    """Findings for each area, in the debugging order: network, AMP, accumulation, stragglers."""
+    return [_network(summary), _amp(summary), _accumulation(summary), _stragglers(summary)]
+
+
+def format_findings(findings: list[Finding], width: int = 118) -> str:
+    """A plain-text table: area, status, evidence and recommendation, wrapped to ``width`` columns."""
+    lines = ["ddpopt findings (network -> AMP -> accumulation -> stragglers)"]
+    for finding in findings:
+        head = f"  {finding.area:<13}{finding.status.upper():<9}"
+        body = finding.evidence + (f" -> {finding.recommendation}" if finding.recommendation else "")
+        wrapped = textwrap.wrap(body, width=width - len(head)) or [""]
+        lines.append(head + wrapped[0])
+        lines.extend(" " * len(head) + line for line in wrapped[1:])
+    return "\n".join(lines)
+
+
+def _network(summary: dict[str, Any]) -> Finding:
+    comm = summary.get("comm") or {}
+    share = comm.get("transfer_share", comm.get("comm_share"))
+    if share is None:
+        return Finding(
+            "network",
+            "unknown",
+            "no sync time measured",
+            "add CommProfiler() and train with OptimizedDDPStrategy on more than one process",
+        )
+    hook = summary.get("comm_hook") or "none"
+    sync_ms, transfer_ms = comm.get("sync_time_ms", 0.0), comm.get("sync_time_min_rank_ms")
+    evidence = f"the transfer is {share:.0%} of the step"
+    if transfer_ms is not None and sync_ms > 1.5 * transfer_ms:
+        evidence += f" ({transfer_ms:.1f} ms; the mean sync of {sync_ms:.1f} ms is mostly waiting for the slowest rank)"
+    else:
+        evidence += f" ({sync_ms:.1f} ms sync)"
+    link, busbw = comm.get("link_busbw_gbps"), comm.get("busbw_gbps")
+    if link and busbw:
+        evidence += f", {busbw:.3f} GB/s bus bandwidth = {busbw / link:.2f} of the measured link"
+    sent = comm.get("bytes_sent")
+    if sent:
+        evidence += f", {sent / 1e6:.2f} MB sent per step"
+    evidence += f", hook {hook}"
+    cv = comm.get("step_time_cv")
+    if cv is not None and cv > JITTER_CV:
+        evidence += f"; step time jitters (CV {cv:.2f}, p95 {comm.get('step_time_p95_ms', 0):.0f} ms)"
+    if share < COMM_SHARE_PROBLEM:
+        return Finding("network", "ok", evidence)
+    if hook in ("none", "allreduce"):
+        advice = "use comm_hook='fp16' (halves the bytes) or 'powersgd' (cuts them by orders of magnitude)"
+    elif hook in ("fp16", "bf16"):
+        advice = "use comm_hook='powersgd' or 'powersgd_fp16'"
+    else:
+        advice = "accumulate more micro-batches per optimizer step (fewer syncs) or lower PowerSGD's rank"
+    return Finding("network", "problem", evidence, advice)
+
+
+def _amp(summary: dict[str, Any]) -> Finding:
+    amp = summary.get("amp")
+    if amp is None:
+        return Finding("amp", "unknown", "AMP not monitored", "add AMPMonitor() to see loss scale and skipped steps")
+    problems = []
+    if amp["nonfinite_steps"]:
+        reports = amp.get("nonfinite_reports") or [{}]
+        names = sorted({n for ns in (reports[-1].get("names") or {}).values() for n in ns})
+        problems.append(f"{amp['nonfinite_steps']} steps had non-finite gradients (e.g. in {', '.join(names[:3])})")
+    if not amp["scaler"]:
+        if problems:
+            return Finding("amp", "problem", "; ".join(problems), "lower the learning rate or clip gradients")
+        return Finding("amp", "ok", f"no GradScaler; {amp['steps']} steps with finite gradients")
+    scale = amp["scale"]
+    evidence = f"{amp['skipped_steps']} of {amp['steps']} steps skipped, skip rate {amp['skip_rate']:.1%}"
+    evidence += f", loss scale {scale:g}" if scale is not None else ""
+    if scale is not None and scale < amp["underflow_threshold"]:
+        problems.append(f"loss scale {scale:g} below {amp['underflow_threshold']:g}: gradients underflow")
+    if amp["skip_rate"] > amp["skip_rate_threshold"]:
+        problems.append(f"{amp['skip_rate']:.0%} of recent steps skipped")
+    if problems:
+        return Finding(
+            "amp",
+            "problem",
+            f"{evidence}; " + "; ".join(problems),
+            "use precision='bf16-mixed' if the hardware has bf16",
+        )
+    return Finding("amp", "ok", evidence)
+
+
+def _accumulation(summary: dict[str, Any]) -> Finding:
+    ledger = summary.get("ledger")
+    if ledger is None:
+        return Finding("accumulation", "unknown", "no sync rounds counted", "train with OptimizedDDPStrategy")
+    rounds, micro = ledger["sync_rounds_per_step"], ledger["micro_batches_per_step"]
+    evidence = f"{rounds:.2f} gradient syncs per optimizer step over {micro:.2f} micro-batches"
+    if ledger["max_sync_rounds"] > 1:
+        return Finding(
+            "accumulation",
+            "problem",
+            evidence,
+            "sync only on the last micro-batch: Trainer(accumulate_grad_batches=K), or strategy.accumulate(every=K) "
+            "with manual optimization",
+        )
+    comm = summary.get("comm") or {}
+    if micro <= 1 and (comm.get("transfer_share", comm.get("comm_share")) or 0) >= COMM_SHARE_PROBLEM:
+        return Finding(
+            "accumulation",
+            "ok",
+            evidence,
+            "accumulating K micro-batches per step would cut the sync cost per sample by K (scale the LR with it)",
+        )
+    return Finding("accumulation", "ok", evidence)
+
+
+def _stragglers(summary: dict[str, Any]) -> Finding:
+    stragglers = summary.get("stragglers")
+    if stragglers is None or stragglers.get("last") is None:
+        return Finding("stragglers", "unknown", "not measured", "add StragglerDetector()")
+    last = stragglers["last"]
+    per_rank = last["per_rank_ms"][str(last["slowest_rank"])]
+    if not last["is_straggler"]:
+        return Finding(
+            "stragglers",
+            "ok",
+            f"no straggler: the slowest rank ({last['slowest_rank']}) is {last['excess_ms']:.0f} ms/step above the "
+            "median",
+        )
+    rank, phase = last["slowest_rank"], last["phase"]
+    evidence = (
+        f"rank {rank} is {last['excess_ms']:.0f} ms/step slower than the median rank, in {phase} "
+        f"(data {per_rank['data']:.0f} ms, compute {per_rank['compute']:.0f} ms per step); the other ranks wait for it"
+    )
+    if phase == "data":
+        advice = f"rank {rank} waits for data: raise num_workers (and pin_memory) there, check its storage and CPU load"
+    else:
+        advice = (
+            f"rank {rank} computes slowly: check its device for throttling or other processes; on CPUs try "
+            "cpu_affinity=True"
+        )
+    return Finding("stragglers", "problem", evidence, advice)

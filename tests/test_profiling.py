@@ -1,0 +1,287 @@
+"""CommProfiler, StragglerDetector, the diagnosis and the ddpopt command, with real 2-process CPU DDP."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import default_collate
+
+from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt.cli import main as ddpopt
+from lightning_ddpopt.costmodel import LINKS
+from lightning_ddpopt.diagnosis import AREAS, Finding, diagnose, format_findings
+from tests.helpers import StackModel, fit_ddp, regression_data, stack_gradient_bytes
+
+COMM_KEYS = {
+    "step_time_ms",
+    "sync_time_ms",
+    "sync_time_max_ms",
+    "sync_time_min_rank_ms",
+    "comm_share",
+    "transfer_share",
+    "bytes_sent",
+    "bytes_uncompressed",
+    "compression_ratio",
+    "algbw_gbps",
+    "busbw_gbps",
+    "sync_rounds",
+    "step_time_cv",
+    "sync_time_cv",
+    *(f"{kind}_time_p{q}_ms" for kind in ("step", "sync") for q in (50, 95, 99)),
+}
+STRAGGLER_KEYS = {"slowest_rank", "excess_ms", "is_straggler", "data_ms", "compute_ms", "wait_ms"}
+
+
+class DetectorProbe(pl.Callback):
+    """Saves rank 0's last straggler analysis."""
+
+    def __init__(self, detector: StragglerDetector, out: str) -> None:
+        self.detector, self.out = detector, out
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            torch.save(self.detector.last, f"{self.out}/detector.pt")
+
+
+def slow_collate_on_rank(rank: int, seconds: float):
+    def collate(samples):
+        if dist.is_initialized() and dist.get_rank() == rank:
+            time.sleep(seconds)
+        return default_collate(samples)
+
+    return collate
+
+
+def read_metrics(tmp_path):
+    (path,) = tmp_path.glob("logs/version_*/metrics.csv")
+    with path.open() as handle:
+        rows = list(csv.DictReader(handle))
+    return {key: [float(row[key]) for row in rows if row[key]] for key in rows[0]}
+
+
+@pytest.fixture(scope="module", params=["allreduce", "fp16"])
+def profiled_run(request, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp(request.param)
+    strategy = OptimizedDDPStrategy(comm_hook=request.param, start_method="fork")
+    callbacks = [CommProfiler(every_n_steps=4, probe_link=True), StragglerDetector(every_n_steps=4), AMPMonitor()]
+    fit_ddp(
+        tmp_path,
+        strategy,
+        callbacks=callbacks,
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        samples=128,  # 8 steps of 8 samples on each of 2 ranks
+    )
+    return request.param, tmp_path
+
+
+def test_logged_bytes_are_the_exact_gradient_bytes(profiled_run):
+    hook, tmp_path = profiled_run
+    metrics = read_metrics(tmp_path)
+    width = 4 if hook == "allreduce" else 2
+    # Aggregated every 4 steps; Lightning repeats a key's latest value on the steps in between.
+    assert len(metrics["ddpopt/comm/bytes_sent"]) == 5  # from the 4th of 8 steps on
+    assert set(metrics["ddpopt/comm/bytes_uncompressed"]) == {stack_gradient_bytes()}
+    assert set(metrics["ddpopt/comm/bytes_sent"]) == {stack_gradient_bytes() // 4 * width}
+    assert set(metrics["ddpopt/comm/compression_ratio"]) == {4 / width}
+    assert set(metrics["ddpopt/comm/sync_rounds"]) == {1.0}
+    assert {f"ddpopt/comm/{key}" for key in COMM_KEYS} <= set(metrics)
+    assert {f"ddpopt/straggler/{key}" for key in STRAGGLER_KEYS} <= set(metrics)
+    for busbw, algbw in zip(metrics["ddpopt/comm/busbw_gbps"], metrics["ddpopt/comm/algbw_gbps"], strict=True):
+        assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2)
+
+
+def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
+    hook, tmp_path = profiled_run
+    (path,) = tmp_path.glob("logs/version_*/ddpopt_report.json")
+    report = json.loads(path.read_text())
+    assert report["version"] == 1
+    assert [f["area"] for f in report["findings"]] == list(AREAS)
+    assert all(set(f) == {"area", "status", "evidence", "recommendation"} for f in report["findings"])
+    summary = report["summary"]
+    assert summary["world_size"] == 2 and summary["comm_hook"] == hook and summary["backend"] == "gloo"
+    assert summary["ledger"]["optimizer_steps"] == 8 and summary["ledger"]["sync_rounds_per_step"] == 1.0
+    assert summary["comm"]["link_busbw_gbps"] > 0
+    assert summary["amp"]["scaler"] is False
+    assert set(report["series"]) == {"0", "1"}
+    assert len(report["series"]["1"]["sync_time_ms"]) == 8
+    assert report["series"]["0"]["bytes_sent"] == [stack_gradient_bytes() // (1 if hook == "allreduce" else 2)] * 8
+
+    out = tmp_path / "plot.png"
+    assert ddpopt(["report", str(tmp_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("ddpopt findings (network -> AMP -> accumulation -> stragglers)")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_straggler_is_named_with_its_phase(tmp_path):
+    detector = StragglerDetector(every_n_steps=4)
+    probe = DetectorProbe(detector, str(tmp_path))
+    loader = DataLoader(regression_data(64), batch_size=4, collate_fn=slow_collate_on_rank(1, 0.2))
+    fit_ddp(
+        tmp_path, OptimizedDDPStrategy(start_method="fork"), loader=loader, callbacks=[detector, probe], max_steps=8
+    )
+    last = torch.load(tmp_path / "detector.pt")
+    assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
+    assert 150 < last["excess_ms"] < 400
+    assert last["per_rank_ms"]["1"]["data"] > 150 > last["per_rank_ms"]["0"]["data"]
+    # The fast rank spends the difference waiting at the sync point.
+    assert last["per_rank_ms"]["0"]["wait"] > 150
+
+
+def test_healthy_run_names_no_straggler(tmp_path):
+    detector = StragglerDetector(every_n_steps=4)
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(start_method="fork"),
+        callbacks=[detector, DetectorProbe(detector, str(tmp_path))],
+        samples=128,
+    )
+    assert torch.load(tmp_path / "detector.pt")["is_straggler"] is False
+
+
+def test_single_device_warns_once_and_steps_aside(tmp_path):
+    profiler, detector = CommProfiler(), StragglerDetector()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[profiler, detector],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(StackModel(), DataLoader(regression_data(16), batch_size=4))
+    ours = [str(w.message) for w in caught if str(w.message).startswith("ddpopt:")]
+    assert ours == [
+        "ddpopt: CommProfiler needs more than one process to measure communication; it is off.",
+        "ddpopt: StragglerDetector needs more than one process; it is off.",
+    ]
+    assert profiler.last_metrics == {} and detector.last is None
+
+
+def test_plan_matches_the_ring_allreduce_formula(capsys):
+    assert ddpopt(["plan", "--params", "100M", "--world-size", "16", "--link", "10gbe", "--json"]) == 0
+    rows = {row["hook"]: row for row in json.loads(capsys.readouterr().out)}
+    n, link = 16, LINKS["10gbe"]
+    for hook, nbytes in (("allreduce", 400e6), ("fp16", 200e6), ("powersgd", 400e6 * 2 * 4 / 4096)):
+        expected = 2 * (n - 1) / n * nbytes / (10e9 / 8) + 2 * (n - 1) * link.latency_s
+        assert rows[hook]["bytes_per_step"] == pytest.approx(nbytes)
+        assert rows[hook]["comm_s"] == pytest.approx(expected)
+
+
+def test_plan_efficiency_and_custom_link(capsys):
+    args = ["plan", "--params", "25M", "--world-size", "2", "--gbps", "1", "--latency-us", "0"]
+    assert ddpopt([*args, "--step-compute-ms", "100", "--hook", "allreduce", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    comm = 2 * 1 / 2 * 100e6 / (1e9 / 8)  # 0.8 s
+    assert row["comm_s"] == pytest.approx(comm)
+    assert row["efficiency_no_overlap"] == pytest.approx(0.1 / (0.1 + comm))
+    assert row["efficiency_full_overlap"] == pytest.approx(0.1 / comm)
+    assert ddpopt(args) == 0
+    assert "allreduce" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--params", "-5", "--world-size", "2", "--link", "10gbe"], "'-5' must be positive"),
+        (["plan", "--params", "lots", "--world-size", "2", "--link", "10gbe"], "'lots' is not a count"),
+        (["plan", "--params", "1M", "--world-size", "0", "--link", "10gbe"], "--world-size 0 must be at least 1"),
+        (["plan", "--params", "1M", "--world-size", "2"], "give a link preset"),
+        (["plan", "--params", "1M", "--world-size", "2", "--gbps", "-1"], "--gbps -1 must be positive"),
+    ],
+)
+def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
+    assert ddpopt(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unknown_link_preset_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ddpopt(["plan", "--params", "1M", "--world-size", "2", "--link", "5gbe"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: '5gbe'" in capsys.readouterr().err
+
+
+def test_report_of_something_that_is_not_a_report(tmp_path, capsys):
+    bogus = tmp_path / "notes.json"
+    bogus.write_text("[1, 2, 3]")
+    assert ddpopt(["report", str(bogus)]) == 2
+    assert "is not a ddpopt report" in capsys.readouterr().err
+    assert ddpopt(["report", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert ddpopt(["report", str(tmp_path)]) == 2
+    assert "no ddpopt_report.json under" in capsys.readouterr().err
+
+
+def test_diagnosis_order_and_recommendations():
+    summary = {
+        "comm_hook": "allreduce",
+        "comm": {
+            "comm_share": 0.62,
+            "transfer_share": 0.6,
+            "sync_time_ms": 60.0,
+            "sync_time_min_rank_ms": 58.0,
+            "busbw_gbps": 0.91,
+            "link_busbw_gbps": 1.0,
+            "bytes_sent": 4e8,
+        },
+        "ledger": {"sync_rounds_per_step": 4.0, "max_sync_rounds": 4, "micro_batches_per_step": 4.0},
+        "amp": {
+            "scaler": True,
+            "steps": 100,
+            "skipped_steps": 30,
+            "skip_rate": 0.3,
+            "skip_rate_threshold": 0.1,
+            "window": 100,
+            "scale": 0.5,
+            "underflow_threshold": 1.0,
+            "nonfinite_steps": 0,
+        },
+        "stragglers": {
+            "last": {
+                "slowest_rank": 1,
+                "excess_ms": 180.0,
+                "phase": "data",
+                "is_straggler": True,
+                "per_rank_ms": {"1": {"data": 190.0, "compute": 30.0, "wait": 1.0}},
+            }
+        },
+    }
+    findings = diagnose(summary)
+    assert [f.area for f in findings] == ["network", "amp", "accumulation", "stragglers"]
+    assert all(f.status == "problem" for f in findings)
+    assert findings[0].evidence.startswith("the transfer is 60% of the step")
+    assert "0.91 of the measured link" in findings[0].evidence
+    assert findings[0].recommendation.startswith("use comm_hook='fp16' (halves the bytes) or 'powersgd'")
+    assert "loss scale 0.5 below 1" in findings[1].evidence
+    assert "strategy.accumulate(every=K)" in findings[2].recommendation
+    assert findings[3].recommendation.startswith("rank 1 waits for data: raise num_workers")
+    assert diagnose({})[0] == Finding(
+        "network",
+        "unknown",
+        "no sync time measured",
+        "add CommProfiler() and train with OptimizedDDPStrategy on more than one process",
+    )
+    assert "PROBLEM" in format_findings(findings)
+
+
+def test_bad_callback_arguments():
+    with pytest.raises(ValueError, match="every_n_steps=0 must be an int >= 1"):
+        CommProfiler(every_n_steps=0)
+    with pytest.raises(ValueError, match="probe_mb=0 must be a positive number"):
+        CommProfiler(probe_mb=0)
+    with pytest.raises(ValueError, match="min_excess_ms=-1 must be a number >= 0"):
+        StragglerDetector(min_excess_ms=-1)
