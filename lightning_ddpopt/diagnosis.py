@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
+from lightning_ddpopt.buckets import format_mb
+
 __all__ = ["AREAS", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
 
 #: The file CommProfiler writes at the end of fit and ``ddpopt report`` reads.
@@ -108,7 +110,7 @@ def _network(summary: dict[str, Any]) -> Finding:
         evidence += f", {busbw:.3f} GB/s bus bandwidth = {busbw / link:.2f} of the measured link"
     sent = comm.get("bytes_sent")
     if sent:
-        evidence += f", {sent / 1e6:.2f} MB sent per step"
+        evidence += f", {format_mb(sent)} sent per step"
     evidence += f", hook {hook}"
     cv = comm.get("step_time_cv")
     if cv is not None and cv > JITTER_CV:
