@@ -2,11 +2,13 @@
 a CSV logger; prints what the strategy did, the findings, and the held-out accuracy.
 
 Run:  python examples/train_digits.py [--hook fp16] [--devices 2] [--epochs 10] [--no-callbacks]
+      python examples/train_digits.py --epochs 1 --stall-rank 1    # see the diagnosis find a straggler
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -15,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.dataloader import default_collate
 
 from lightning_ddpopt import COMM_HOOKS, AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.buckets import format_mb
@@ -60,6 +63,18 @@ class DigitsClassifier(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
 
+class StalledCollate:
+    """Collates a batch, sleeping first on one rank: a data-loading straggler for StragglerDetector to find."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def __call__(self, samples: list) -> list[torch.Tensor]:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == self.rank:
+            time.sleep(self.seconds)
+        return default_collate(samples)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hook", default="fp16", choices=sorted(COMM_HOOKS), help="comm hook (default: fp16)")
@@ -69,6 +84,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--log-dir", default="runs")
     parser.add_argument("--no-callbacks", action="store_true", help="train without the measuring callbacks")
+    parser.add_argument("--stall-rank", type=int, help="demo: make this rank's data loading slow")
+    parser.add_argument("--stall-ms", type=float, default=200.0, help="the stall per batch (default 200 ms)")
     args = parser.parse_args()
     bucket_cap = args.bucket_cap_mb if args.bucket_cap_mb == "auto" else float(args.bucket_cap_mb)
 
@@ -87,7 +104,8 @@ def main() -> None:
         callbacks=[] if args.no_callbacks else [CommProfiler(probe_link=True), StragglerDetector(), AMPMonitor()],
     )
     model = DigitsClassifier()
-    trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True))
+    collate = StalledCollate(args.stall_rank, args.stall_ms / 1e3) if args.stall_rank is not None else None
+    trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collate))
     ledger = strategy.ledger
     if trainer.is_global_zero and ledger is not None and ledger.total_steps:
         steps = ledger.total_steps
