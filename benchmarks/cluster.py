@@ -1,0 +1,366 @@
+"""Emulated-cluster benchmark: N hosts on a shaped link, stock DDPStrategy against OptimizedDDPStrategy side by side.
+
+Each emulated host is a Linux network namespace with one training process (``num_nodes=N, devices=1``); hosts are
+joined by a veth pair (N = 2) or through a bridge namespace (N > 2), and every host's link is shaped with
+``tc ... tbf rate RATE burst 256kb latency 50ms`` (plus ``netem delay`` with ``--delay-ms``). Traffic only flows
+between addresses inside namespaces this script creates, and it deletes them on exit, whatever happens. Without
+root or iproute2 it falls back to plain loopback and says so.
+
+Run:  .venv/bin/python benchmarks/cluster.py [--hosts 2] [--rate 1gbit] [--variants stock,ours,fp16,...]
+
+Writes ``benchmarks/results/cluster.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "benchmarks" / "cluster_worker.py"
+DEFAULT_VARIANTS = ("compute", "stock", "ours", "fp16", "bf16", "powersgd_r1", "powersgd_r4", "accum4")
+PREFIX = "ddpopt-"
+SUBNET = "10.77.0"
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def parse_rate(text: str) -> float:
+    """A tc rate such as ``1gbit`` or ``500mbit`` as bytes per second."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(bit|kbit|mbit|gbit)\s*", text.lower())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"rate {text!r} is not a tc rate; write e.g. 1gbit, 500mbit, 10gbit")
+    return float(match.group(1)) * _RATE_UNITS[match.group(2)] / 8
+
+
+def parse_result(output: str) -> dict[str, Any]:
+    """The ``RESULT {json}`` line a worker printed."""
+    for line in reversed(output.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise ValueError("the worker printed no RESULT line")
+
+
+@dataclass
+class Host:
+    """One emulated host: its namespace (``None`` on loopback), address and interface."""
+
+    index: int
+    namespace: str | None
+    address: str
+    interface: str
+
+
+@dataclass
+class Cluster:
+    """Creates the namespaces and links on entry, deletes them on exit (and at interpreter exit or a signal)."""
+
+    hosts_count: int
+    rate: str
+    delay_ms: float = 0.0
+    loopback: bool = False
+    hosts: list[Host] = field(default_factory=list)
+    _created: list[str] = field(default_factory=list)
+
+    def __enter__(self) -> Cluster:
+        atexit.register(self.teardown)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        if self.loopback:
+            self.hosts = [Host(i, None, "127.0.0.1", "lo") for i in range(self.hosts_count)]
+            return self
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def teardown(self) -> None:
+        """Delete every namespace this cluster created (their veths go with them)."""
+        while self._created:
+            subprocess.run(["ip", "netns", "del", self._created.pop()], check=False, capture_output=True)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.teardown()
+        raise SystemExit(128 + signum)
+
+    def _build(self) -> None:
+        namespaces = [self._netns(f"{PREFIX}h{i}") for i in range(self.hosts_count)]
+        self.hosts = [Host(i, ns, f"{SUBNET}.{i + 1}", f"dd{i}") for i, ns in enumerate(namespaces)]
+        if self.hosts_count == 2:
+            _ip("link", "add", "dd0", "type", "veth", "peer", "name", "dd1")
+        else:
+            bridge = self._netns(f"{PREFIX}br")
+            _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+            _ip("-n", bridge, "link", "set", "br0", "up")
+            for host in self.hosts:
+                port = f"ddb{host.index}"
+                _ip("link", "add", host.interface, "type", "veth", "peer", "name", port)
+                _ip("link", "set", port, "netns", bridge)
+                _ip("-n", bridge, "link", "set", port, "master", "br0")
+                _ip("-n", bridge, "link", "set", port, "up")
+                self._shape(bridge, port)  # traffic towards the host: its downlink
+        for host in self.hosts:
+            namespace = host.namespace or ""
+            _ip("link", "set", host.interface, "netns", namespace)
+            _ip("-n", namespace, "addr", "add", f"{host.address}/24", "dev", host.interface)
+            _ip("-n", namespace, "link", "set", host.interface, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            self._shape(namespace, host.interface)
+
+    def _netns(self, name: str) -> str:
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)  # a leftover of a killed run
+        _ip("netns", "add", name)
+        self._created.append(name)
+        return name
+
+    def _shape(self, namespace: str, interface: str) -> None:
+        tbf = ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
+        if self.delay_ms > 0:
+            _tc(
+                namespace,
+                "qdisc",
+                "add",
+                "dev",
+                interface,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                f"{self.delay_ms}ms",
+            )
+            _tc(namespace, "qdisc", "add", "dev", interface, "parent", "1:", "handle", "2:", *tbf)
+        else:
+            _tc(namespace, "qdisc", "add", "dev", interface, "root", *tbf)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _tc(namespace: str, *args: str) -> None:
+    subprocess.run(["tc", "-n", namespace, *args], check=True, capture_output=True, text=True)
+
+
+def can_emulate() -> str | None:
+    """Why namespaces cannot be used here, or ``None`` when they can."""
+    if os.geteuid() != 0:
+        return "not running as root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "iproute2 (ip, tc) is not installed"
+    return None
+
+
+def run_variant(cluster: Cluster, variant: str, port: int, worker_args: Sequence[str], timeout: float) -> dict:
+    """Start one worker per host (one process only for the compute reference) and return rank 0's result."""
+    hosts = cluster.hosts[:1] if variant == "compute" else cluster.hosts
+    processes = []
+    for host in hosts:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if variant != "compute":
+            env.update(
+                MASTER_ADDR=cluster.hosts[0].address,
+                MASTER_PORT=str(port),
+                NODE_RANK=str(host.index),
+                LOCAL_RANK="0",
+                WORLD_SIZE=str(len(hosts)),
+                GLOO_SOCKET_IFNAME=host.interface,
+            )
+        command = [sys.executable, str(WORKER), "--variant", variant, "--num-nodes", str(len(hosts)), *worker_args]
+        if host.namespace is not None:
+            command = ["ip", "netns", "exec", host.namespace, *command]
+        processes.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outputs = []
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            out, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise RuntimeError(f"variant {variant} ran past {timeout:.0f} s") from None
+        outputs.append(out)
+    if any(p.returncode for p in processes):
+        tail = "\n".join(o[-2000:] for o in outputs)
+        raise RuntimeError(f"variant {variant} failed:\n{tail}")
+    return parse_result(outputs[0])
+
+
+def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | None) -> list[dict[str, Any]]:
+    """Per-variant figures: samples/s, step percentiles, sync, bytes, speed-up, compute and link fractions."""
+    rows = []
+    compute = results.get("compute")
+    compute_limit = None
+    if compute:
+        compute_limit = compute["samples_per_step"] / statistics.median(compute["step_times_s"]) * hosts
+    stock = results.get("stock")
+    stock_rate = stock["samples_per_step"] / statistics.median(stock["step_times_s"]) if stock else None
+    for variant, result in results.items():
+        times = sorted(result["step_times_s"])
+        p50, p95 = _percentile(times, 50), _percentile(times, 95)
+        rate = result["samples_per_step"] / p50
+        row: dict[str, Any] = {
+            "variant": variant,
+            "samples_per_s": rate,
+            "step_p50_ms": p50 * 1e3,
+            "step_p95_ms": p95 * 1e3,
+            "sync_ms": result["sync_time_s"] * 1e3 if result.get("sync_time_s") is not None else None,
+            "bytes_per_step": result.get("bytes_sent")
+            if result.get("bytes_sent") is not None
+            else (result["gradient_bytes"] if variant == "stock" else None),
+            "speedup_vs_stock": rate / stock_rate if stock_rate and variant != "compute" else None,
+            "fraction_of_compute_limit": rate / compute_limit if compute_limit and variant != "compute" else None,
+            "link_fraction": None,
+        }
+        if variant == "compute":
+            row["samples_per_s"] = rate * hosts  # the physical limit: every host computing without syncing
+        sync, sent = result.get("sync_time_s"), result.get("bytes_sent")
+        if link_bytes_per_s and sync and sent and hosts > 1:
+            busbw = sent / sync * 2 * (hosts - 1) / hosts
+            row["link_fraction"] = busbw / link_bytes_per_s
+        rows.append(row)
+    return rows
+
+
+def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Markdown table, JSON and (with matplotlib) a PNG bar chart of samples/s."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "cluster.md"
+    lines = [
+        f"Emulated cluster: {meta['hosts']} hosts, link {meta['link']}, model {meta['model']}, "
+        f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps; {meta['machine']}",
+        "",
+        "| variant | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock | of compute limit "
+        "| of link |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['samples_per_s']:.1f} | {r['step_p50_ms']:.0f} | {r['step_p95_ms']:.0f} | "
+            f"{_fmt(r['sync_ms'], '.0f')} | {_fmt(r['bytes_per_step'] and r['bytes_per_step'] / 1e6, '.2f')} | "
+            f"{_fmt(r['speedup_vs_stock'], '.2f', 'x')} | {_fmt(r['fraction_of_compute_limit'], '.2f')} | "
+            f"{_fmt(r['link_fraction'], '.2f')} |"
+        )
+    md.write_text("\n".join(lines) + "\n")
+    js = out_dir / "cluster.json"
+    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    written = [md, js]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    figure, axis = plt.subplots(figsize=(9, 4))
+    names = [r["variant"] for r in rows]
+    axis.bar(names, [r["samples_per_s"] for r in rows], color=["grey" if n == "compute" else "C0" for n in names])
+    axis.set_ylabel("samples/s (all hosts)")
+    axis.set_title(f"{meta['hosts']} emulated hosts on {meta['link']}: throughput by strategy and hook")
+    axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    png = out_dir / "cluster.png"
+    figure.savefig(png, dpi=110)
+    plt.close(figure)
+    return [*written, png]
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:{spec}}{suffix}"
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--rate", default="1gbit", help="tc rate of every host's link (default 1gbit)")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay per link (netem)")
+    parser.add_argument("--loopback", action="store_true", help="no namespaces: all hosts on 127.0.0.1, unshaped")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    if args.hosts < 2:
+        parser.error(f"--hosts {args.hosts} must be at least 2")
+    try:
+        link_bytes = parse_rate(args.rate)
+    except ValueError as error:
+        parser.error(str(error))
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(DEFAULT_VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(DEFAULT_VARIANTS)}")
+    loopback = args.loopback
+    reason = None if loopback else can_emulate()
+    if reason:
+        print(f"cluster: cannot emulate hosts ({reason}); falling back to loopback, unshaped", flush=True)
+        loopback = True
+    worker_args = [
+        f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("steps", "warmup", "batch-size", "width", "layers")
+    ]
+    results: dict[str, dict] = {}
+    with Cluster(args.hosts, args.rate, args.delay_ms, loopback) as cluster:
+        link = (
+            "loopback (unshaped)"
+            if loopback
+            else f"{args.rate}" + (f", {args.delay_ms:g} ms delay" if args.delay_ms else "")
+        )
+        print(f"cluster: {args.hosts} hosts on {link}; {len(variants)} variants", flush=True)
+        for index, variant in enumerate(variants):
+            started = time.monotonic()
+            results[variant] = run_variant(cluster, variant, 29700 + index, worker_args, args.timeout)
+            times = results[variant]["step_times_s"]
+            print(
+                f"  [{index + 1}/{len(variants)}] {variant:12s} step p50 {statistics.median(times) * 1e3:7.0f} ms "
+                f"({time.monotonic() - started:.0f} s)",
+                flush=True,
+            )
+    rows = summarize(results, args.hosts, None if loopback else link_bytes)
+    meta = {
+        "hosts": args.hosts,
+        "link": link,
+        "model": f"{args.layers} x Linear({args.width}, {args.width}), "
+        f"{args.layers * (args.width**2 + args.width) / 1e6:.1f}M parameters",
+        "batch_size": args.batch_size,
+        "timed_steps": args.steps - args.warmup,
+        "machine": f"{os.cpu_count()} CPU cores, torch threads per host {os.environ.get('DDPOPT_BENCH_THREADS', '1')}",
+        "command": "benchmarks/cluster.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    for path in write_reports(rows, meta, Path(args.out)):
+        print(f"wrote {path}")
+    print((Path(args.out) / "cluster.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

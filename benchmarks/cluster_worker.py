@@ -1,0 +1,126 @@
+"""One rank of an emulated-cluster benchmark run: a Lightning Trainer with ``num_nodes=N, devices=1``.
+
+Started by ``benchmarks/cluster.py`` once per emulated host (inside that host's network namespace); reads the
+rendezvous from MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK and WORLD_SIZE. Global rank 0 prints one line
+``RESULT {json}`` with the per-step times and the ledger's sync figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt.hooks import PowerSGDConfig
+
+#: variant -> (strategy factory, accumulate_grad_batches)
+VARIANTS: dict[str, tuple[Any, int]] = {
+    "stock": (lambda: DDPStrategy(), 1),
+    "ours": (lambda: OptimizedDDPStrategy(), 1),
+    "fp16": (lambda: OptimizedDDPStrategy(comm_hook="fp16"), 1),
+    "bf16": (lambda: OptimizedDDPStrategy(comm_hook="bf16"), 1),
+    "powersgd_r1": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, start_iter=2)), 1),
+    "powersgd_r4": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=4, start_iter=2)), 1),
+    "accum4": (lambda: OptimizedDDPStrategy(), 4),
+    "compute": (lambda: "auto", 1),
+}
+
+
+class MLP(pl.LightningModule):
+    """``layers`` Linear(width, width) layers: (width^2 + width) x layers parameters."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+class StepTimer(pl.Callback):
+    """Wall time of every optimizer step, measured at the end of the batch that stepped."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._last: float | None = None
+        self._seen = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._seen:
+            return
+        self._seen = trainer.global_step
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
+    parser.add_argument("--num-nodes", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="steps not timed (DDP's bucket rebuild, warm-up)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("DDPOPT_BENCH_THREADS", "1")))
+
+    make_strategy, accumulate = VARIANTS[args.variant]
+    num_nodes = 1 if args.variant == "compute" else args.num_nodes
+    samples = (args.steps + 1) * accumulate * args.batch_size * num_nodes
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(samples, args.width, generator=generator), torch.randn(samples, args.width, generator=generator)
+    )
+    timer = StepTimer()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=num_nodes,
+        strategy=make_strategy(),
+        max_steps=args.steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(MLP(args.width, args.layers), DataLoader(data, batch_size=args.batch_size))
+    if trainer.global_rank != 0:
+        return
+    timed = timer.times[max(args.warmup - 1, 0) :]
+    ledger = getattr(trainer.strategy, "ledger", None)
+    steps = list(ledger.steps)[args.warmup :] if ledger is not None else []
+    result = {
+        "variant": args.variant,
+        "world_size": trainer.world_size,
+        "samples_per_step": args.batch_size * accumulate * trainer.world_size,
+        "step_times_s": timed,
+        "gradient_bytes": sum(p.numel() * 4 for p in trainer.lightning_module.parameters()),
+        "sync_time_s": statistics.median(s.sync_time_s for s in steps) if steps else None,
+        "bytes_sent": statistics.median(s.wire_bytes or 0 for s in steps) if steps else None,
+        "sync_rounds": statistics.mean(s.sync_rounds for s in steps) if steps else None,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The emulated-cluster harness's parsing, summary and report writing, on recorded results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_path = Path(__file__).parents[1] / "benchmarks" / "cluster.py"
+_spec = importlib.util.spec_from_file_location("bench_cluster", _path)
+cluster = importlib.util.module_from_spec(_spec)
+sys.modules["bench_cluster"] = cluster
+_spec.loader.exec_module(cluster)
+
+GRAD = 100_712_448  # 6 x Linear(2048, 2048) in fp32
+
+
+def recorded(variant, step_s, samples=32, sync=None, sent=None):
+    return {
+        "variant": variant,
+        "world_size": 2,
+        "samples_per_step": samples,
+        "step_times_s": [step_s * f for f in (0.9, 1.0, 1.1)],
+        "gradient_bytes": GRAD,
+        "sync_time_s": sync,
+        "bytes_sent": sent,
+        "sync_rounds": 1.0 if sync else None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "bytes_per_s"), [("1gbit", 125e6), ("500mbit", 62.5e6), ("10Gbit", 1.25e9), ("800kbit", 1e5)]
+)
+def test_parse_rate(text, bytes_per_s):
+    assert cluster.parse_rate(text) == pytest.approx(bytes_per_s)
+
+
+@pytest.mark.parametrize("text", ["fast", "1 gigabit", "0gbit", "-1gbit", ""])
+def test_parse_rate_refuses_what_tc_would(text):
+    with pytest.raises(ValueError, match="is not a tc rate"):
+        cluster.parse_rate(text)
+
+
+def test_parse_result_takes_the_last_result_line():
+    output = 'noise\nRESULT {"variant": "a"}\nmore noise\nRESULT {"variant": "b", "x": 1}\n'
+    assert cluster.parse_result(output) == {"variant": "b", "x": 1}
+    with pytest.raises(ValueError, match="no RESULT line"):
+        cluster.parse_result("Traceback ...")
+
+
+def test_summary_ratios():
+    results = {
+        "compute": recorded("compute", 0.2, samples=16),
+        "stock": recorded("stock", 1.0),
+        "fp16": recorded("fp16", 0.5, sync=0.4, sent=GRAD / 2),
+    }
+    rows = {row["variant"]: row for row in cluster.summarize(results, hosts=2, link_bytes_per_s=125e6)}
+    assert rows["compute"]["samples_per_s"] == pytest.approx(16 / 0.2 * 2)  # every host computing, no sync
+    assert rows["stock"]["samples_per_s"] == pytest.approx(32.0)
+    assert rows["stock"]["bytes_per_step"] == GRAD
+    assert rows["fp16"]["speedup_vs_stock"] == pytest.approx(2.0)
+    assert rows["fp16"]["fraction_of_compute_limit"] == pytest.approx(64 / 160)
+    # busbw = bytes / sync x 2(n-1)/n, over the link's bytes/s.
+    assert rows["fp16"]["link_fraction"] == pytest.approx(GRAD / 2 / 0.4 / 125e6)
+    assert rows["fp16"]["step_p95_ms"] == pytest.approx(0.5 * (1.0 + 0.9 * 0.1) * 1e3)
+
+
+def test_reports_are_written(tmp_path):
+    results = {"stock": recorded("stock", 1.0), "ours": recorded("ours", 0.9, sync=0.8, sent=GRAD)}
+    rows = cluster.summarize(results, hosts=2, link_bytes_per_s=125e6)
+    meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x"}
+    paths = cluster.write_reports(rows, meta, tmp_path)
+    assert [p.name for p in paths] == ["cluster.md", "cluster.json", "cluster.png"]
+    table = (tmp_path / "cluster.md").read_text().splitlines()
+    assert table[0].startswith("Emulated cluster: 2 hosts, link 1gbit")
+    assert table[5] == "| ours | 35.6 | 900 | 981 | 800 | 100.71 | 1.11x | - | 1.01 |"
+    assert json.loads((tmp_path / "cluster.json").read_text())["rows"][1]["variant"] == "ours"
+    assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_arguments_exit_with_a_message(capsys):
+    with pytest.raises(SystemExit):
+        cluster.main(["--hosts", "1"])
+    assert "--hosts 1 must be at least 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cluster.main(["--variants", "stock,turbo"])
+    assert "unknown variants ['turbo']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cluster.main(["--rate", "fast"])
+    assert "rate 'fast' is not a tc rate" in capsys.readouterr().err
