@@ -33,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "cluster_worker.py"
 DEFAULT_VARIANTS = ("compute", "stock", "ours", "fp16", "bf16", "powersgd_r1", "powersgd_r4", "accum4")
+BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 PREFIX = "ddpopt-"
 SUBNET = "10.77.0"
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -231,6 +232,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             "speedup_vs_stock": rate / stock_rate if stock_rate and variant != "compute" else None,
             "fraction_of_compute_limit": rate / compute_limit if compute_limit and variant != "compute" else None,
             "link_fraction": None,
+            "bucket_cap_mb": result.get("bucket_cap_mb"),
         }
         if variant == "compute":
             row["samples_per_s"] = rate * hosts  # the physical limit: every host computing without syncing
@@ -242,27 +244,28 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
     return rows
 
 
-def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path) -> list[Path]:
+def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str = "cluster") -> list[Path]:
     """Markdown table, JSON and (with matplotlib) a PNG bar chart of samples/s."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = out_dir / "cluster.md"
+    md = out_dir / f"{name}.md"
     lines = [
         f"Emulated cluster: {meta['hosts']} hosts, link {meta['link']}, model {meta['model']}, "
         f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps; {meta['machine']}",
         "",
-        "| variant | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock | of compute limit "
-        "| of link |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | cap MB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
+        "| of compute limit | of link |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['samples_per_s']:.1f} | {r['step_p50_ms']:.0f} | {r['step_p95_ms']:.0f} | "
+            f"| {r['variant']} | {_fmt(r['bucket_cap_mb'], 'g')} | {r['samples_per_s']:.1f} | "
+            f"{r['step_p50_ms']:.0f} | {r['step_p95_ms']:.0f} | "
             f"{_fmt(r['sync_ms'], '.0f')} | {_fmt(r['bytes_per_step'] and r['bytes_per_step'] / 1e6, '.2f')} | "
             f"{_fmt(r['speedup_vs_stock'], '.2f', 'x')} | {_fmt(r['fraction_of_compute_limit'], '.2f')} | "
             f"{_fmt(r['link_fraction'], '.2f')} |"
         )
     md.write_text("\n".join(lines) + "\n")
-    js = out_dir / "cluster.json"
+    js = out_dir / f"{name}.json"
     js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     written = [md, js]
     try:
@@ -279,7 +282,7 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
     axis.set_title(f"{meta['hosts']} emulated hosts on {meta['link']}: throughput by strategy and hook")
     axis.grid(axis="y", alpha=0.3)
     figure.tight_layout()
-    png = out_dir / "cluster.png"
+    png = out_dir / f"{name}.png"
     figure.savefig(png, dpi=110)
     plt.close(figure)
     return [*written, png]
@@ -301,7 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", default="1gbit", help="tc rate of every host's link (default 1gbit)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay per link (netem)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces: all hosts on 127.0.0.1, unshaped")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated; default {','.join(DEFAULT_VARIANTS)}; bucket sweep: {','.join(BUCKET_SWEEP)}",
+    )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -309,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--name", default="cluster", help="report file stem (default cluster)")
     args = parser.parse_args(argv)
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts} must be at least 2")
@@ -317,9 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(DEFAULT_VARIANTS))
+    unknown = sorted(set(variants) - set(DEFAULT_VARIANTS) - set(BUCKET_SWEEP))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(DEFAULT_VARIANTS)}")
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(DEFAULT_VARIANTS + BUCKET_SWEEP)}")
     loopback = args.loopback
     reason = None if loopback else can_emulate()
     if reason:
@@ -356,9 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPU cores, torch threads per host {os.environ.get('DDPOPT_BENCH_THREADS', '1')}",
         "command": "benchmarks/cluster.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    for path in write_reports(rows, meta, Path(args.out)):
+    for path in write_reports(rows, meta, Path(args.out), args.name):
         print(f"wrote {path}")
-    print((Path(args.out) / "cluster.md").read_text())
+    print((Path(args.out) / f"{args.name}.md").read_text())
     return 0
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt.buckets import autotune_candidates
 from lightning_ddpopt.hooks import PowerSGDConfig
 
 #: variant -> (strategy factory, accumulate_grad_batches)
@@ -33,6 +34,8 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "powersgd_r4": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=4, start_iter=2)), 1),
     "accum4": (lambda: OptimizedDDPStrategy(), 4),
     "compute": (lambda: "auto", 1),
+    "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
+    **{f"cap{cap}": (lambda cap=cap: OptimizedDDPStrategy(bucket_cap_mb=cap), 1) for cap in (1, 5, 25, 100, 200)},
 }
 
 
@@ -83,6 +86,10 @@ def main() -> None:
 
     make_strategy, accumulate = VARIANTS[args.variant]
     num_nodes = 1 if args.variant == "compute" else args.num_nodes
+    if args.variant == "autotune":
+        # Time only the steps after the search: its length depends on the model's candidate caps.
+        search = len(autotune_candidates(MLP(args.width, args.layers), num_nodes)) * (2 + 3)
+        args.steps, args.warmup = args.steps + search, args.warmup + search
     samples = (args.steps + 1) * accumulate * args.batch_size * num_nodes
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
@@ -118,6 +125,7 @@ def main() -> None:
         "sync_time_s": statistics.median(s.sync_time_s for s in steps) if steps else None,
         "bytes_sent": statistics.median(s.wire_bytes or 0 for s in steps) if steps else None,
         "sync_rounds": statistics.mean(s.sync_rounds for s in steps) if steps else None,
+        "bucket_cap_mb": getattr(getattr(trainer.strategy, "bucket_plan", None), "cap_mb", None),
     }
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -1,4 +1,4 @@
-"""Bucket planning: validate an explicit cap, derive the "auto" cap, predict and read DDP's bucket layout."""
+"""Bucket planning: an explicit cap, the "auto" heuristic, measured autotuning, and DDP's bucket layout."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "BUCKET_CAP_CHOICES",
+    "BucketAutotuner",
     "BucketPlan",
     "auto_bucket_cap_mb",
+    "autotune_candidates",
     "built_bucket_bytes",
+    "choose_cap",
     "format_mb",
     "gradient_bytes",
     "plan_buckets",
@@ -23,8 +26,10 @@ __all__ = [
 ]
 
 MB = 1024 * 1024
-BucketCap = float | Literal["auto"]
-BUCKET_CAP_CHOICES = ("auto",)
+BucketCap = float | Literal["auto", "autotune"]
+BUCKET_CAP_CHOICES = ("auto", "autotune")
+#: Caps "autotune" tries besides the "auto" one, in MiB (those giving the same layout are tried once).
+AUTOTUNE_CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
 
 #: Bounds of the "auto" heuristic, in MiB.
 AUTO_TARGET_BUCKETS = 8
@@ -39,8 +44,10 @@ AUTO_MAX_LATENCY_SHARE = 0.1
 def validate_bucket_cap_mb(value: object) -> BucketCap:
     """Return ``value`` if it is a positive finite number or "auto", else raise naming the argument."""
     if isinstance(value, str):
-        if value in BUCKET_CAP_CHOICES:
+        if value == "auto":
             return "auto"
+        if value == "autotune":
+            return "autotune"
         raise ValueError(
             f"bucket_cap_mb={value!r} is not valid; pass a positive number of MiB or one of {list(BUCKET_CAP_CHOICES)}"
         )
@@ -86,7 +93,7 @@ class BucketPlan:
     """What the strategy asks DDP for, and the layout it predicts.
 
     Attributes:
-        requested: the user's ``bucket_cap_mb`` ("auto" or a number).
+        requested: the user's ``bucket_cap_mb`` ("auto", "autotune" or a number).
         cap_mb: the cap passed to DDP.
         gradient_bytes: bytes of all gradients to synchronise.
         predicted_bucket_bytes: bucket sizes DDP builds when gradients become ready in reverse definition order
@@ -103,7 +110,7 @@ def plan_buckets(module: torch.nn.Module, requested: BucketCap, world_size: int)
     """Choose the cap for ``module`` and predict DDP's layout with the assignment function DDP itself uses."""
     params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
     grad_bytes = gradient_bytes(params)
-    cap_mb = auto_bucket_cap_mb(grad_bytes, world_size) if requested == "auto" else float(requested)
+    cap_mb = auto_bucket_cap_mb(grad_bytes, world_size) if requested in ("auto", "autotune") else float(requested)
     predicted: tuple[int, ...] = ()
     if params:
         cap_bytes = int(cap_mb * MB)
@@ -111,6 +118,95 @@ def plan_buckets(module: torch.nn.Module, requested: BucketCap, world_size: int)
         assignment, _ = dist._compute_bucket_assignment_by_size(ordered, [cap_bytes], [False] * len(ordered))
         predicted = tuple(gradient_bytes(ordered[i] for i in bucket) for bucket in assignment)
     return BucketPlan(requested, cap_mb, grad_bytes, predicted)
+
+
+def autotune_candidates(module: torch.nn.Module, world_size: int) -> list[float]:
+    """The caps "autotune" measures: the "auto" cap first, then :data:`AUTOTUNE_CANDIDATES_MB`, one per layout."""
+    candidates: list[float] = []
+    layouts: set[tuple[int, ...]] = set()
+    auto = plan_buckets(module, "auto", world_size).cap_mb
+    for cap in (auto, *AUTOTUNE_CANDIDATES_MB):
+        layout = plan_buckets(module, cap, world_size).predicted_bucket_bytes
+        if layout not in layouts:
+            layouts.add(layout)
+            candidates.append(cap)
+    return candidates
+
+
+class BucketAutotuner:
+    """Measures each candidate cap for a few optimizer steps and picks the fastest.
+
+    Every candidate runs ``warmup_steps`` unmeasured steps (DDP builds its buckets on the first one and rebuilds
+    them after it) and then ``measure_steps`` timed ones; its score is the median step time. The search takes
+    ``len(candidates) * (warmup_steps + measure_steps)`` optimizer steps, then training goes on with the best cap.
+
+    Args:
+        candidates: caps in MiB, tried in this order; the first is the one training starts with.
+        warmup_steps: steps per candidate that are not timed.
+        measure_steps: timed steps per candidate.
+    """
+
+    def __init__(self, candidates: list[float], warmup_steps: int = 2, measure_steps: int = 3) -> None:
+        if not candidates:
+            raise ValueError("autotune needs at least one candidate cap")
+        if warmup_steps < 1 or measure_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps} and measure_steps={measure_steps} must be at least 1")
+        self.candidates = list(candidates)
+        self.warmup_steps = warmup_steps
+        self.measure_steps = measure_steps
+        self.scores: dict[float, float] = {}
+        self.best: float | None = None
+        self._index = 0
+        self._steps = 0
+        self._times: list[float] = []
+
+    @property
+    def current(self) -> float:
+        """The cap being measured (or the chosen one, once done)."""
+        return self.best if self.best is not None else self.candidates[self._index]
+
+    @property
+    def done(self) -> bool:
+        """Whether every candidate has been measured and the best chosen."""
+        return self.best is not None
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the search takes."""
+        return len(self.candidates) * (self.warmup_steps + self.measure_steps)
+
+    def observe(self, step_time_s: float) -> bool:
+        """Record one optimizer step; ``True`` when the candidate is complete and :meth:`advance` is due."""
+        if self.done:
+            return False
+        self._steps += 1
+        if self._steps > self.warmup_steps:
+            self._times.append(step_time_s)
+        return self._steps == self.warmup_steps + self.measure_steps
+
+    def local_score(self) -> float:
+        """This rank's median step time for the current candidate."""
+        ordered = sorted(self._times)
+        return ordered[len(ordered) // 2]
+
+    def advance(self, agreed_score: float) -> float:
+        """Store the current candidate's score (the same on every rank) and return the cap to run next.
+
+        After the last candidate this chooses the best and returns it.
+        """
+        self.scores[self.candidates[self._index]] = agreed_score
+        self._steps, self._times = 0, []
+        if self._index + 1 < len(self.candidates):
+            self._index += 1
+        else:
+            self.best = choose_cap(self.scores)
+        return self.current
+
+
+def choose_cap(scores: dict[float, float]) -> float:
+    """The cap with the lowest step time; within 1% of it, the larger cap (fewer collectives, same speed)."""
+    fastest = min(scores.values())
+    return max(cap for cap, score in scores.items() if score <= fastest * 1.01)
 
 
 def built_bucket_bytes(model: DistributedDataParallel) -> tuple[int, ...]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -29,7 +31,9 @@ from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_st
 from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
 from lightning_ddpopt.buckets import (
     MB,
+    BucketAutotuner,
     BucketPlan,
+    autotune_candidates,
     built_bucket_bytes,
     format_mb,
     plan_buckets,
@@ -64,8 +68,9 @@ class OptimizedDDPStrategy(DDPStrategy):
     * ``comm_hook`` is registered on **every** backend (gloo on CPU, NCCL on GPU) and checked to be attached;
       Lightning's ``DDPStrategy`` registers hooks on CUDA only and silently drops them elsewhere.
     * ``bucket_cap_mb="auto"`` sizes DDP's gradient buckets from the model and the world size
-      (see :func:`lightning_ddpopt.buckets.auto_bucket_cap_mb`); rank 0 logs the plan at setup and the layout
-      DDP actually built once it is final.
+      (see :func:`lightning_ddpopt.buckets.auto_bucket_cap_mb`); ``"autotune"`` measures candidate caps during the
+      first optimizer steps and keeps the fastest (:class:`~lightning_ddpopt.buckets.BucketAutotuner`); rank 0 logs
+      the plan at setup and the layout DDP actually built once it is final.
     * Every hook of the registry reports to a per-rank :class:`~lightning_ddpopt.ledger.CommLedger` (bytes before
       and after compression, sync time, sync rounds per optimizer step), which the callbacks read.
     * ``cpu_affinity`` pins each local rank to its own cores.
@@ -77,7 +82,7 @@ class OptimizedDDPStrategy(DDPStrategy):
             ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's built-in
             allreduce with nothing recorded. The hook's state is saved in checkpoints (every rank's) and restored.
         comm_state: the state passed to a callable ``comm_hook``.
-        bucket_cap_mb: DDP's bucket cap in MiB, a positive number, or ``"auto"``.
+        bucket_cap_mb: DDP's bucket cap in MiB, a positive number, ``"auto"`` or ``"autotune"``.
         gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a copy and memory).
         find_unused_parameters: forwarded to ``DistributedDataParallel``.
         static_graph: forwarded to ``DistributedDataParallel``.
@@ -109,7 +114,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         self,
         comm_hook: str | PowerSGDConfig | Callable | None = _DEFAULT_COMM_HOOK,
         comm_state: object | None = None,
-        bucket_cap_mb: float | Literal["auto"] = "auto",
+        bucket_cap_mb: float | Literal["auto", "autotune"] = "auto",
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -167,6 +172,10 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._saved_hook_state: dict[str, Any] | None = None
         self._micro_batch_in_group = 0
         self._warned_extra_syncs = False
+        self.autotuner: BucketAutotuner | None = None
+        self._registered_hook: CommHook | None = None
+        self._layout_due_step = _LAYOUT_FINAL_AFTER_STEPS
+        self._last_step_end: float | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -192,6 +201,8 @@ class OptimizedDDPStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         self.bucket_plan = plan_buckets(model, self._bucket_cap_mb, self.world_size)
         self._ddp_kwargs["bucket_cap_mb"] = self.bucket_plan.cap_mb
+        if self._bucket_cap_mb == "autotune" and self.world_size > 1:
+            self.autotuner = BucketAutotuner(autotune_candidates(model, self.world_size))
         return super()._setup_model(model)
 
     @override
@@ -207,7 +218,8 @@ class OptimizedDDPStrategy(DDPStrategy):
                     f"tested ({', '.join(TESTED_BACKENDS)} are); check its results."
                 )
             assert self.ledger is not None
-            model.register_comm_hook(self.comm_state, self.ledger.record_hook(hook))
+            self._registered_hook = self.ledger.record_hook(hook)
+            model.register_comm_hook(self.comm_state, self._registered_hook)
             attached = model._get_ddp_logging_data().get("comm_hook")
             if attached != hook.__qualname__:
                 raise RuntimeError(
@@ -259,9 +271,14 @@ class OptimizedDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.ledger is not None and isinstance(self.model, DistributedDataParallel):
-            record = self.ledger.close_step()
-            if self.bucket_layout is None and self.ledger.total_steps >= _LAYOUT_FINAL_AFTER_STEPS:
+        now = time.perf_counter()
+        ledger = self.ledger if isinstance(self.model, DistributedDataParallel) else None
+        record = ledger.close_step() if ledger is not None else None
+        if self.autotuner is not None and not self.autotuner.done and self._last_step_end is not None:
+            self._autotune_step(now - self._last_step_end)
+        self._last_step_end = now
+        if record is not None and ledger is not None:
+            if self.bucket_layout is None and ledger.total_steps >= self._layout_due_step:
                 self._log_layout()
             self._check_syncs_per_step(record.sync_rounds, record.micro_batches)
             if record.samples and self.lightning_module is not None:
@@ -346,6 +363,39 @@ class OptimizedDDPStrategy(DDPStrategy):
                     start_method=start_methods[suffix],
                 )
 
+    def _autotune_step(self, step_time_s: float) -> None:
+        """Feed one step time to the autotuner; switch DDP's buckets when a candidate is complete."""
+        tuner = self.autotuner
+        assert tuner is not None
+        if not tuner.observe(step_time_s):
+            return
+        # Every rank scores a candidate by the slowest rank's median, so every rank takes the same decision.
+        score = torch.tensor([tuner.local_score()], dtype=torch.float64, device=self.root_device)
+        torch.distributed.all_reduce(score, op=torch.distributed.ReduceOp.MAX)
+        previous = tuner.current
+        next_cap = tuner.advance(float(score))
+        if tuner.done:
+            scores = ", ".join(f"{cap:g} MB: {t * 1e3:.1f} ms" for cap, t in tuner.scores.items())
+            rank_zero_info(
+                f"ddpopt: autotune chose bucket_cap_mb={tuner.best:g} after {tuner.total_steps} steps "
+                f"(median step time per cap: {scores})"
+            )
+        if next_cap != previous:
+            self._rebuild_buckets(next_cap)
+
+    def _rebuild_buckets(self, cap_mb: float) -> None:
+        """Wrap the module in a new DDP with ``cap_mb``; the parameters, optimizer state and hook state stay."""
+        assert isinstance(self.model, DistributedDataParallel) and self.bucket_plan is not None
+        module = self.model.module
+        self._ddp_kwargs["bucket_cap_mb"] = cap_mb
+        self.model = super()._setup_model(module)
+        if self._registered_hook is not None:
+            self.model.register_comm_hook(self.comm_state, self._registered_hook)
+        replanned = plan_buckets(module, cap_mb, self.world_size)
+        self.bucket_plan = dataclasses.replace(replanned, requested=self.bucket_plan.requested)
+        self.bucket_layout = None
+        self._layout_due_step = (self.ledger.total_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
+
     def _check_syncs_per_step(self, sync_rounds: int, micro_batches: int) -> None:
         """Warn once when a manual-optimization loop synchronised gradients on more than one micro-batch."""
         module = self.lightning_module
@@ -425,6 +475,9 @@ class OptimizedDDPStrategy(DDPStrategy):
         plan = self.bucket_plan
         assert plan is not None
         auto = f", auto for {self.world_size} ranks" if plan.requested == "auto" else ""
+        if self.autotuner is not None:
+            tried = ", ".join(f"{cap:g}" for cap in self.autotuner.candidates)
+            auto = f", autotune tries [{tried}] MB over {self.autotuner.total_steps} steps"
         rank_zero_info(f"ddpopt: plan {self._describe_buckets(plan.predicted_bucket_bytes, auto)} on {backend}")
 
     def _log_layout(self) -> None:

@@ -129,6 +129,7 @@ class RankProbe(pl.Callback):
             record["bucket_plan"] = asdict(strategy.bucket_plan) if strategy.bucket_plan else None
             record["steps"] = [asdict(step) for step in strategy.ledger.steps] if strategy.ledger else []
             record["hook_iteration"] = getattr(strategy.comm_state, "iteration", None)
+            record["autotune_scores"] = dict(strategy.autotuner.scores) if strategy.autotuner else None
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 

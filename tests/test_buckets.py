@@ -6,7 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ddpopt.buckets import MB, auto_bucket_cap_mb, format_mb, gradient_bytes, plan_buckets
+from lightning_ddpopt.buckets import (
+    MB,
+    BucketAutotuner,
+    auto_bucket_cap_mb,
+    autotune_candidates,
+    choose_cap,
+    format_mb,
+    gradient_bytes,
+    plan_buckets,
+)
 
 
 def test_auto_targets_eight_buckets_between_the_latency_floor_and_the_ceiling():
@@ -51,3 +60,33 @@ def test_format_mb(nbytes, text):
 def test_gradient_bytes_counts_dtype_width():
     half = nn.Linear(10, 10).to(torch.float16)
     assert gradient_bytes(half.parameters()) == 110 * 2
+
+
+def test_autotuner_measures_each_candidate_after_warmup_and_picks_the_fastest():
+    tuner = BucketAutotuner([1.2, 1.0, 5.0], warmup_steps=2, measure_steps=3)
+    assert tuner.total_steps == 15 and tuner.current == 1.2
+    recorded = {1.2: [9.0, 9.0, 0.30, 0.20, 0.25], 1.0: [9.0, 9.0, 0.40, 0.35, 0.45], 5.0: [9.0, 9.0, 0.1, 0.3, 0.2]}
+    switches = []
+    for cap, times in recorded.items():
+        assert tuner.current == cap
+        due = [tuner.observe(t) for t in times]
+        assert due == [False] * 4 + [True]  # warm-up steps (DDP's first, unbucketed step) are not scored
+        switches.append(tuner.advance(tuner.local_score()))
+    assert tuner.scores == {1.2: 0.25, 1.0: 0.40, 5.0: 0.2}
+    assert switches == [1.0, 5.0, 5.0] and tuner.done and tuner.best == 5.0
+    assert tuner.observe(0.1) is False  # settled: no more measuring
+
+
+def test_choose_cap_prefers_the_larger_cap_within_one_percent():
+    assert choose_cap({1.0: 0.200, 25.0: 0.201, 100.0: 0.25}) == 25.0
+    assert choose_cap({1.0: 0.100, 25.0: 0.200}) == 1.0
+
+
+def test_autotune_candidates_start_with_auto_and_skip_identical_layouts():
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 4.2 MB of gradients
+    candidates = autotune_candidates(model, world_size=2)
+    assert candidates[0] == auto_bucket_cap_mb(gradient_bytes(model.parameters()), 2)
+    # 5, 25 and 100 MB all give one bucket: only the first of them is tried.
+    assert candidates == [candidates[0], 1.0, 5.0]
+    with pytest.raises(ValueError, match="at least one candidate"):
+        BucketAutotuner([])
