@@ -32,7 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "cluster_worker.py"
-DEFAULT_VARIANTS = ("compute", "stock", "ours", "fp16", "bf16", "powersgd_r1", "powersgd_r4", "accum4")
+DEFAULT_VARIANTS = ("compute", "stock", "ours", "fp16", "bf16", "powersgd_r1", "powersgd_r4", "accum4", "auto_hook")
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 PREFIX = "ddpopt-"
 SUBNET = "10.77.0"
@@ -233,6 +233,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             "fraction_of_compute_limit": rate / compute_limit if compute_limit and variant != "compute" else None,
             "link_fraction": None,
             "bucket_cap_mb": result.get("bucket_cap_mb"),
+            "comm_hook": result.get("comm_hook"),
         }
         if variant == "compute":
             row["samples_per_s"] = rate * hosts  # the physical limit: every host computing without syncing
@@ -252,13 +253,14 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
         f"Emulated cluster: {meta['hosts']} hosts, link {meta['link']}, model {meta['model']}, "
         f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps; {meta['machine']}",
         "",
-        "| variant | cap MB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
+        "| variant | hook | cap MB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
         "| of compute limit | of link |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {_fmt(r['bucket_cap_mb'], 'g')} | {r['samples_per_s']:.1f} | "
+            f"| {r['variant']} | {r['comm_hook'] or '-'} | {_fmt(r['bucket_cap_mb'], 'g')} | "
+            f"{r['samples_per_s']:.1f} | "
             f"{r['step_p50_ms']:.0f} | {r['step_p95_ms']:.0f} | "
             f"{_fmt(r['sync_ms'], '.0f')} | {_fmt(r['bytes_per_step'] and r['bytes_per_step'] / 1e6, '.2f')} | "
             f"{_fmt(r['speedup_vs_stock'], '.2f', 'x')} | {_fmt(r['fraction_of_compute_limit'], '.2f')} | "

@@ -35,6 +35,7 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "accum4": (lambda: OptimizedDDPStrategy(), 4),
     "compute": (lambda: "auto", 1),
     "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
+    "auto_hook": (lambda: OptimizedDDPStrategy(comm_hook="auto"), 1),
     **{f"cap{cap}": (lambda cap=cap: OptimizedDDPStrategy(bucket_cap_mb=cap), 1) for cap in (1, 5, 25, 100, 200)},
 }
 
@@ -126,6 +127,7 @@ def main() -> None:
         "bytes_sent": statistics.median(s.wire_bytes or 0 for s in steps) if steps else None,
         "sync_rounds": statistics.mean(s.sync_rounds for s in steps) if steps else None,
         "bucket_cap_mb": getattr(getattr(trainer.strategy, "bucket_plan", None), "cap_mb", None),
+        "comm_hook": getattr(trainer.strategy, "comm_hook_name", None),
     }
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -39,6 +39,7 @@ from lightning_ddpopt.buckets import (
     plan_buckets,
     validate_bucket_cap_mb,
 )
+from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
 from lightning_ddpopt.hooks.registry import (
@@ -80,7 +81,9 @@ class OptimizedDDPStrategy(DDPStrategy):
         comm_hook: a registry name (see :data:`lightning_ddpopt.hooks.COMM_HOOKS`), a
             :class:`~lightning_ddpopt.hooks.PowerSGDConfig`, a torch-style hook
             ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's built-in
-            allreduce with nothing recorded. The hook's state is saved in checkpoints (every rank's) and restored.
+            allreduce with nothing recorded; ``"auto"`` measures the link and the model at setup and picks
+            ``allreduce``, ``fp16`` or ``powersgd`` (see :mod:`lightning_ddpopt.hooks.auto`). The hook's state is
+            saved in checkpoints (every rank's) and restored.
         comm_state: the state passed to a callable ``comm_hook``.
         bucket_cap_mb: DDP's bucket cap in MiB, a positive number, ``"auto"`` or ``"autotune"``.
         gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a copy and memory).
@@ -135,6 +138,7 @@ class OptimizedDDPStrategy(DDPStrategy):
     ) -> None:
         check_lightning_version()
         self._hook_spec, self._hook_callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
+        self._auto_hook = comm_hook == AUTO_HOOK
         if ddp_comm_hook is not None:
             validate_hook_callable(ddp_comm_hook, "ddp_comm_hook")
         if ddp_comm_wrapper is not None and ddp_comm_hook is None:
@@ -173,6 +177,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._micro_batch_in_group = 0
         self._warned_extra_syncs = False
         self.autotuner: BucketAutotuner | None = None
+        self.hook_choice: HookChoice | None = None
         self._registered_hook: CommHook | None = None
         self._layout_due_step = _LAYOUT_FINAL_AFTER_STEPS
         self._last_step_end: float | None = None
@@ -449,6 +454,14 @@ class OptimizedDDPStrategy(DDPStrategy):
         )
 
     def _build_hook(self, model: DistributedDataParallel, backend: str) -> CommHook | None:
+        if self._auto_hook and self._hook_spec is None:
+            if self.world_size > 1:
+                costs = measure_hook_costs(model.module, model.process_group, self.root_device)
+                self.hook_choice = choose_hook(costs)
+            else:
+                self.hook_choice = HookChoice("allreduce", {}, "one process: nothing to communicate")
+            rank_zero_info(f"ddpopt: comm_hook='auto' chose {self.hook_choice.name!r}: {self.hook_choice.reason}")
+            self._hook_spec = get_hook_spec(self.hook_choice.name)
         if self._hook_spec is not None:
             reason = self._hook_spec.unsupported_reason(backend)
             if reason is not None:
@@ -516,7 +529,7 @@ def _validate_comm_hook(
                 f"comm_state={comm_state!r} is only used with a callable comm_hook; registry hooks such as "
                 f"{comm_hook!r} build their own state"
             )
-        if ddp_comm_hook is not None:
+        if ddp_comm_hook is not None or comm_hook == AUTO_HOOK:
             return None, None
         return get_hook_spec(comm_hook), None
     if comm_hook is None:

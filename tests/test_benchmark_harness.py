@@ -76,7 +76,7 @@ def test_reports_are_written(tmp_path):
     assert [p.name for p in paths] == ["cluster.md", "cluster.json", "cluster.png"]
     table = (tmp_path / "cluster.md").read_text().splitlines()
     assert table[0].startswith("Emulated cluster: 2 hosts, link 1gbit")
-    assert table[5] == "| ours | - | 35.6 | 900 | 981 | 800 | 100.71 | 1.11x | - | 1.01 |"
+    assert table[5] == "| ours | - | - | 35.6 | 900 | 981 | 800 | 100.71 | 1.11x | - | 1.01 |"
     assert json.loads((tmp_path / "cluster.json").read_text())["rows"][1]["variant"] == "ours"
     assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"
 

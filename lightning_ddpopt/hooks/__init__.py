@@ -1,18 +1,22 @@
 """Comm hooks with torch's ``(state, bucket) -> Future[Tensor]`` signature, and their registry."""
 
+from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, powersgd_spec
 
 __all__ = [
+    "AUTO_HOOK",
     "COMM_HOOKS",
+    "HookChoice",
     "CommHookState",
     "HookSpec",
     "PowerSGDConfig",
     "PowerSGDState",
     "allreduce_mean_hook",
     "bf16_allreduce_hook",
+    "choose_hook",
     "fp16_allreduce_hook",
     "get_hook_spec",
     "powersgd_hook",

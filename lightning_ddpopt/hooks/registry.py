@@ -103,7 +103,7 @@ def get_hook_spec(name: str) -> HookSpec:
         return COMM_HOOKS[name]
     except KeyError:
         raise ValueError(
-            f"comm_hook={name!r} is not a known hook; choose one of {sorted(COMM_HOOKS)}, "
+            f"comm_hook={name!r} is not a known hook; choose one of {sorted(COMM_HOOKS)}, 'auto' (measured), "
             "a PowerSGDConfig, a callable hook(state, bucket) -> Future, or None"
         ) from None
 
