@@ -197,3 +197,15 @@ def test_scaler_settings_reach_the_grad_scaler():
     scaler = plugin.scaler
     assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor()) == (1024.0, 4.0, 0.25)
     assert scaler.get_growth_interval() == 7 and plugin.device == "cpu" and plugin.precision == "16-mixed"
+
+
+class FusedAdamModel(StackModel):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)
+
+
+def test_optimizer_that_unscales_itself_is_reported_not_misclassified(tmp_path):
+    monitor = AMPMonitor()
+    with pytest.warns(UserWarning, match="AMPMonitor cannot tell skipped steps for Adam, which unscales"):
+        fit_single(tmp_path, FusedAdamModel(), monitor, max_steps=2)
+    assert monitor.skipped_steps == 0

@@ -103,6 +103,7 @@ class AMPMonitor(Callback):
         self._warned_underflow = False
         self._warned_skip_rate = False
         self._last_step_skipped = False
+        self._warned_unclassified = False
         self._scaler: torch.amp.GradScaler | None = None
         self._patched_module: pl.LightningModule | None = None
 
@@ -208,6 +209,13 @@ class AMPMonitor(Callback):
         # What GradScaler.step itself reads to decide whether to skip: filled in by unscale_, which Lightning
         # runs before this hook. The values are synced to the host by GradScaler.step anyway.
         found_inf = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not found_inf and not self._warned_unclassified:
+            # Optimizers that unscale inside step() (fused ones) leave nothing to read before the step.
+            self._warned_unclassified = True
+            rank_zero_warn(
+                f"ddpopt: AMPMonitor cannot tell skipped steps for {type(optimizer).__name__}, which unscales its "
+                "gradients inside step(); skipped_steps stays 0 and only the loss scale is logged for it."
+            )
         skipped = bool(sum(value.item() for value in found_inf.values()))
         self._last_step_skipped = skipped
         self._recent.append(skipped)
