@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_ddpopt._validate import require_int
+
 __all__ = ["AccumulationStep", "next_accumulation_step"]
 
 
@@ -30,7 +32,6 @@ def next_accumulation_step(previous_micro_batch: int, every: int, last_batch_of_
     A group ends after ``every`` micro-batches, or early on the epoch's last batch, so gradients of a short last
     group are never carried into the next epoch.
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every={every!r} must be an int >= 1 (the number of micro-batches per optimizer step)")
+    require_int("every", every, 1, " (the number of micro-batches per optimizer step)")
     micro_batch = previous_micro_batch + 1
     return AccumulationStep(micro_batch, every, micro_batch >= every or last_batch_of_epoch)

@@ -7,6 +7,8 @@ import math
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from lightning_ddpopt._validate import require_int
+
 __all__ = ["bf16_supported", "fp16_mixed_precision"]
 
 
@@ -38,8 +40,7 @@ def fp16_mixed_precision(
         raise ValueError(f"growth_factor={growth_factor!r} must be > 1")
     if not (isinstance(backoff_factor, int | float) and 0 < backoff_factor < 1):
         raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1")
+    require_int("growth_interval", growth_interval, 1)
     scaler = torch.amp.GradScaler(
         device,
         init_scale=init_scale,

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -73,16 +74,14 @@ class AMPMonitor(Callback):
         on_nonfinite: OnNonFinite = "warn",
         max_names: int = 5,
     ) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r} must be an int >= 1")
+        require_int("window", window, 1)
         if not isinstance(skip_rate_threshold, int | float) or not 0 <= skip_rate_threshold <= 1:
             raise ValueError(f"skip_rate_threshold={skip_rate_threshold!r} must be between 0 and 1")
         if not isinstance(underflow_threshold, int | float) or underflow_threshold <= 0:
             raise ValueError(f"underflow_threshold={underflow_threshold!r} must be a positive number")
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not valid; choose one of {list(_ON_NONFINITE)}")
-        if isinstance(max_names, bool) or not isinstance(max_names, int) or max_names < 1:
-            raise ValueError(f"max_names={max_names!r} must be an int >= 1")
+        require_int("max_names", max_names, 1)
         self.window = window
         self.skip_rate_threshold = skip_rate_threshold
         self.underflow_threshold = underflow_threshold

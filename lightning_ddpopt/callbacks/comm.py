@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics.aggregation import CatMetric
 from typing_extensions import override
 
+from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
@@ -81,8 +82,7 @@ class CommProfiler(Callback):
         report: bool = True,
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("window", window), ("probe_repeats", probe_repeats)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            require_int(name, value, 1)
         if not isinstance(probe_mb, int | float) or probe_mb <= 0:
             raise ValueError(f"probe_mb={probe_mb!r} must be a positive number")
         self.every_n_steps = every_n_steps

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 
 __all__ = ["StragglerDetector"]
@@ -53,8 +54,7 @@ class StragglerDetector(Callback):
     summary_key = "stragglers"
 
     def __init__(self, every_n_steps: int = 20, min_excess_ms: float = 20.0, min_excess_fraction: float = 0.1) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps={every_n_steps!r} must be an int >= 1")
+        require_int("every_n_steps", every_n_steps, 1)
         if not isinstance(min_excess_ms, int | float) or min_excess_ms < 0:
             raise ValueError(f"min_excess_ms={min_excess_ms!r} must be a number >= 0")
         if not isinstance(min_excess_fraction, int | float) or min_excess_fraction < 0:

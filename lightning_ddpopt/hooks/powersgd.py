@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks.base import CommHookState
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
@@ -58,10 +59,8 @@ class PowerSGDConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"PowerSGDConfig rank={self.rank!r} must be an int >= 1")
-        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
-            raise ValueError(f"PowerSGDConfig start_iter={self.start_iter!r} must be an int >= 0")
+        require_int("PowerSGDConfig rank", self.rank, 1)
+        require_int("PowerSGDConfig start_iter", self.start_iter, 0)
         if (self.error_feedback or self.warm_start) and self.start_iter < 2:
             raise ValueError(
                 f"PowerSGDConfig start_iter={self.start_iter} must be at least 2 with error_feedback or warm_start: "
