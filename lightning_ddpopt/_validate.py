@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["require_int"]
+__all__ = ["require_int", "require_number"]
 
 
 def require_int(name: str, value: object, minimum: int, hint: str = "") -> int:
@@ -10,3 +10,15 @@ def require_int(name: str, value: object, minimum: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}{hint}")
     return value
+
+
+def require_number(name: str, value: object, minimum: float = 0.0, *, strict: bool = True) -> float:
+    """Return ``value`` if it is a real number above ``minimum`` (or at least it, with ``strict=False``)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (value <= minimum if strict else value < minimum)
+    ):
+        relation = "a positive number" if strict and minimum == 0 else f"a number {'>' if strict else '>='} {minimum:g}"
+        raise ValueError(f"{name}={value!r} must be {relation}")
+    return float(value)

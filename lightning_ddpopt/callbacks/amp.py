@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ddpopt._validate import require_int
+from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -77,8 +77,7 @@ class AMPMonitor(Callback):
         require_int("window", window, 1)
         if not isinstance(skip_rate_threshold, int | float) or not 0 <= skip_rate_threshold <= 1:
             raise ValueError(f"skip_rate_threshold={skip_rate_threshold!r} must be between 0 and 1")
-        if not isinstance(underflow_threshold, int | float) or underflow_threshold <= 0:
-            raise ValueError(f"underflow_threshold={underflow_threshold!r} must be a positive number")
+        require_number("underflow_threshold", underflow_threshold)
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not valid; choose one of {list(_ON_NONFINITE)}")
         require_int("max_names", max_names, 1)

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics.aggregation import CatMetric
 from typing_extensions import override
 
-from lightning_ddpopt._validate import require_int
+from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
@@ -83,8 +83,7 @@ class CommProfiler(Callback):
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("window", window), ("probe_repeats", probe_repeats)):
             require_int(name, value, 1)
-        if not isinstance(probe_mb, int | float) or probe_mb <= 0:
-            raise ValueError(f"probe_mb={probe_mb!r} must be a positive number")
+        require_number("probe_mb", probe_mb)
         self.every_n_steps = every_n_steps
         self.window = window
         self.probe_link = probe_link

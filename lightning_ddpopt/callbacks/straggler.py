@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ddpopt._validate import require_int
+from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 
 __all__ = ["StragglerDetector"]
@@ -55,10 +55,8 @@ class StragglerDetector(Callback):
 
     def __init__(self, every_n_steps: int = 20, min_excess_ms: float = 20.0, min_excess_fraction: float = 0.1) -> None:
         require_int("every_n_steps", every_n_steps, 1)
-        if not isinstance(min_excess_ms, int | float) or min_excess_ms < 0:
-            raise ValueError(f"min_excess_ms={min_excess_ms!r} must be a number >= 0")
-        if not isinstance(min_excess_fraction, int | float) or min_excess_fraction < 0:
-            raise ValueError(f"min_excess_fraction={min_excess_fraction!r} must be a number >= 0")
+        require_number("min_excess_ms", min_excess_ms, strict=False)
+        require_number("min_excess_fraction", min_excess_fraction, strict=False)
         self.every_n_steps = every_n_steps
         self.min_excess_ms = min_excess_ms
         self.min_excess_fraction = min_excess_fraction
