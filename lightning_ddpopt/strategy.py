@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -52,8 +51,6 @@ from lightning_ddpopt.hooks.registry import (
 from lightning_ddpopt.ledger import CommHook, CommLedger
 
 __all__ = ["OptimizedDDPStrategy"]
-
-log = logging.getLogger(__name__)
 
 _DEFAULT_COMM_HOOK = "allreduce"
 _CHECKPOINT_KEY = "ddpopt"

@@ -285,3 +285,18 @@ def test_bad_callback_arguments():
         CommProfiler(probe_mb=0)
     with pytest.raises(ValueError, match="min_excess_ms=-1 must be a number >= 0"):
         StragglerDetector(min_excess_ms=-1)
+
+
+def test_report_series_stay_bounded_on_long_runs():
+    from lightning_ddpopt.callbacks.comm import _thin
+
+    series = {"step": [], "sync_time_ms": []}
+    for step in range(1, 10_001):
+        series["step"].append(float(step))
+        series["sync_time_ms"].append(float(step) * 2)
+        _thin(series, 100)
+    assert 100 <= len(series["step"]) < 200
+    assert series["sync_time_ms"] == [2 * step for step in series["step"]]  # still aligned
+    assert series["step"][0] == 1.0 and series["step"][-1] > 9_800  # covers the whole run
+    with pytest.raises(ValueError, match="max_series_points=0 must be an int >= 1"):
+        CommProfiler(max_series_points=0)

@@ -70,6 +70,8 @@ class CommProfiler(Callback):
         probe_mb: size of a probe allreduce.
         probe_repeats: timed probe allreduces (after one warm-up).
         report: print findings and write the JSON report at the end of fit.
+        max_series_points: per-step points kept per rank for the report's plot; beyond twice this, every other
+            point is dropped, so a long run keeps a bounded, evenly thinned series.
     """
 
     def __init__(
@@ -80,9 +82,11 @@ class CommProfiler(Callback):
         probe_mb: float = 16.0,
         probe_repeats: int = 3,
         report: bool = True,
+        max_series_points: int = 5000,
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("window", window), ("probe_repeats", probe_repeats)):
             require_int(name, value, 1)
+        require_int("max_series_points", max_series_points, 1)
         require_number("probe_mb", probe_mb)
         self.every_n_steps = every_n_steps
         self.window = window
@@ -90,6 +94,7 @@ class CommProfiler(Callback):
         self.probe_mb = probe_mb
         self.probe_repeats = probe_repeats
         self.report = report
+        self.max_series_points = max_series_points
 
         self.link_busbw_gbps: float | None = None
         self.last_metrics: dict[str, float] = {}
@@ -156,6 +161,7 @@ class CommProfiler(Callback):
                     self._interval["bytes_sent"].append(float(record.wire_bytes))
                 self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
                 self._series["bytes_sent"].append(float(record.wire_bytes or 0))
+        _thin(self._series, self.max_series_points)
         if self._since_log >= self.every_n_steps:
             self._since_log = 0
             self.last_metrics = self._aggregate(trainer.world_size)
@@ -261,6 +267,13 @@ class CommProfiler(Callback):
             times.append(time.perf_counter() - start)
         algbw = tensor.numel() * 4 / statistics.median(times) / 1e9
         return bus_bandwidth(algbw, world_size)
+
+
+def _thin(series: dict[str, list[float]], limit: int) -> None:
+    """Drop every other point of each series, in place, once the step series holds twice ``limit`` points."""
+    if len(series["step"]) >= 2 * limit:
+        for values in series.values():
+            del values[1::2]
 
 
 def _percentile(values: list[float], q: float) -> float:
