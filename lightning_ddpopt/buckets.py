@@ -158,7 +158,6 @@ class BucketAutotuner:
         self.best: float | None = None
         self._index = 0
         self._steps = 0
-        self._times: list[float] = []
 
     @property
     def current(self) -> float:
@@ -175,18 +174,22 @@ class BucketAutotuner:
         """Optimizer steps the search takes."""
         return len(self.candidates) * (self.warmup_steps + self.measure_steps)
 
-    def observe(self, step_time_s: float) -> bool:
-        """Record one optimizer step; ``True`` when the candidate is complete and :meth:`advance` is due."""
+    def observe(self) -> bool:
+        """Count one optimizer step; ``True`` when the candidate is complete.
+
+        Then score its last ``measure_steps`` steps with :meth:`score` and call :meth:`advance`.
+        """
         if self.done:
             return False
         self._steps += 1
-        if self._steps > self.warmup_steps:
-            self._times.append(step_time_s)
         return self._steps == self.warmup_steps + self.measure_steps
 
-    def local_score(self) -> float:
-        """This rank's median step time for the current candidate."""
-        ordered = sorted(self._times)
+    @staticmethod
+    def score(step_times_s: list[float]) -> float:
+        """A candidate's score on this rank: the median of its measured step times (infinite when none)."""
+        if not step_times_s:
+            return math.inf
+        ordered = sorted(step_times_s)
         return ordered[len(ordered) // 2]
 
     def advance(self, agreed_score: float) -> float:
@@ -195,7 +198,7 @@ class BucketAutotuner:
         After the last candidate this chooses the best and returns it.
         """
         self.scores[self.candidates[self._index]] = agreed_score
-        self._steps, self._times = 0, []
+        self._steps = 0
         if self._index + 1 < len(self.candidates):
             self._index += 1
         else:

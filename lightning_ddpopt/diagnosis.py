@@ -63,6 +63,8 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
             "sync_rounds_per_step": ledger.total_sync_rounds / ledger.total_steps,
             "max_sync_rounds": max(step.sync_rounds for step in steps),
             "micro_batches_per_step": sum(step.micro_batches for step in steps) / len(steps),
+            # "device": times from CUDA events (device work); "host": host clocks.
+            "clock": "device" if ledger.timeline.device_clock else "host",
         }
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         key = getattr(callback, "summary_key", None)

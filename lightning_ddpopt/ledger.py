@@ -1,10 +1,15 @@
-"""CommLedger: what each gradient sync did, per rank - the single source the callbacks read."""
+"""CommLedger: what each gradient sync did, per rank - the single source the callbacks read.
+
+Times are taken on a :mod:`~lightning_ddpopt.timing` timeline: host clocks on CPU, CUDA events on a GPU (where
+host clocks would time the queueing of kernels, not the transfer). A closed step becomes a :class:`StepRecord`
+once every mark in it has resolved, which on a GPU is a step or so later; nothing here waits for the device
+except :meth:`CommLedger.flush`.
+"""
 
 from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_ddpopt.timing import HostTimeline, Mark, Timeline
 
 __all__ = ["BucketRecord", "CommLedger", "StepRecord"]
 
@@ -28,8 +35,8 @@ class BucketRecord:
         logical_bytes: bytes the gradients occupy as DDP holds them (what a plain allreduce sends).
         wire_bytes: bytes this rank contributed to collectives for the bucket, after compression; ``None`` when
             the hook does not report them (a user-supplied hook).
-        start_s: ``time.perf_counter()`` when DDP handed the bucket to the hook.
-        end_s: ``time.perf_counter()`` when the hook's future completed.
+        start_s: when DDP handed the bucket to the hook (on a GPU: when the bucket's gradients were computed).
+        end_s: when the hook's result was ready (on a GPU: when its collectives had finished on the device).
     """
 
     index: int
@@ -42,7 +49,10 @@ class BucketRecord:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """All gradient syncs between two optimizer steps.
+    """All gradient syncs between two optimizer steps, and the step's own times.
+
+    Times are seconds on the ledger's timeline (see :mod:`lightning_ddpopt.timing`): differences between them are
+    durations; on a GPU they are device times.
 
     Attributes:
         step: 1-based count of optimizer steps this ledger has closed.
@@ -53,8 +63,12 @@ class StepRecord:
         bucket_bytes: the logical size of each bucket in the last round, in DDP's bucket order.
         micro_batches: training batches this rank ran for this step (the accumulation group's length).
         samples: samples in those batches on this rank; ``None`` when a batch's size could not be determined.
-        sync_start_s: ``time.perf_counter()`` when the step's first bucket reached its hook: this rank's arrival at
-            the sync point (``None`` without syncs).
+        sync_start_s: when the step's first bucket reached its hook: this rank's arrival at the sync point
+            (``None`` without syncs).
+        start_s: when the step's first micro-batch started (``None`` when the strategy did not report batches).
+        end_s: when the optimizer step was done.
+        step_time_s: ``end_s`` minus the previous step's ``end_s``, data loading included; for the first step of a
+            run or an epoch, ``end_s - start_s`` (the loader's start-up is not a step's cost). ``None`` when unknown.
     """
 
     step: int
@@ -66,6 +80,9 @@ class StepRecord:
     micro_batches: int = 0
     samples: int | None = None
     sync_start_s: float | None = None
+    start_s: float | None = None
+    end_s: float | None = None
+    step_time_s: float | None = None
 
     @property
     def compression_ratio(self) -> float | None:
@@ -76,19 +93,39 @@ class StepRecord:
 
 
 class _OpenBucket:
-    __slots__ = ("index", "num_elements", "logical_bytes", "wire_bytes", "start_s", "end_s")
+    __slots__ = ("index", "num_elements", "logical_bytes", "wire_bytes", "start", "end")
 
-    def __init__(self, index: int, num_elements: int, logical_bytes: int, start_s: float) -> None:
+    def __init__(self, index: int, num_elements: int, logical_bytes: int, start: Mark) -> None:
         self.index = index
         self.num_elements = num_elements
         self.logical_bytes = logical_bytes
         self.wire_bytes: int | None = None
-        self.start_s = start_s
-        self.end_s: float | None = None
+        self.start = start
+        self.end: Mark | None = None
 
-    def freeze(self) -> BucketRecord:
-        end = self.end_s if self.end_s is not None else self.start_s
-        return BucketRecord(self.index, self.num_elements, self.logical_bytes, self.wire_bytes, self.start_s, end)
+    def marks(self) -> tuple[Mark, ...]:
+        return (self.start,) if self.end is None else (self.start, self.end)
+
+    def freeze(self, seconds: dict[int, float]) -> BucketRecord:
+        start = seconds[id(self.start)]
+        end = seconds[id(self.end)] if self.end is not None else start
+        return BucketRecord(self.index, self.num_elements, self.logical_bytes, self.wire_bytes, start, end)
+
+
+@dataclass
+class _ClosedStep:
+    """A closed step whose marks may not have resolved yet."""
+
+    rounds: list[list[_OpenBucket]]
+    micro_batches: int
+    samples: int | None
+    start: Mark | None
+    end: Mark
+    contiguous: bool
+
+    def marks(self) -> list[Mark]:
+        marks = [mark for round_ in self.rounds for bucket in round_ for mark in bucket.marks()]
+        return [*marks, *(() if self.start is None else (self.start,)), self.end]
 
 
 class CommLedger:
@@ -96,20 +133,31 @@ class CommLedger:
 
     Hooks write (through :meth:`record_hook` and :meth:`add_wire_bytes`); the strategy counts training batches
     (:meth:`add_micro_batch`) and closes a step at every optimizer step (:meth:`close_step`); callbacks read
-    :attr:`steps` and the running totals. Nothing here communicates: figures are this rank's own.
+    :attr:`steps` and the running totals after :meth:`poll`. Nothing here communicates: figures are this rank's own.
+
+    A closed step joins :attr:`steps` once its marks have resolved: at once on the host timeline, when the device
+    has passed them on a CUDA timeline. :meth:`poll` resolves what is ready without waiting; :meth:`flush` waits.
 
     Args:
-        history: how many closed steps to keep in :attr:`steps` (older ones only count in the totals).
+        history: how many resolved steps to keep in :attr:`steps` (older ones only count in the totals).
+        timeline: where times come from; host clocks by default
+            (:func:`~lightning_ddpopt.timing.timeline_for` picks CUDA events for a GPU).
     """
 
-    def __init__(self, history: int = 4096) -> None:
+    def __init__(self, history: int = 4096, timeline: Timeline | None = None) -> None:
         if not isinstance(history, int) or history < 1:
             raise ValueError(f"history must be a positive int, got {history!r}")
+        self.timeline: Timeline = timeline if timeline is not None else HostTimeline()
         self._lock = threading.Lock()
         self._rounds: list[list[_OpenBucket]] = []
         self._micro_batches = 0
         self._samples: int | None = 0
+        self._step_start: Mark | None = None
+        self._contiguous = False
+        self._pending: deque[_ClosedStep] = deque()
+        self._last_end_s: float | None = None
         self.steps: deque[StepRecord] = deque(maxlen=history)
+        self.closed_steps = 0
         self.total_steps = 0
         self.total_sync_rounds = 0
         self.total_logical_bytes = 0
@@ -118,7 +166,9 @@ class CommLedger:
     def record_hook(self, hook: CommHook) -> CommHook:
         """Wrap ``hook`` so that every bucket it handles is timed and its uncompressed size recorded.
 
-        The wrapper keeps the hook's name, which DDP reports as ``comm_hook`` in its logging data.
+        The wrapper keeps the hook's name, which DDP reports as ``comm_hook`` in its logging data. The end mark is
+        taken in a callback of the hook's future: on a GPU that callback runs on a stream that waits for the
+        hook's collectives, so the mark fires when they are done on the device, not when they were queued.
         """
 
         @functools.wraps(hook)
@@ -128,7 +178,7 @@ class CommLedger:
             future = hook(state, bucket)
 
             def finish(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-                entry.end_s = time.perf_counter()
+                entry.end = self.timeline.mark()
                 return done.value()
 
             return future.then(finish)
@@ -144,40 +194,56 @@ class CommLedger:
                     return
         raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
 
-    def add_micro_batch(self, samples: int | None) -> None:
-        """Count one training batch of the current step; ``samples=None`` when its size is unknown."""
+    def add_micro_batch(self, samples: int | None, first_of_epoch: bool = False) -> None:
+        """Count one training batch of the current step; ``samples=None`` when its size is unknown.
+
+        ``first_of_epoch`` says the time since the previous step includes an epoch boundary (validation, the
+        loader's restart), so the step's time is counted from this batch instead.
+        """
+        mark = self.timeline.mark() if self._micro_batches == 0 else None
         with self._lock:
+            if mark is not None:
+                self._step_start = mark
+            if first_of_epoch:
+                self._contiguous = False
             self._micro_batches += 1
             self._samples = None if samples is None or self._samples is None else self._samples + samples
 
-    def close_step(self) -> StepRecord:
-        """Close the current optimizer step: group the rounds recorded since the last call into a record."""
+    def close_step(self) -> list[StepRecord]:
+        """Close the current optimizer step; return the steps that resolved now, oldest first.
+
+        On the host timeline that is the step just closed; on a CUDA timeline usually an earlier one.
+        """
+        end = self.timeline.mark()
         with self._lock:
-            rounds, self._rounds = self._rounds, []
-            micro_batches, samples = self._micro_batches, self._samples
-            self._micro_batches, self._samples = 0, 0
-            frozen = [[entry.freeze() for entry in round_] for round_ in rounds]
-            buckets = [record for round_ in frozen for record in round_]
-            wire: int | None = sum(b.wire_bytes or 0 for b in buckets)
-            if any(b.wire_bytes is None for b in buckets):
-                wire = None
-            record = StepRecord(
-                step=self.total_steps + 1,
-                sync_rounds=len(frozen),
-                logical_bytes=sum(b.logical_bytes for b in buckets),
-                wire_bytes=wire,
-                sync_time_s=sum(max(b.end_s for b in r) - min(b.start_s for b in r) for r in frozen),
-                bucket_bytes=tuple(b.logical_bytes for b in frozen[-1]) if frozen else (),
-                micro_batches=micro_batches,
-                samples=samples if micro_batches else None,
-                sync_start_s=frozen[0][0].start_s if frozen else None,
+            self._pending.append(
+                _ClosedStep(
+                    rounds=self._rounds,
+                    micro_batches=self._micro_batches,
+                    samples=self._samples if self._micro_batches else None,
+                    start=self._step_start,
+                    end=end,
+                    contiguous=self._contiguous,
+                )
             )
-            self.steps.append(record)
-            self.total_steps += 1
-            self.total_sync_rounds += record.sync_rounds
-            self.total_logical_bytes += record.logical_bytes
-            self.total_wire_bytes += record.wire_bytes or 0
-            return record
+            self._rounds, self._micro_batches, self._samples, self._step_start = [], 0, 0, None
+            self._contiguous = True
+            self.closed_steps += 1
+        return self.poll()
+
+    def poll(self) -> list[StepRecord]:
+        """Turn the closed steps whose marks have all resolved into records, in order; never waits."""
+        return self._resolve(wait=False)
+
+    def flush(self) -> list[StepRecord]:
+        """Wait for every closed step's marks and turn them into records (a host sync on a GPU: for the end of fit)."""
+        return self._resolve(wait=True)
+
+    @property
+    def pending_steps(self) -> int:
+        """Closed steps still waiting for the device."""
+        with self._lock:
+            return len(self._pending)
 
     @property
     def open_sync_rounds(self) -> int:
@@ -185,8 +251,57 @@ class CommLedger:
         with self._lock:
             return len(self._rounds)
 
+    def _resolve(self, wait: bool) -> list[StepRecord]:
+        resolved: list[StepRecord] = []
+        with self._lock:
+            while self._pending:
+                closed = self._pending[0]
+                seconds: dict[int, float] = {}
+                for mark in closed.marks():
+                    value = self.timeline.wait(mark) if wait else self.timeline.seconds(mark)
+                    if value is None:
+                        return resolved
+                    seconds[id(mark)] = value
+                self._pending.popleft()
+                resolved.append(self._record(closed, seconds))
+        return resolved
+
+    def _record(self, closed: _ClosedStep, seconds: dict[int, float]) -> StepRecord:
+        frozen = [[entry.freeze(seconds) for entry in round_] for round_ in closed.rounds if round_]
+        buckets = [record for round_ in frozen for record in round_]
+        wire: int | None = sum(b.wire_bytes or 0 for b in buckets)
+        if any(b.wire_bytes is None for b in buckets):
+            wire = None
+        start = seconds[id(closed.start)] if closed.start is not None else None
+        end = seconds[id(closed.end)]
+        if closed.contiguous and self._last_end_s is not None:
+            step_time: float | None = end - self._last_end_s
+        else:
+            step_time = end - start if start is not None else None
+        self._last_end_s = end
+        record = StepRecord(
+            step=self.total_steps + 1,
+            sync_rounds=len(frozen),
+            logical_bytes=sum(b.logical_bytes for b in buckets),
+            wire_bytes=wire,
+            sync_time_s=sum(max(b.end_s for b in r) - min(b.start_s for b in r) for r in frozen),
+            bucket_bytes=tuple(b.logical_bytes for b in frozen[-1]) if frozen else (),
+            micro_batches=closed.micro_batches,
+            samples=closed.samples,
+            sync_start_s=frozen[0][0].start_s if frozen else None,
+            start_s=start,
+            end_s=end,
+            step_time_s=step_time,
+        )
+        self.steps.append(record)
+        self.total_steps += 1
+        self.total_sync_rounds += record.sync_rounds
+        self.total_logical_bytes += record.logical_bytes
+        self.total_wire_bytes += record.wire_bytes or 0
+        return record
+
     def _open_bucket(self, index: int, num_elements: int, logical_bytes: int) -> _OpenBucket:
-        entry = _OpenBucket(index, num_elements, logical_bytes, time.perf_counter())
+        entry = _OpenBucket(index, num_elements, logical_bytes, self.timeline.mark())
         with self._lock:
             # DDP launches buckets strictly in index order, so bucket 0 starts a new round.
             if index == 0 or not self._rounds:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -49,6 +48,7 @@ from lightning_ddpopt.hooks.registry import (
     validate_hook_callable,
 )
 from lightning_ddpopt.ledger import CommHook, CommLedger
+from lightning_ddpopt.timing import timeline_for
 
 __all__ = ["OptimizedDDPStrategy"]
 
@@ -177,14 +177,14 @@ class OptimizedDDPStrategy(DDPStrategy):
         self.hook_choice: HookChoice | None = None
         self._registered_hook: CommHook | None = None
         self._layout_due_step = _LAYOUT_FINAL_AFTER_STEPS
-        self._last_step_end: float | None = None
 
     @override
     def setup_environment(self) -> None:
         # Bind before the process group starts its threads, so they inherit the binding.
         self._bind_cores()
-        self.ledger = CommLedger()
         super().setup_environment()
+        # CUDA events on a GPU (host clocks would time kernel queueing), host clocks on CPU.
+        self.ledger = CommLedger(timeline=timeline_for(self.root_device))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -261,7 +261,7 @@ class OptimizedDDPStrategy(DDPStrategy):
                 samples: int | None = extract_batch_size(batch)
             except (MisconfigurationException, RecursionError):
                 samples = None
-            self.ledger.add_micro_batch(samples)
+            self.ledger.add_micro_batch(samples, first_of_epoch=batch_idx == 0)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -273,21 +273,21 @@ class OptimizedDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        now = time.perf_counter()
         ledger = self.ledger if isinstance(self.model, DistributedDataParallel) else None
-        record = ledger.close_step() if ledger is not None else None
-        if self.autotuner is not None and not self.autotuner.done and self._last_step_end is not None:
-            self._autotune_step(now - self._last_step_end)
-        self._last_step_end = now
-        if record is not None and ledger is not None:
-            if self.bucket_layout is None and ledger.total_steps >= self._layout_due_step:
-                self._log_layout()
+        if ledger is None:
+            return output
+        # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
+        for record in ledger.close_step():
             self._check_syncs_per_step(record.sync_rounds, record.micro_batches)
             if record.samples and self.lightning_module is not None:
                 # Assumes every rank runs batches of the same size, as DistributedSampler makes them.
                 self.lightning_module.log(
                     "ddpopt/effective_batch_size", float(record.samples * self.world_size), on_step=True, on_epoch=False
                 )
+        if self.bucket_layout is None and ledger.closed_steps >= self._layout_due_step:
+            self._log_layout()
+        if self.autotuner is not None and not self.autotuner.done:
+            self._autotune_step(ledger)
         return output
 
     @contextmanager
@@ -365,14 +365,19 @@ class OptimizedDDPStrategy(DDPStrategy):
                     start_method=start_methods[suffix],
                 )
 
-    def _autotune_step(self, step_time_s: float) -> None:
-        """Feed one step time to the autotuner; switch DDP's buckets when a candidate is complete."""
+    def _autotune_step(self, ledger: CommLedger) -> None:
+        """Count one step for the autotuner; score the candidate and switch DDP's buckets when it is complete."""
         tuner = self.autotuner
         assert tuner is not None
-        if not tuner.observe(step_time_s):
+        if not tuner.observe():
             return
+        # The candidate's measured steps are the ledger's latest: wait for the device once per candidate, so
+        # they are timed on the device's clock (host times on a GPU would be queueing times).
+        ledger.flush()
+        times = [record.step_time_s for record in list(ledger.steps)[-tuner.measure_steps :]]
+        local = tuner.score([t for t in times if t is not None])
         # Every rank scores a candidate by the slowest rank's median, so every rank takes the same decision.
-        score = torch.tensor([tuner.local_score()], dtype=torch.float64, device=self.root_device)
+        score = torch.tensor([local], dtype=torch.float64, device=self.root_device)
         torch.distributed.all_reduce(score, op=torch.distributed.ReduceOp.MAX)
         previous = tuner.current
         next_cap = tuner.advance(float(score))
@@ -396,7 +401,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         replanned = plan_buckets(module, cap_mb, self.world_size)
         self.bucket_plan = dataclasses.replace(replanned, requested=self.bucket_plan.requested)
         self.bucket_layout = None
-        self._layout_due_step = (self.ledger.total_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
+        self._layout_due_step = (self.ledger.closed_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
 
     def _check_syncs_per_step(self, sync_rounds: int, micro_batches: int) -> None:
         """Warn once when a manual-optimization loop synchronised gradients on more than one micro-batch."""
@@ -492,7 +497,9 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     def _log_layout(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
-        last = self.ledger.steps[-1] if self.ledger is not None and self.ledger.steps else None
+        ledger = self.ledger
+        # The latest record shows the buckets the hooks saw, unless a step closed since is still on the device.
+        last = ledger.steps[-1] if ledger is not None and ledger.steps and not ledger.pending_steps else None
         recorded = last.bucket_bytes if last is not None else ()
         self.bucket_layout = recorded or built_bucket_bytes(self.model)
         sizes = ", ".join(f"{size / MB:.1f}" for size in self.bucket_layout)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
@@ -85,6 +87,46 @@ class WarningsProbe(pl.Callback):
         self._catcher.__exit__(None, None, None)
         if trainer.global_rank == 0:
             torch.save([str(w.message) for w in self._caught], self.out)
+
+
+class LaggingTimeline:
+    """Host clocks that behave like a device running behind its host: a mark resolves only once ``lag`` later
+    marks were taken. Counts the blocking :meth:`wait` calls, which training must never make."""
+
+    device_clock = True
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.waits = 0
+        self._taken = 0
+        self._lock = threading.Lock()
+
+    def mark(self) -> tuple[int, float]:
+        with self._lock:
+            self._taken += 1
+            return self._taken, time.perf_counter()
+
+    def seconds(self, mark: tuple[int, float]) -> float | None:
+        with self._lock:
+            return mark[1] if self._taken - mark[0] >= self.lag else None
+
+    def wait(self, mark: tuple[int, float]) -> float:
+        with self._lock:
+            self.waits += 1
+        return mark[1]
+
+
+class LaggingStrategy(OptimizedDDPStrategy):
+    """OptimizedDDPStrategy whose ledger runs on a :class:`LaggingTimeline`, with its own lag on each rank."""
+
+    def __init__(self, lags: list[int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lags = lags
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.ledger is not None
+        self.ledger.timeline = LaggingTimeline(self.lags[self.global_rank])
 
 
 def stack_gradient_bytes() -> int:

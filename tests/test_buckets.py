@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -69,12 +71,13 @@ def test_autotuner_measures_each_candidate_after_warmup_and_picks_the_fastest():
     switches = []
     for cap, times in recorded.items():
         assert tuner.current == cap
-        due = [tuner.observe(t) for t in times]
+        due = [tuner.observe() for _ in times]
         assert due == [False] * 4 + [True]  # warm-up steps (DDP's first, unbucketed step) are not scored
-        switches.append(tuner.advance(tuner.local_score()))
+        switches.append(tuner.advance(tuner.score(times[-tuner.measure_steps :])))
     assert tuner.scores == {1.2: 0.25, 1.0: 0.40, 5.0: 0.2}
     assert switches == [1.0, 5.0, 5.0] and tuner.done and tuner.best == 5.0
-    assert tuner.observe(0.1) is False  # settled: no more measuring
+    assert tuner.observe() is False  # settled: no more measuring
+    assert tuner.score([]) == math.inf  # no step timed on this rank: never the best
 
 
 def test_choose_cap_prefers_the_larger_cap_within_one_percent():

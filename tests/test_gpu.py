@@ -1,20 +1,83 @@
-"""NCCL layer: the same strategy and hooks on CUDA GPUs. Skipped without at least two GPUs."""
+"""GPU layer: CUDA-event timing on one GPU; the same strategy, hooks and callbacks on NCCL with two GPUs.
+
+Skipped cleanly where the GPUs are missing.
+"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
-from lightning_ddpopt import OptimizedDDPStrategy
-from lightning_ddpopt.hooks import PowerSGDConfig
-from tests.helpers import fit_ddp, stack_gradient_bytes
+from lightning_ddpopt import CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig
+from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.timing import CudaTimeline, timeline_for
+from tests.helpers import fit_ddp, regression_data, stack_gradient_bytes
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL DDP"),
-]
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL DDP")
+pytestmark = [pytest.mark.gpu]
 
 
+@one_gpu
+def test_cuda_marks_time_the_device_not_the_launch():
+    device = torch.device("cuda", 0)
+    timeline = timeline_for(device)
+    assert isinstance(timeline, CudaTimeline) and timeline.device_clock
+    before = timeline.mark()
+    host_start = time.perf_counter()
+    torch.cuda._sleep(200_000_000)  # a kernel that spins for about 0.1 s at 2 GHz
+    after = timeline.mark()
+    host_s = time.perf_counter() - host_start
+    assert timeline.seconds(after) is None  # still running: resolving never waits
+    device_s = timeline.wait(after) - timeline.wait(before)
+    assert device_s > 0.02 and device_s > 20 * host_s  # the kernel's time, not its launch's
+
+
+@one_gpu
+def test_ledger_on_cuda_takes_no_host_sync_per_step(tmp_path):
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
+    try:
+        device = torch.device("cuda", 0)
+        ledger = CommLedger(timeline=timeline_for(device))
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).to(device))
+        spec = COMM_HOOKS["fp16"]
+        model.register_comm_hook(spec.build(None, ledger), ledger.record_hook(spec.hook))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 1024, device=device)
+
+        def step() -> None:
+            ledger.add_micro_batch(64)
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            ledger.close_step()
+
+        for _ in range(3):  # DDP builds and rebuilds its buckets
+            step()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising call from here on raises
+        try:
+            for _ in range(20):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ledger.flush()
+        assert ledger.total_steps == ledger.closed_steps == 23
+        records = list(ledger.steps)[3:]
+        assert all(r.wire_bytes == 2 * (1024 * 1024 + 1024) * 2 and r.sync_time_s > 0 for r in records)
+        assert all(r.step_time_s is not None and r.step_time_s >= r.sync_time_s for r in records)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@two_gpus
 @pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16"])
 def test_cast_hooks_on_nccl(tmp_path, hook):
     strategy = OptimizedDDPStrategy(comm_hook=hook, bucket_cap_mb=0.3, start_method="spawn")
@@ -25,6 +88,7 @@ def test_cast_hooks_on_nccl(tmp_path, hook):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@two_gpus
 def test_powersgd_multi_bucket_on_nccl(tmp_path):
     strategy = OptimizedDDPStrategy(comm_hook=PowerSGDConfig(start_iter=2), bucket_cap_mb=0.3, start_method="spawn")
     ranks = fit_ddp(tmp_path, strategy, accelerator="gpu", max_steps=20)
@@ -32,3 +96,22 @@ def test_powersgd_multi_bucket_on_nccl(tmp_path):
         assert all(s["sync_rounds"] == 1 for s in record["steps"])
         assert record["steps"][-1]["wire_bytes"] < stack_gradient_bytes() // 10
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+@two_gpus
+def test_straggler_named_from_cuda_events_on_nccl(tmp_path):
+    from tests.test_profiling import DetectorProbe, slow_collate_on_rank
+
+    detector = StragglerDetector(every_n_steps=4)
+    loader = DataLoader(regression_data(64), batch_size=4, collate_fn=slow_collate_on_rank(1, 0.2))
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook="fp16", start_method="spawn"),
+        loader=loader,
+        callbacks=[CommProfiler(every_n_steps=4), detector, DetectorProbe(detector, str(tmp_path))],
+        accelerator="gpu",
+        max_steps=8,
+    )
+    last = torch.load(tmp_path / "detector.pt")
+    assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
+    assert last["per_rank_ms"]["0"]["wait"] > 150

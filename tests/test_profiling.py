@@ -18,7 +18,7 @@ from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, Str
 from lightning_ddpopt.cli import main as ddpopt
 from lightning_ddpopt.costmodel import LINKS
 from lightning_ddpopt.diagnosis import AREAS, Finding, diagnose, format_findings
-from tests.helpers import StackModel, fit_ddp, regression_data, stack_gradient_bytes
+from tests.helpers import LaggingStrategy, StackModel, fit_ddp, regression_data, stack_gradient_bytes
 
 COMM_KEYS = {
     "step_time_ms",
@@ -109,6 +109,7 @@ def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
     summary = report["summary"]
     assert summary["world_size"] == 2 and summary["comm_hook"] == hook and summary["backend"] == "gloo"
     assert summary["ledger"]["optimizer_steps"] == 8 and summary["ledger"]["sync_rounds_per_step"] == 1.0
+    assert summary["ledger"]["clock"] == "host"
     assert summary["comm"]["link_busbw_gbps"] > 0
     assert summary["amp"]["scaler"] is False
     assert set(report["series"]) == {"0", "1"}
@@ -300,3 +301,66 @@ def test_report_series_stay_bounded_on_long_runs():
     assert series["step"][0] == 1.0 and series["step"][-1] > 9_800  # covers the whole run
     with pytest.raises(ValueError, match="max_series_points=0 must be an int >= 1"):
         CommProfiler(max_series_points=0)
+
+
+class LagProbe(pl.Callback):
+    """Saves, per rank, what a lagging timeline saw: blocking waits during training, and the ledger's counts."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.waits_in_training, self.pending_seen = out, 0, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ledger = trainer.strategy.ledger
+        self.waits_in_training = max(self.waits_in_training, ledger.timeline.waits)
+        self.pending_seen = max(self.pending_seen, ledger.pending_steps)
+
+    def on_train_end(self, trainer, pl_module):
+        ledger = trainer.strategy.ledger
+        torch.save(
+            {
+                "waits_in_training": self.waits_in_training,
+                "pending_seen": self.pending_seen,
+                "resolved": ledger.total_steps,
+                "closed": ledger.closed_steps,
+            },
+            f"{self.out}/lag{trainer.global_rank}.pt",
+        )
+
+
+def test_devices_running_behind_their_hosts(tmp_path):
+    """As on GPUs: each rank's times resolve steps late, by its own amount; nothing waits during training, every
+    rank meets the others at the same steps, and every step is in the report at its own step number."""
+    detector = StragglerDetector(every_n_steps=4)
+    callbacks = [
+        CommProfiler(every_n_steps=4),
+        detector,
+        DetectorProbe(detector, str(tmp_path)),
+        LagProbe(str(tmp_path)),
+    ]
+    loader = DataLoader(regression_data(64), batch_size=4, collate_fn=slow_collate_on_rank(1, 0.2))
+    strategy = LaggingStrategy(lags=[5, 13], comm_hook="fp16", start_method="fork")
+    fit_ddp(
+        tmp_path,
+        strategy,
+        loader=loader,
+        callbacks=callbacks,
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        max_steps=8,
+    )
+    for rank in (0, 1):
+        lag = torch.load(tmp_path / f"lag{rank}.pt")
+        assert lag["waits_in_training"] == 0 and lag["pending_seen"] >= 1
+        assert lag["resolved"] == lag["closed"] == 8
+    (path,) = tmp_path.glob("logs/version_*/ddpopt_report.json")
+    report = json.loads(path.read_text())
+    assert report["summary"]["ledger"]["clock"] == "device" and report["summary"]["ledger"]["optimizer_steps"] == 8
+    for series in report["series"].values():
+        assert series["step"] == [float(step) for step in range(1, 9)]
+        assert series["bytes_sent"] == [stack_gradient_bytes() // 2] * 8
+        assert all(t is not None and t > 0 for t in series["step_time_ms"])
+    metrics = read_metrics(tmp_path)
+    assert set(metrics["ddpopt/comm/bytes_sent"]) == {stack_gradient_bytes() // 2}
+    last = torch.load(tmp_path / "detector.pt")
+    assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
+    assert last["per_rank_ms"]["1"]["data"] > 150 > last["per_rank_ms"]["0"]["data"]

@@ -10,15 +10,18 @@ __all__ = ["LedgerCursor"]
 
 
 class LedgerCursor:
-    """Yields the optimizer steps closed since the last call.
+    """Follows a run's optimizer steps in two ways that must not be confused.
 
-    With :class:`~lightning_ddpopt.OptimizedDDPStrategy` these are the ledger's records; with any other strategy
-    (Lightning's stock ``DDPStrategy``) only the step count is known, and the records are ``None``.
+    :meth:`new_steps` counts the steps the host has taken (``trainer.global_step``): the same on every rank at
+    the same point, so it is what decides when the ranks meet in a collective. :meth:`new_records` yields the
+    ledger's records of :class:`~lightning_ddpopt.OptimizedDDPStrategy` as they resolve: at once on CPU, a step
+    or so later on a GPU, where each rank's device runs behind its host by its own amount. With any other
+    strategy (Lightning's stock ``DDPStrategy``) there are no records.
     """
 
     def __init__(self) -> None:
-        self._seen_steps = 0
-        self._seen_global_step = 0
+        self._seen_records = 0
+        self._seen_global_step: int | None = None
 
     @staticmethod
     def ledger_of(trainer: pl.Trainer) -> CommLedger | None:
@@ -26,16 +29,31 @@ class LedgerCursor:
         ledger = getattr(trainer.strategy, "ledger", None)
         return ledger if isinstance(ledger, CommLedger) else None
 
-    def new_steps(self, trainer: pl.Trainer) -> list[StepRecord | None]:
-        """Records of the optimizer steps closed since the previous call, oldest first."""
+    def start(self, trainer: pl.Trainer) -> None:
+        """Begin at the trainer's and ledger's present position (call at fit start: a resumed run starts mid-way)."""
+        self._seen_global_step = trainer.global_step
+        ledger = self.ledger_of(trainer)
+        self._seen_records = ledger.total_steps if ledger is not None else 0
+
+    def new_steps(self, trainer: pl.Trainer) -> int:
+        """Optimizer steps the host took since the previous call."""
+        if self._seen_global_step is None:
+            self._seen_global_step = 0
+        count = trainer.global_step - self._seen_global_step
+        self._seen_global_step = trainer.global_step
+        return max(count, 0)
+
+    def new_records(self, trainer: pl.Trainer, wait: bool = False) -> list[StepRecord]:
+        """Ledger records resolved since the previous call, oldest first; ``wait`` waits for the device first."""
         ledger = self.ledger_of(trainer)
         if ledger is None:
-            count = trainer.global_step - self._seen_global_step
-            self._seen_global_step = trainer.global_step
-            return [None] * max(count, 0)
-        count = ledger.total_steps - self._seen_steps
-        self._seen_steps = ledger.total_steps
+            return []
+        if wait:
+            ledger.flush()
+        else:
+            ledger.poll()
+        count = ledger.total_steps - self._seen_records
+        self._seen_records = ledger.total_steps
         if count <= 0:
             return []
-        recent = list(ledger.steps)[-count:]
-        return [None] * (count - len(recent)) + list(recent)
+        return list(ledger.steps)[-count:]

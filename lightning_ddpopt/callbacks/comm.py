@@ -22,6 +22,7 @@ from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
+from lightning_ddpopt.ledger import StepRecord
 
 __all__ = ["CommProfiler"]
 
@@ -39,7 +40,7 @@ class CommProfiler(Callback):
     ====================================  ==========================================================================
     key                                   meaning (over the last ``every_n_steps`` steps, all ranks)
     ====================================  ==========================================================================
-    ``ddpopt/comm/step_time_ms``          mean wall time of an optimizer step
+    ``ddpopt/comm/step_time_ms``          mean time of an optimizer step, from one step's end to the next's
     ``ddpopt/comm/sync_time_ms``          mean sync time: first bucket handed to the hook to last bucket done
     ``ddpopt/comm/sync_time_max_ms``      the largest sync time of any rank and step
     ``ddpopt/comm/sync_time_min_rank_ms`` the lowest rank mean: the last rank to arrive waits least, so this is the
@@ -57,6 +58,10 @@ class CommProfiler(Callback):
     ``ddpopt/comm/sync_time_cv``          coefficient of variation of the sync time
     ``ddpopt/comm/sync_time_p{50,95,99}_ms``  sync-time percentiles
     ====================================  ==========================================================================
+
+    With the ledger, times are the ledger's: host clocks on CPU, CUDA events on a GPU, read back a step or so
+    later without a host sync (so a log point covers the steps each rank's device had finished). The first step
+    of an epoch is timed from its first batch, not across the epoch boundary.
 
     At the end of fit, rank 0 prints the findings of :mod:`lightning_ddpopt.diagnosis` (network, AMP from an
     :class:`AMPMonitor`, accumulation, stragglers from a :class:`StragglerDetector`) and writes them, with every
@@ -134,45 +139,68 @@ class CommProfiler(Callback):
             )
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._cursor.start(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_mark = None  # without a ledger: the gap across an epoch boundary is not a step's time
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._active:
             return
         steps = self._cursor.new_steps(trainer)
-        if not steps:
-            return
-        now = time.perf_counter()
-        step_time = (now - self._last_mark) / len(steps) if self._last_mark is not None else None
-        self._last_mark = now
-        for record in steps:
-            self._since_log += 1
-            self._series["step"].append(float(trainer.global_step))
-            self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
-            if step_time is not None:
-                self._step_times.append(step_time)
-                self._interval["step_time"].append(step_time)
-            if record is not None:
-                self._sync_times.append(record.sync_time_s)
-                self._interval["sync_time"].append(record.sync_time_s)
-                self._interval["bytes_uncompressed"].append(float(record.logical_bytes))
-                self._interval["sync_rounds"].append(float(record.sync_rounds))
-                if record.wire_bytes is not None:
-                    self._interval["bytes_sent"].append(float(record.wire_bytes))
-                self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
-                self._series["bytes_sent"].append(float(record.wire_bytes or 0))
-        _thin(self._series, self.max_series_points)
+        self._take_records(trainer, self._cursor.new_records(trainer))
+        if steps and LedgerCursor.ledger_of(trainer) is None:
+            now = time.perf_counter()
+            step_time = (now - self._last_mark) / steps if self._last_mark is not None else None
+            self._last_mark = now
+            for _ in range(steps):
+                self._add_step(float(trainer.global_step), step_time, None)
+        # The host's step count decides when to aggregate: the same step on every rank, whatever each device's lag.
+        self._since_log += steps
         if self._since_log >= self.every_n_steps:
             self._since_log = 0
             self.last_metrics = self._aggregate(trainer.world_size)
             for key, value in self.last_metrics.items():
                 pl_module.log(f"ddpopt/comm/{key}", value, on_step=True, on_epoch=False)
 
+    def _take_records(self, trainer: pl.Trainer, records: list[StepRecord]) -> None:
+        ledger = LedgerCursor.ledger_of(trainer)
+        for record in records:
+            assert ledger is not None
+            # On a GPU a record resolves a step or so after the host took it: place it at its own step.
+            step = trainer.global_step - (ledger.closed_steps - record.step)
+            self._add_step(float(step), record.step_time_s, record)
+
+    def _add_step(self, step: float, step_time: float | None, record: StepRecord | None) -> None:
+        self._series["step"].append(step)
+        self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
+        if step_time is not None:
+            self._step_times.append(step_time)
+            self._interval["step_time"].append(step_time)
+        if record is not None:
+            self._sync_times.append(record.sync_time_s)
+            self._interval["sync_time"].append(record.sync_time_s)
+            self._interval["bytes_uncompressed"].append(float(record.logical_bytes))
+            self._interval["sync_rounds"].append(float(record.sync_rounds))
+            if record.wire_bytes is not None:
+                self._interval["bytes_sent"].append(float(record.wire_bytes))
+            self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
+            self._series["bytes_sent"].append(float(record.wire_bytes or 0))
+        _thin(self._series, self.max_series_points)
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
             return
-        if self._since_log:
+        self._take_records(trainer, self._cursor.new_records(trainer, wait=True))
+        # Steps since the last log point, or records that resolved after it on some rank: one more aggregation.
+        unlogged = bool(self._interval["step_time"] or self._interval["sync_time"])
+        if trainer.strategy.reduce_boolean_decision(self._since_log > 0 or unlogged, all=False):
             self._since_log = 0
             self.last_metrics = self._aggregate(trainer.world_size)
         # trainer.log_dir broadcasts: every rank must ask.

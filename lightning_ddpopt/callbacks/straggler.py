@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
+from collections import deque
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -13,10 +13,29 @@ from typing_extensions import override
 
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
+from lightning_ddpopt.ledger import StepRecord
+from lightning_ddpopt.timing import HostTimeline, Mark, Timeline, timeline_for
 
 __all__ = ["StragglerDetector"]
 
 PHASES = ("data", "compute", "wait")
+
+
+class _Batch(NamedTuple):
+    """Marks of one training batch: the previous batch's end (``None`` at an epoch's start), its start and end."""
+
+    previous_end: Mark | None
+    start: Mark
+    end: Mark
+
+    def seconds(self, timeline: Timeline, wait: bool) -> tuple[float, float] | None:
+        """(data, busy) seconds, or ``None`` while a mark has not resolved."""
+        read = timeline.wait if wait else timeline.seconds
+        start, end = read(self.start), read(self.end)
+        previous = read(self.previous_end) if self.previous_end is not None else start
+        if start is None or end is None or previous is None:
+            return None
+        return start - previous, end - start
 
 
 class StragglerDetector(Callback):
@@ -29,7 +48,12 @@ class StragglerDetector(Callback):
     one). Every ``every_n_steps`` steps the per-rank means are gathered (one small all-gather); the rank with the
     most data + compute is the slowest, and it is named a straggler when it exceeds the median of the others by
     both ``min_excess_ms`` and ``min_excess_fraction`` of the median step. The phase named is the one in which it
-    exceeds the others most. Times are host times (on GPU they include kernel queueing).
+    exceeds the others most.
+
+    On CPU the phases are host times. On a GPU every boundary is a CUDA event on the current stream, read back a
+    step or so later without a host sync: data is then the time the device sat idle waiting for the next batch,
+    compute and wait are device times (host clocks would time the queueing of kernels). Each gather happens at
+    the same optimizer step on every rank and covers the steps each rank's device has finished by then.
 
     Without :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s ledger the sync point is unknown and wait counts as
     compute; on one device it warns once and steps aside.
@@ -65,11 +89,14 @@ class StragglerDetector(Callback):
         self.windows = 0
         self._cursor = LedgerCursor()
         self._active = False
-        self._batch_start: float | None = None
-        self._batch_end: float | None = None
-        self._busy_s = 0.0
-        self._data_s = 0.0
-        self._totals = torch.zeros(3, dtype=torch.float64)
+        self._uses_ledger = False
+        self._timeline: Timeline = HostTimeline()
+        self._previous_end: Mark | None = None
+        self._batch_start: Mark | None = None
+        self._step_batches: list[_Batch] = []
+        self._unresolved: deque[list[_Batch]] = deque()  # host-closed steps, oldest first
+        self._records: deque[StepRecord] = deque()  # ledger records not yet matched with their batches
+        self._totals = torch.zeros(4, dtype=torch.float64)  # data, compute, wait (seconds), resolved steps
         self._steps_in_window = 0
 
     @override
@@ -77,39 +104,53 @@ class StragglerDetector(Callback):
         self._active = trainer.world_size > 1
         if not self._active:
             rank_zero_warn("ddpopt: StragglerDetector needs more than one process; it is off.")
+            return
+        ledger = LedgerCursor.ledger_of(trainer)
+        self._uses_ledger = ledger is not None
+        # The ledger's timeline when there is one, so batch marks and sync marks are on the same clock.
+        self._timeline = ledger.timeline if ledger is not None else timeline_for(pl_module.device)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._cursor.start(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._batch_end = None  # the gap across an epoch boundary (validation, loader restart) is not data time
+        self._previous_end = None  # the gap across an epoch boundary (validation, loader restart) is not data time
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
-        if self._batch_end is not None:
-            self._data_s += now - self._batch_end
-        self._batch_start = now
+        if self._active:
+            self._batch_start = self._timeline.mark()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
-        if self._batch_start is not None:
-            self._busy_s += now - self._batch_start
-        self._batch_end = now
-        if not self._active:
+        if not self._active or self._batch_start is None:
             return
+        end = self._timeline.mark()
+        self._step_batches.append(_Batch(self._previous_end, self._batch_start, end))
+        self._previous_end, self._batch_start = end, None
         steps = self._cursor.new_steps(trainer)
-        if not steps:
-            return
-        wait = sum(record.sync_time_s for record in steps if record is not None)
-        self._totals += torch.tensor([self._data_s, max(self._busy_s - wait, 0.0), wait], dtype=torch.float64)
-        self._steps_in_window += len(steps)
-        self._busy_s = self._data_s = 0.0
+        if steps:
+            # Several optimizers step once each per batch: the batch belongs to the first, the others ran no batch.
+            self._unresolved.append(self._step_batches)
+            self._unresolved.extend([] for _ in range(steps - 1))
+            self._step_batches = []
+        self._records.extend(self._cursor.new_records(trainer))
+        self._resolve(wait=False)
+        self._steps_in_window += steps
         if self._steps_in_window >= self.every_n_steps:
             self._analyse(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            self._records.extend(self._cursor.new_records(trainer, wait=True))
+            self._resolve(wait=True)
 
     def summary(self) -> dict[str, Any]:
         """The latest analysis and how often each rank was named, for the diagnosis."""
@@ -119,11 +160,29 @@ class StragglerDetector(Callback):
             "straggler_windows": {str(rank): count for rank, count in self.straggler_windows.items()},
         }
 
+    def _resolve(self, wait: bool) -> None:
+        """Add the host-closed steps whose marks (and ledger record) have resolved to the window's totals."""
+        while self._unresolved and (self._records or not self._uses_ledger):
+            batches = self._unresolved[0]
+            times = [batch.seconds(self._timeline, wait) for batch in batches]
+            if any(t is None for t in times):
+                return
+            self._unresolved.popleft()
+            data = busy = 0.0
+            for t in times:
+                assert t is not None
+                data, busy = data + t[0], busy + t[1]
+            wait_s = self._records.popleft().sync_time_s if self._uses_ledger else 0.0
+            self._totals += torch.tensor([data, max(busy - wait_s, 0.0), wait_s, 1.0], dtype=torch.float64)
+
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        local = (self._totals / self._steps_in_window * 1e3).to(pl_module.device)
+        # (world, [data, compute, wait, steps]): every rank's sums over the steps it has resolved so far.
+        per_rank = trainer.strategy.all_gather(self._totals.to(pl_module.device)).reshape(-1, 4).double().cpu()
+        if bool((per_rank[:, 3] == 0).any()):
+            return  # a rank's device has not finished a step of this window yet: decide on the next window
         self._totals.zero_()
         self._steps_in_window = 0
-        per_rank = trainer.strategy.all_gather(local).reshape(-1, 3).double().cpu()  # (world, [data, compute, wait])
+        per_rank = per_rank[:, :3] / per_rank[:, 3:] * 1e3  # mean ms per step
         busy = per_rank[:, 0] + per_rank[:, 1]
         slowest = int(busy.argmax())
         others = [r for r in range(per_rank.shape[0]) if r != slowest]

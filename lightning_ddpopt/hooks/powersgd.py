@@ -138,7 +138,10 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         _compress_and_allreduce(state, bucket, buffer)
     if bucket.is_last():
         state.iteration += 1
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # On CUDA the future must know its device: it then records an event on the current stream, and whoever waits
+    # on it (DDP, the ledger's timing callback) is ordered after the kernels above, not merely after their launch.
+    devices: list[int | str | torch.device] | None = [buffer.device] if buffer.is_cuda else None
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     future.set_result(buffer)
     return future
 
