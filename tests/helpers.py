@@ -73,12 +73,13 @@ class ManualStackModel(StackModel):
 
 
 class WarningsProbe(pl.Callback):
-    """Records, on rank 0, the text of every warning raised during fit."""
+    """Records, on rank 0, the text of every warning raised during fit, from the callbacks' setup on (list it
+    before the callbacks whose setup warnings a test reads)."""
 
     def __init__(self, out: str) -> None:
         self.out = out
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._catcher = warnings.catch_warnings(record=True)
         self._caught = self._catcher.__enter__()
         warnings.simplefilter("always")

@@ -364,3 +364,64 @@ def test_devices_running_behind_their_hosts(tmp_path):
     last = torch.load(tmp_path / "detector.pt")
     assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
     assert last["per_rank_ms"]["1"]["data"] > 150 > last["per_rank_ms"]["0"]["data"]
+
+
+def test_callbacks_with_lightnings_stock_strategy(tmp_path):
+    """Step times, jitter and stragglers without our ledger; no sync figures, and a warning that says why."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from tests.helpers import WarningsProbe
+
+    detector = StragglerDetector(every_n_steps=4)
+    callbacks = [
+        WarningsProbe(str(tmp_path / "warnings.pt")),
+        CommProfiler(every_n_steps=4),
+        detector,
+        DetectorProbe(detector, str(tmp_path)),
+    ]
+    loader = DataLoader(regression_data(32), batch_size=4, collate_fn=slow_collate_on_rank(1, 0.2))
+    fit_ddp(
+        tmp_path,
+        DDPStrategy(start_method="fork"),
+        loader=loader,
+        callbacks=callbacks,
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        max_epochs=2,  # 4 steps an epoch
+    )
+    (path,) = tmp_path.glob("logs/version_*/ddpopt_report.json")
+    report = json.loads(path.read_text())
+    for series in report["series"].values():
+        assert series["step"] == [float(step) for step in range(1, 9)]
+        times = series["step_time_ms"]
+        # Not timed across the start of the run or an epoch boundary; the others include rank 1's 200 ms stall.
+        assert times[0] is None and times[4] is None
+        assert all(t is not None and t > 150 for i, t in enumerate(times) if i not in (0, 4))
+        assert series["sync_time_ms"] == [] and series["bytes_sent"] == []
+    metrics = read_metrics(tmp_path)
+    assert "ddpopt/comm/step_time_ms" in metrics and "ddpopt/comm/sync_time_ms" not in metrics
+    last = torch.load(tmp_path / "detector.pt")
+    # Without the ledger the sync point is unknown: rank 0's wait counts as compute, so data alone names rank 1.
+    assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
+    assert last["per_rank_ms"]["0"]["wait"] == 0.0 and last["per_rank_ms"]["0"]["compute"] > 150
+    warned = torch.load(tmp_path / "warnings.pt")
+    assert any("CommProfiler found no ledger (use OptimizedDDPStrategy" in w for w in warned)
+    assert any("it can name only ranks that are slow in data loading" in w for w in warned)
+
+
+def test_a_hook_that_reports_no_bytes_still_profiles(tmp_path):
+    """A user's own hook (torch's allreduce_hook) says nothing about bytes: sync times are logged, bytes are not."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook=allreduce_hook, start_method="fork"),
+        callbacks=[CommProfiler(every_n_steps=4)],
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        max_steps=8,
+    )
+    metrics = read_metrics(tmp_path)
+    assert set(metrics["ddpopt/comm/bytes_uncompressed"]) == {stack_gradient_bytes()}
+    assert all(t > 0 for t in metrics["ddpopt/comm/sync_time_ms"])
+    assert "ddpopt/comm/bytes_sent" not in metrics and "ddpopt/comm/busbw_gbps" not in metrics

@@ -23,6 +23,7 @@ from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
 from lightning_ddpopt.ledger import StepRecord
+from lightning_ddpopt.timing import HostTimeline, Mark, Timeline, timeline_for
 
 __all__ = ["CommProfiler"]
 
@@ -59,9 +60,9 @@ class CommProfiler(Callback):
     ``ddpopt/comm/sync_time_p{50,95,99}_ms``  sync-time percentiles
     ====================================  ==========================================================================
 
-    With the ledger, times are the ledger's: host clocks on CPU, CUDA events on a GPU, read back a step or so
-    later without a host sync (so a log point covers the steps each rank's device had finished). The first step
-    of an epoch is timed from its first batch, not across the epoch boundary.
+    Times are host clocks on CPU and CUDA events on a GPU (the ledger's, or this callback's own marks at each
+    step's end without one), read back a step or so later without a host sync, so a log point covers the steps
+    each rank's device had finished. The first step of an epoch is not timed across the epoch boundary.
 
     At the end of fit, rank 0 prints the findings of :mod:`lightning_ddpopt.diagnosis` (network, AMP from an
     :class:`AMPMonitor`, accumulation, stragglers from a :class:`StragglerDetector`) and writes them, with every
@@ -106,7 +107,9 @@ class CommProfiler(Callback):
         self.report_path: Path | None = None
         self._cursor = LedgerCursor()
         self._active = False
-        self._last_mark: float | None = None
+        self._timeline: Timeline = HostTimeline()
+        self._step_marks: deque[tuple[float, int, Mark | None]] = deque()  # without a ledger: (step, steps, mark)
+        self._last_end_s: float | None = None
         self._since_log = 0
         self._step_times: deque[float] = deque(maxlen=window)
         self._sync_times: deque[float] = deque(maxlen=window)
@@ -126,8 +129,11 @@ class CommProfiler(Callback):
                 "step times and jitter only."
             )
         device = pl_module.device
+        ledger = LedgerCursor.ledger_of(trainer)
+        self._timeline = ledger.timeline if ledger is not None else timeline_for(device)
         # torchmetrics gathers every rank's values when computed: once per aggregation, never per step.
-        self._gather = {name: CatMetric(nan_strategy="ignore").to(device) for name in ("per_rank", "step", "sync")}
+        # NaN marks a figure a rank does not have (no ledger, no resolved step yet): kept, so rows keep their shape.
+        self._gather = {name: CatMetric(nan_strategy="disable").to(device) for name in ("per_rank", "step", "sync")}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -144,7 +150,8 @@ class CommProfiler(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_mark = None  # without a ledger: the gap across an epoch boundary is not a step's time
+        # Without a ledger: the gap across an epoch boundary is not a step's time.
+        self._step_marks.append((math.nan, 0, None))
 
     @override
     def on_train_batch_end(
@@ -155,11 +162,8 @@ class CommProfiler(Callback):
         steps = self._cursor.new_steps(trainer)
         self._take_records(trainer, self._cursor.new_records(trainer))
         if steps and LedgerCursor.ledger_of(trainer) is None:
-            now = time.perf_counter()
-            step_time = (now - self._last_mark) / steps if self._last_mark is not None else None
-            self._last_mark = now
-            for _ in range(steps):
-                self._add_step(float(trainer.global_step), step_time, None)
+            self._step_marks.append((float(trainer.global_step), steps, self._timeline.mark()))
+            self._take_step_marks(wait=False)
         # The host's step count decides when to aggregate: the same step on every rank, whatever each device's lag.
         self._since_log += steps
         if self._since_log >= self.every_n_steps:
@@ -167,6 +171,23 @@ class CommProfiler(Callback):
             self.last_metrics = self._aggregate(trainer.world_size)
             for key, value in self.last_metrics.items():
                 pl_module.log(f"ddpopt/comm/{key}", value, on_step=True, on_epoch=False)
+
+    def _take_step_marks(self, wait: bool) -> None:
+        """Without a ledger: step times from this callback's own marks at the steps' ends, once they resolve."""
+        while self._step_marks:
+            step, steps, mark = self._step_marks[0]
+            if mark is None:  # an epoch boundary
+                self._step_marks.popleft()
+                self._last_end_s = None
+                continue
+            end = self._timeline.wait(mark) if wait else self._timeline.seconds(mark)
+            if end is None:
+                return
+            self._step_marks.popleft()
+            step_time = (end - self._last_end_s) / steps if self._last_end_s is not None else None
+            self._last_end_s = end
+            for index in range(steps):
+                self._add_step(step - steps + 1 + index, step_time, None)
 
     def _take_records(self, trainer: pl.Trainer, records: list[StepRecord]) -> None:
         ledger = LedgerCursor.ledger_of(trainer)
@@ -198,6 +219,7 @@ class CommProfiler(Callback):
         if not self._active:
             return
         self._take_records(trainer, self._cursor.new_records(trainer, wait=True))
+        self._take_step_marks(wait=True)
         # Steps since the last log point, or records that resolved after it on some rank: one more aggregation.
         unlogged = bool(self._interval["step_time"] or self._interval["sync_time"])
         if trainer.strategy.reduce_boolean_decision(self._since_log > 0 or unlogged, all=False):

@@ -55,14 +55,15 @@ class StragglerDetector(Callback):
     compute and wait are device times (host clocks would time the queueing of kernels). Each gather happens at
     the same optimizer step on every rank and covers the steps each rank's device has finished by then.
 
-    Without :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s ledger the sync point is unknown and wait counts as
-    compute; on one device it warns once and steps aside.
+    Without :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s ledger (Lightning's stock ``DDPStrategy``) the sync
+    point is unknown: a fast rank's wait would look like compute, so only data time can name a rank; it warns once
+    and reports compute with the wait in it. On one device it warns once and steps aside.
 
     ===================================  ========================================================================
     key                                  meaning (over the last ``every_n_steps`` steps)
     ===================================  ========================================================================
-    ``ddpopt/straggler/slowest_rank``    the rank with the most data + compute time
-    ``ddpopt/straggler/excess_ms``       its data + compute time above the median of the other ranks
+    ``ddpopt/straggler/slowest_rank``    the rank with the most data + compute time (data alone without a ledger)
+    ``ddpopt/straggler/excess_ms``       that time above the median of the other ranks
     ``ddpopt/straggler/is_straggler``    1 when the excess crosses both thresholds, else 0
     ``ddpopt/straggler/data_ms``         the slowest rank's mean data time per step
     ``ddpopt/straggler/compute_ms``      the slowest rank's mean compute time per step
@@ -107,6 +108,11 @@ class StragglerDetector(Callback):
             return
         ledger = LedgerCursor.ledger_of(trainer)
         self._uses_ledger = ledger is not None
+        if ledger is None:
+            rank_zero_warn(
+                "ddpopt: StragglerDetector found no ledger (use OptimizedDDPStrategy to see each rank's sync point); "
+                "it can name only ranks that are slow in data loading."
+            )
         # The ledger's timeline when there is one, so batch marks and sync marks are on the same clock.
         self._timeline = ledger.timeline if ledger is not None else timeline_for(pl_module.device)
 
@@ -183,15 +189,17 @@ class StragglerDetector(Callback):
         self._totals.zero_()
         self._steps_in_window = 0
         per_rank = per_rank[:, :3] / per_rank[:, 3:] * 1e3  # mean ms per step
-        busy = per_rank[:, 0] + per_rank[:, 1]
+        # Without the ledger, compute holds the fast ranks' wait: only data can tell the ranks apart.
+        phases = 2 if self._uses_ledger else 1
+        busy = per_rank[:, :phases].sum(dim=1)
         slowest = int(busy.argmax())
         others = [r for r in range(per_rank.shape[0]) if r != slowest]
         median_others = per_rank[others].median(dim=0).values
-        excess = float(busy[slowest] - (median_others[0] + median_others[1]))
+        excess = float(busy[slowest] - median_others[:phases].sum())
         step_ms = float(per_rank.sum(dim=1).median())
         is_straggler = excess >= self.min_excess_ms and excess >= self.min_excess_fraction * step_ms
-        phase_excess = (per_rank[slowest, :2] - median_others[:2]).tolist()
-        phase = PHASES[int(torch.tensor(phase_excess).argmax())]
+        phase_excess = per_rank[slowest, :phases] - median_others[:phases]
+        phase = PHASES[int(phase_excess.argmax())]
         self.windows += 1
         self.last = {
             "step": trainer.global_step,
