@@ -184,10 +184,10 @@ class StragglerDetector(Callback):
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # (world, [data, compute, wait, steps]): every rank's sums over the steps it has resolved so far.
         per_rank = trainer.strategy.all_gather(self._totals.to(pl_module.device)).reshape(-1, 4).double().cpu()
-        if bool((per_rank[:, 3] == 0).any()):
-            return  # a rank's device has not finished a step of this window yet: decide on the next window
-        self._totals.zero_()
         self._steps_in_window = 0
+        if bool((per_rank[:, 3] == 0).any()):
+            return  # a rank's device has not finished a step yet: keep the sums, decide after the next window
+        self._totals.zero_()
         per_rank = per_rank[:, :3] / per_rank[:, 3:] * 1e3  # mean ms per step
         # Without the ledger, compute holds the fast ranks' wait: only data can tell the ranks apart.
         phases = 2 if self._uses_ledger else 1
