@@ -17,7 +17,7 @@ from torch.utils.data.dataloader import default_collate
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.cli import main as ddpopt
 from lightning_ddpopt.costmodel import LINKS
-from lightning_ddpopt.diagnosis import AREAS, Finding, diagnose, format_findings
+from lightning_ddpopt.diagnosis import AREAS, Finding, diagnose, format_findings, summarize
 from tests.helpers import LaggingStrategy, StackModel, fit_ddp, regression_data, stack_gradient_bytes
 
 COMM_KEYS = {
@@ -38,6 +38,18 @@ COMM_KEYS = {
     *(f"{kind}_time_p{q}_ms" for kind in ("step", "sync") for q in (50, 95, 99)),
 }
 STRAGGLER_KEYS = {"slowest_rank", "excess_ms", "is_straggler", "data_ms", "compute_ms", "wait_ms"}
+
+
+class OnDemandFindings(pl.Callback):
+    """Asks for the findings mid-run, as a user's callback would, and saves rank 0's."""
+
+    def __init__(self, out: str, at_step: int) -> None:
+        self.out, self.at_step = out, at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step and trainer.global_rank == 0:
+            findings = diagnose(summarize(trainer))
+            torch.save([f.as_dict() for f in findings], f"{self.out}/on_demand.pt")
 
 
 class DetectorProbe(pl.Callback):
@@ -71,7 +83,12 @@ def read_metrics(tmp_path):
 def profiled_run(request, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp(request.param)
     strategy = OptimizedDDPStrategy(comm_hook=request.param, start_method="fork")
-    callbacks = [CommProfiler(every_n_steps=4, probe_link=True), StragglerDetector(every_n_steps=4), AMPMonitor()]
+    callbacks = [
+        CommProfiler(every_n_steps=4, probe_link=True),
+        StragglerDetector(every_n_steps=4),
+        AMPMonitor(),
+        OnDemandFindings(str(tmp_path), at_step=4),
+    ]
     fit_ddp(
         tmp_path,
         strategy,
@@ -120,6 +137,11 @@ def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
     assert ddpopt(["report", str(tmp_path), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("ddpopt findings (network -> AMP -> accumulation -> stragglers)")
+    # Mid-run, after the first aggregation (step 4 of 8), the same findings are available on demand.
+    on_demand = torch.load(tmp_path / "on_demand.pt")
+    assert [f["area"] for f in on_demand] == list(AREAS)
+    assert on_demand[0]["status"] != "unknown" and f"hook {hook}" in on_demand[0]["evidence"]
+    assert on_demand[2]["evidence"] == "1.00 gradient syncs per optimizer step over 1.00 micro-batches"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
