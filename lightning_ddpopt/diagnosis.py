@@ -56,7 +56,7 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
     }
     ledger = getattr(strategy, "ledger", None)
-    if ledger is not None and ledger.total_steps:
+    if ledger is not None and ledger.recording and ledger.total_steps:
         steps = list(ledger.steps)
         summary["ledger"] = {
             "optimizer_steps": ledger.total_steps,

@@ -138,6 +138,9 @@ class CommLedger:
     A closed step joins :attr:`steps` once its marks have resolved: at once on the host timeline, when the device
     has passed them on a CUDA timeline. :meth:`poll` resolves what is ready without waiting; :meth:`flush` waits.
 
+    :attr:`recording` says whether a hook reports here: with none (``comm_hook=None``, DDP's built-in allreduce)
+    steps are still counted and timed, but their syncs are unseen.
+
     Args:
         history: how many resolved steps to keep in :attr:`steps` (older ones only count in the totals).
         timeline: where times come from; host clocks by default
@@ -148,6 +151,7 @@ class CommLedger:
         if not isinstance(history, int) or history < 1:
             raise ValueError(f"history must be a positive int, got {history!r}")
         self.timeline: Timeline = timeline if timeline is not None else HostTimeline()
+        self.recording = False
         self._lock = threading.Lock()
         self._rounds: list[list[_OpenBucket]] = []
         self._micro_batches = 0
@@ -166,10 +170,12 @@ class CommLedger:
     def record_hook(self, hook: CommHook) -> CommHook:
         """Wrap ``hook`` so that every bucket it handles is timed and its uncompressed size recorded.
 
-        The wrapper keeps the hook's name, which DDP reports as ``comm_hook`` in its logging data. The end mark is
-        taken in a callback of the hook's future: on a GPU that callback runs on a stream that waits for the
-        hook's collectives, so the mark fires when they are done on the device, not when they were queued.
+        Sets :attr:`recording`. The wrapper keeps the hook's name, which DDP reports as ``comm_hook`` in its logging
+        data. The end mark is taken in a callback of the hook's future: on a GPU that callback runs on a stream
+        that waits for the hook's collectives, so the mark fires when they are done on the device, not when they
+        were queued.
         """
+        self.recording = True
 
         @functools.wraps(hook)
         def recorded(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -427,7 +427,7 @@ def test_callbacks_with_lightnings_stock_strategy(tmp_path):
     assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
     assert last["per_rank_ms"]["0"]["wait"] == 0.0 and last["per_rank_ms"]["0"]["compute"] > 150
     warned = torch.load(tmp_path / "warnings.pt")
-    assert any("CommProfiler found no ledger (use OptimizedDDPStrategy" in w for w in warned)
+    assert any("CommProfiler sees no gradient syncs (use OptimizedDDPStrategy" in w for w in warned)
     assert any("it can name only ranks that are slow in data loading" in w for w in warned)
 
 
@@ -447,3 +447,25 @@ def test_a_hook_that_reports_no_bytes_still_profiles(tmp_path):
     assert set(metrics["ddpopt/comm/bytes_uncompressed"]) == {stack_gradient_bytes()}
     assert all(t > 0 for t in metrics["ddpopt/comm/sync_time_ms"])
     assert "ddpopt/comm/bytes_sent" not in metrics and "ddpopt/comm/busbw_gbps" not in metrics
+
+
+def test_builtin_allreduce_is_not_reported_as_a_free_network(tmp_path):
+    """comm_hook=None runs DDP's C++ allreduce, which nothing sees: no sync figures, an unknown network finding
+    (not "0% of the step"), and a warning that says how to see it."""
+    from tests.helpers import WarningsProbe
+
+    profiler = CommProfiler(every_n_steps=4)
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook=None, start_method="fork"),
+        callbacks=[WarningsProbe(str(tmp_path / "warnings.pt")), profiler, OnDemandFindings(str(tmp_path), 4)],
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        samples=128,  # 8 steps
+    )
+    metrics = read_metrics(tmp_path)
+    assert "ddpopt/comm/step_time_ms" in metrics and "ddpopt/comm/sync_time_ms" not in metrics
+    findings = {f["area"]: f for f in torch.load(tmp_path / "on_demand.pt")}
+    assert findings["network"]["status"] == "unknown" and findings["accumulation"]["status"] == "unknown"
+    warned = torch.load(tmp_path / "warnings.pt")
+    assert any("with a comm_hook other than None for sync time and bytes" in w for w in warned)

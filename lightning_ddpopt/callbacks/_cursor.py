@@ -14,26 +14,32 @@ class LedgerCursor:
 
     :meth:`new_steps` counts the steps the host has taken (``trainer.global_step``): the same on every rank at
     the same point, so it is what decides when the ranks meet in a collective. :meth:`new_records` yields the
-    ledger's records of :class:`~lightning_ddpopt.OptimizedDDPStrategy` as they resolve: at once on CPU, a step
-    or so later on a GPU, where each rank's device runs behind its host by its own amount. With any other
-    strategy (Lightning's stock ``DDPStrategy``) there are no records.
+    records of :attr:`ledger` as they resolve: at once on CPU, a step or so later on a GPU, where each rank's
+    device runs behind its host by its own amount.
+
+    Call :meth:`start` at fit start, once the strategy has registered its comm hook.
     """
 
     def __init__(self) -> None:
+        self.ledger: CommLedger | None = None
         self._seen_records = 0
         self._seen_global_step: int | None = None
 
     @staticmethod
     def ledger_of(trainer: pl.Trainer) -> CommLedger | None:
-        """The strategy's ledger, if it keeps one."""
+        """The strategy's ledger when a comm hook reports to it.
+
+        ``None`` with any strategy other than :class:`~lightning_ddpopt.OptimizedDDPStrategy` (Lightning's stock
+        ``DDPStrategy``), and with ``comm_hook=None``, where DDP's built-in allreduce runs unseen.
+        """
         ledger = getattr(trainer.strategy, "ledger", None)
-        return ledger if isinstance(ledger, CommLedger) else None
+        return ledger if isinstance(ledger, CommLedger) and ledger.recording else None
 
     def start(self, trainer: pl.Trainer) -> None:
-        """Begin at the trainer's and ledger's present position (call at fit start: a resumed run starts mid-way)."""
+        """Begin at the trainer's and ledger's present position (a resumed run starts mid-way)."""
+        self.ledger = self.ledger_of(trainer)
         self._seen_global_step = trainer.global_step
-        ledger = self.ledger_of(trainer)
-        self._seen_records = ledger.total_steps if ledger is not None else 0
+        self._seen_records = self.ledger.total_steps if self.ledger is not None else 0
 
     def new_steps(self, trainer: pl.Trainer) -> int:
         """Optimizer steps the host took since the previous call."""
@@ -43,9 +49,9 @@ class LedgerCursor:
         self._seen_global_step = trainer.global_step
         return max(count, 0)
 
-    def new_records(self, trainer: pl.Trainer, wait: bool = False) -> list[StepRecord]:
+    def new_records(self, wait: bool = False) -> list[StepRecord]:
         """Ledger records resolved since the previous call, oldest first; ``wait`` waits for the device first."""
-        ledger = self.ledger_of(trainer)
+        ledger = self.ledger
         if ledger is None:
             return []
         if wait:

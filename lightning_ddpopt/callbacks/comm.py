@@ -123,14 +123,7 @@ class CommProfiler(Callback):
         if not self._active:
             rank_zero_warn("ddpopt: CommProfiler needs more than one process to measure communication; it is off.")
             return
-        if LedgerCursor.ledger_of(trainer) is None:
-            rank_zero_warn(
-                "ddpopt: CommProfiler found no ledger (use OptimizedDDPStrategy for sync time and bytes); it logs "
-                "step times and jitter only."
-            )
         device = pl_module.device
-        ledger = LedgerCursor.ledger_of(trainer)
-        self._timeline = ledger.timeline if ledger is not None else timeline_for(device)
         # torchmetrics gathers every rank's values when computed: once per aggregation, never per step.
         # NaN marks a figure a rank does not have (no ledger, no resolved step yet): kept, so rows keep their shape.
         self._gather = {name: CatMetric(nan_strategy="disable").to(device) for name in ("per_rank", "step", "sync")}
@@ -146,12 +139,21 @@ class CommProfiler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._cursor.start(trainer)
+        if not self._active:
+            return
+        self._cursor.start(trainer)  # the strategy has registered its hook by now
+        ledger = self._cursor.ledger
+        self._timeline = ledger.timeline if ledger is not None else timeline_for(pl_module.device)
+        if ledger is None:
+            rank_zero_warn(
+                "ddpopt: CommProfiler sees no gradient syncs (use OptimizedDDPStrategy with a comm_hook other than "
+                "None for sync time and bytes); it logs step times and jitter only."
+            )
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Without a ledger: the gap across an epoch boundary is not a step's time.
-        self._step_marks.append((math.nan, 0, None))
+        if self._active and self._cursor.ledger is None:
+            self._step_marks.append((math.nan, 0, None))  # the gap across an epoch boundary is not a step's time
 
     @override
     def on_train_batch_end(
@@ -160,8 +162,8 @@ class CommProfiler(Callback):
         if not self._active:
             return
         steps = self._cursor.new_steps(trainer)
-        self._take_records(trainer, self._cursor.new_records(trainer))
-        if steps and LedgerCursor.ledger_of(trainer) is None:
+        self._take_records(trainer, self._cursor.new_records())
+        if steps and self._cursor.ledger is None:
             self._step_marks.append((float(trainer.global_step), steps, self._timeline.mark()))
             self._take_step_marks(wait=False)
         # The host's step count decides when to aggregate: the same step on every rank, whatever each device's lag.
@@ -190,7 +192,7 @@ class CommProfiler(Callback):
                 self._add_step(step - steps + 1 + index, step_time, None)
 
     def _take_records(self, trainer: pl.Trainer, records: list[StepRecord]) -> None:
-        ledger = LedgerCursor.ledger_of(trainer)
+        ledger = self._cursor.ledger
         for record in records:
             assert ledger is not None
             # On a GPU a record resolves a step or so after the host took it: place it at its own step.
@@ -218,7 +220,7 @@ class CommProfiler(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
             return
-        self._take_records(trainer, self._cursor.new_records(trainer, wait=True))
+        self._take_records(trainer, self._cursor.new_records(wait=True))
         self._take_step_marks(wait=True)
         # Steps since the last log point, or records that resolved after it on some rank: one more aggregation.
         unlogged = bool(self._interval["step_time"] or self._interval["sync_time"])

@@ -105,20 +105,21 @@ class StragglerDetector(Callback):
         self._active = trainer.world_size > 1
         if not self._active:
             rank_zero_warn("ddpopt: StragglerDetector needs more than one process; it is off.")
-            return
-        ledger = LedgerCursor.ledger_of(trainer)
-        self._uses_ledger = ledger is not None
-        if ledger is None:
-            rank_zero_warn(
-                "ddpopt: StragglerDetector found no ledger (use OptimizedDDPStrategy to see each rank's sync point); "
-                "it can name only ranks that are slow in data loading."
-            )
-        # The ledger's timeline when there is one, so batch marks and sync marks are on the same clock.
-        self._timeline = ledger.timeline if ledger is not None else timeline_for(pl_module.device)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._cursor.start(trainer)
+        if not self._active:
+            return
+        self._cursor.start(trainer)  # the strategy has registered its hook by now
+        ledger = self._cursor.ledger
+        self._uses_ledger = ledger is not None
+        if ledger is None:
+            rank_zero_warn(
+                "ddpopt: StragglerDetector sees no sync point (use OptimizedDDPStrategy with a comm_hook other than "
+                "None); it can name only ranks that are slow in data loading."
+            )
+        # The ledger's timeline when there is one, so batch marks and sync marks are on the same clock.
+        self._timeline = ledger.timeline if ledger is not None else timeline_for(pl_module.device)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -146,7 +147,7 @@ class StragglerDetector(Callback):
             self._unresolved.append(self._step_batches)
             self._unresolved.extend([] for _ in range(steps - 1))
             self._step_batches = []
-        self._records.extend(self._cursor.new_records(trainer))
+        self._records.extend(self._cursor.new_records())
         self._resolve(wait=False)
         self._steps_in_window += steps
         if self._steps_in_window >= self.every_n_steps:
@@ -155,7 +156,7 @@ class StragglerDetector(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active:
-            self._records.extend(self._cursor.new_records(trainer, wait=True))
+            self._records.extend(self._cursor.new_records(wait=True))
             self._resolve(wait=True)
 
     def summary(self) -> dict[str, Any]:
