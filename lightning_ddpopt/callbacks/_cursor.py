@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.timing import HostTimeline, Timeline, timeline_for
 
 __all__ = ["LedgerCursor"]
 
@@ -17,11 +18,13 @@ class LedgerCursor:
     records of :attr:`ledger` as they resolve: at once on CPU, a step or so later on a GPU, where each rank's
     device runs behind its host by its own amount.
 
-    Call :meth:`start` at fit start, once the strategy has registered its comm hook.
+    Call :meth:`start` when training starts, once the strategy has registered its comm hook. :attr:`timeline`
+    is where a callback takes its own marks: the ledger's, so they share its clock, or one for the device.
     """
 
     def __init__(self) -> None:
         self.ledger: CommLedger | None = None
+        self.timeline: Timeline = HostTimeline()
         self._seen_records = 0
         self._seen_global_step: int | None = None
 
@@ -38,6 +41,7 @@ class LedgerCursor:
     def start(self, trainer: pl.Trainer) -> None:
         """Begin at the trainer's and ledger's present position (a resumed run starts mid-way)."""
         self.ledger = self.ledger_of(trainer)
+        self.timeline = self.ledger.timeline if self.ledger is not None else timeline_for(trainer.strategy.root_device)
         self._seen_global_step = trainer.global_step
         self._seen_records = self.ledger.total_steps if self.ledger is not None else 0
 

@@ -23,7 +23,7 @@ from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
 from lightning_ddpopt.ledger import StepRecord
-from lightning_ddpopt.timing import HostTimeline, Mark, Timeline, timeline_for
+from lightning_ddpopt.timing import Mark
 
 __all__ = ["CommProfiler"]
 
@@ -107,7 +107,6 @@ class CommProfiler(Callback):
         self.report_path: Path | None = None
         self._cursor = LedgerCursor()
         self._active = False
-        self._timeline: Timeline = HostTimeline()
         self._step_marks: deque[tuple[float, int, Mark | None]] = deque()  # without a ledger: (step, steps, mark)
         self._last_end_s: float | None = None
         self._since_log = 0
@@ -142,9 +141,7 @@ class CommProfiler(Callback):
         if not self._active:
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
-        ledger = self._cursor.ledger
-        self._timeline = ledger.timeline if ledger is not None else timeline_for(pl_module.device)
-        if ledger is None:
+        if self._cursor.ledger is None:
             rank_zero_warn(
                 "ddpopt: CommProfiler sees no gradient syncs (use OptimizedDDPStrategy with a comm_hook other than "
                 "None for sync time and bytes); it logs step times and jitter only."
@@ -164,7 +161,7 @@ class CommProfiler(Callback):
         steps = self._cursor.new_steps(trainer)
         self._take_records(trainer, self._cursor.new_records())
         if steps and self._cursor.ledger is None:
-            self._step_marks.append((float(trainer.global_step), steps, self._timeline.mark()))
+            self._step_marks.append((float(trainer.global_step), steps, self._cursor.timeline.mark()))
             self._take_step_marks(wait=False)
         # The host's step count decides when to aggregate: the same step on every rank, whatever each device's lag.
         self._since_log += steps
@@ -182,7 +179,7 @@ class CommProfiler(Callback):
                 self._step_marks.popleft()
                 self._last_end_s = None
                 continue
-            end = self._timeline.wait(mark) if wait else self._timeline.seconds(mark)
+            end = self._cursor.timeline.wait(mark) if wait else self._cursor.timeline.seconds(mark)
             if end is None:
                 return
             self._step_marks.popleft()

@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.ledger import StepRecord
-from lightning_ddpopt.timing import HostTimeline, Mark, Timeline, timeline_for
+from lightning_ddpopt.timing import Mark, Timeline
 
 __all__ = ["StragglerDetector"]
 
@@ -90,8 +90,6 @@ class StragglerDetector(Callback):
         self.windows = 0
         self._cursor = LedgerCursor()
         self._active = False
-        self._uses_ledger = False
-        self._timeline: Timeline = HostTimeline()
         self._previous_end: Mark | None = None
         self._batch_start: Mark | None = None
         self._step_batches: list[_Batch] = []
@@ -111,15 +109,11 @@ class StragglerDetector(Callback):
         if not self._active:
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
-        ledger = self._cursor.ledger
-        self._uses_ledger = ledger is not None
-        if ledger is None:
+        if self._cursor.ledger is None:
             rank_zero_warn(
                 "ddpopt: StragglerDetector sees no sync point (use OptimizedDDPStrategy with a comm_hook other than "
                 "None); it can name only ranks that are slow in data loading."
             )
-        # The ledger's timeline when there is one, so batch marks and sync marks are on the same clock.
-        self._timeline = ledger.timeline if ledger is not None else timeline_for(pl_module.device)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -130,7 +124,7 @@ class StragglerDetector(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._active:
-            self._batch_start = self._timeline.mark()
+            self._batch_start = self._cursor.timeline.mark()
 
     @override
     def on_train_batch_end(
@@ -138,7 +132,7 @@ class StragglerDetector(Callback):
     ) -> None:
         if not self._active or self._batch_start is None:
             return
-        end = self._timeline.mark()
+        end = self._cursor.timeline.mark()
         self._step_batches.append(_Batch(self._previous_end, self._batch_start, end))
         self._previous_end, self._batch_start = end, None
         steps = self._cursor.new_steps(trainer)
@@ -169,9 +163,9 @@ class StragglerDetector(Callback):
 
     def _resolve(self, wait: bool) -> None:
         """Add the host-closed steps whose marks (and ledger record) have resolved to the window's totals."""
-        while self._unresolved and (self._records or not self._uses_ledger):
+        while self._unresolved and (self._records or self._cursor.ledger is None):
             batches = self._unresolved[0]
-            times = [batch.seconds(self._timeline, wait) for batch in batches]
+            times = [batch.seconds(self._cursor.timeline, wait) for batch in batches]
             if any(t is None for t in times):
                 return
             self._unresolved.popleft()
@@ -179,7 +173,7 @@ class StragglerDetector(Callback):
             for t in times:
                 assert t is not None
                 data, busy = data + t[0], busy + t[1]
-            wait_s = self._records.popleft().sync_time_s if self._uses_ledger else 0.0
+            wait_s = self._records.popleft().sync_time_s if self._cursor.ledger is not None else 0.0
             self._totals += torch.tensor([data, max(busy - wait_s, 0.0), wait_s, 1.0], dtype=torch.float64)
 
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -191,7 +185,7 @@ class StragglerDetector(Callback):
         self._totals.zero_()
         per_rank = per_rank[:, :3] / per_rank[:, 3:] * 1e3  # mean ms per step
         # Without the ledger, compute holds the fast ranks' wait: only data can tell the ranks apart.
-        phases = 2 if self._uses_ledger else 1
+        phases = 2 if self._cursor.ledger is not None else 1
         busy = per_rank[:, :phases].sum(dim=1)
         slowest = int(busy.argmax())
         others = [r for r in range(per_rank.shape[0]) if r != slowest]
