@@ -73,3 +73,44 @@ def test_an_epoch_boundary_is_not_counted_in_a_step(gloo_group):
     assert record.step_time_s == pytest.approx(record.end_s - record.start_s)
     [record] = _step(model, ledger)
     assert record.step_time_s == pytest.approx(record.end_s - ledger.steps[-2].end_s)
+
+
+class _FakeEvent:
+    """A CUDA event on a device clock that the test moves by hand (milliseconds, as CUDA reports them)."""
+
+    device_ms = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at_ms: float | None = None
+        self.reached = False
+
+    def record(self, stream: object = None) -> None:
+        self.at_ms = _FakeEvent.device_ms
+
+    def query(self) -> bool:
+        return self.reached
+
+    def synchronize(self) -> None:
+        self.reached = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.reached and end.reached, "cudaErrorNotReady"
+        assert self.at_ms is not None and end.at_ms is not None
+        return end.at_ms - self.at_ms
+
+
+def test_cuda_timeline_reads_events_only_once_reached(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    _FakeEvent.device_ms = 1000.0
+    timeline = CudaTimeline(torch.device("cuda", 0))  # its reference event is waited for once, here
+    assert timeline.device_clock
+    _FakeEvent.device_ms = 1250.0
+    first = timeline.mark()
+    _FakeEvent.device_ms = 1400.0
+    second = timeline.mark()
+    assert timeline.seconds(first) is None and timeline.seconds(second) is None  # the device has not got there
+    first.reached = True
+    assert timeline.seconds(first) - timeline.wait(timeline._reference) == pytest.approx(0.250)
+    assert timeline.wait(second) - timeline.seconds(first) == pytest.approx(0.150)  # waiting is explicit
