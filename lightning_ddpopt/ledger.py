@@ -161,7 +161,6 @@ class CommLedger:
         self._pending: deque[_ClosedStep] = deque()
         self._last_end_s: float | None = None
         self.steps: deque[StepRecord] = deque(maxlen=history)
-        self.closed_steps = 0
         self.total_steps = 0
         self.total_sync_rounds = 0
         self.total_logical_bytes = 0
@@ -234,7 +233,6 @@ class CommLedger:
             )
             self._rounds, self._micro_batches, self._samples, self._step_start = [], 0, 0, None
             self._contiguous = True
-            self.closed_steps += 1
         return self.poll()
 
     def poll(self) -> list[StepRecord]:
@@ -250,6 +248,12 @@ class CommLedger:
         """Closed steps still waiting for the device."""
         with self._lock:
             return len(self._pending)
+
+    @property
+    def closed_steps(self) -> int:
+        """Optimizer steps closed so far: resolved (:attr:`total_steps`) or pending."""
+        with self._lock:
+            return self.total_steps + len(self._pending)
 
     @property
     def open_sync_rounds(self) -> int:
