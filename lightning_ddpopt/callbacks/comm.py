@@ -22,8 +22,7 @@ from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
-from lightning_ddpopt.ledger import StepRecord
-from lightning_ddpopt.timing import Mark
+from lightning_ddpopt.ledger import CommLedger, StepRecord
 
 __all__ = ["CommProfiler"]
 
@@ -60,8 +59,8 @@ class CommProfiler(Callback):
     ``ddpopt/comm/sync_time_p{50,95,99}_ms``  sync-time percentiles
     ====================================  ==========================================================================
 
-    Times are host clocks on CPU and CUDA events on a GPU (the ledger's, or this callback's own marks at each
-    step's end without one), read back a step or so later without a host sync, so a log point covers the steps
+    Times are host clocks on CPU and CUDA events on a GPU (the ledger's, or without it a step-timing ledger of this
+    callback's own), read back a step or so later without a host sync, so a log point covers the steps
     each rank's device had finished. The first step of an epoch is not timed across the epoch boundary.
 
     At the end of fit, rank 0 prints the findings of :mod:`lightning_ddpopt.diagnosis` (network, AMP from an
@@ -107,8 +106,7 @@ class CommProfiler(Callback):
         self.report_path: Path | None = None
         self._cursor = LedgerCursor()
         self._active = False
-        self._step_marks: deque[tuple[float, int, Mark | None]] = deque()  # without a ledger: (step, steps, mark)
-        self._last_end_s: float | None = None
+        self._step_clock: CommLedger | None = None  # without the strategy's ledger: one of our own, for step times
         self._since_log = 0
         self._step_times: deque[float] = deque(maxlen=window)
         self._sync_times: deque[float] = deque(maxlen=window)
@@ -142,15 +140,18 @@ class CommProfiler(Callback):
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
         if self._cursor.ledger is None:
+            self._step_clock = CommLedger(timeline=self._cursor.timeline)
             rank_zero_warn(
                 "ddpopt: CommProfiler sees no gradient syncs (use OptimizedDDPStrategy with a comm_hook other than "
                 "None for sync time and bytes); it logs step times and jitter only."
             )
 
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._active and self._cursor.ledger is None:
-            self._step_marks.append((math.nan, 0, None))  # the gap across an epoch boundary is not a step's time
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_clock is not None:
+            self._step_clock.add_micro_batch(None, first_of_epoch=batch_idx == 0)
 
     @override
     def on_train_batch_end(
@@ -159,10 +160,10 @@ class CommProfiler(Callback):
         if not self._active:
             return
         steps = self._cursor.new_steps(trainer)
-        self._take_records(trainer, self._cursor.new_records())
-        if steps and self._cursor.ledger is None:
-            self._step_marks.append((float(trainer.global_step), steps, self._cursor.timeline.mark()))
-            self._take_step_marks(wait=False)
+        self._take_records(trainer, self._cursor.ledger, self._cursor.new_records())
+        clock = self._step_clock
+        if clock is not None:
+            self._take_records(trainer, clock, [r for _ in range(steps) for r in clock.close_step()] or clock.poll())
         # The host's step count decides when to aggregate: the same step on every rank, whatever each device's lag.
         self._since_log += steps
         if self._since_log >= self.every_n_steps:
@@ -171,30 +172,13 @@ class CommProfiler(Callback):
             for key, value in self.last_metrics.items():
                 pl_module.log(f"ddpopt/comm/{key}", value, on_step=True, on_epoch=False)
 
-    def _take_step_marks(self, wait: bool) -> None:
-        """Without a ledger: step times from this callback's own marks at the steps' ends, once they resolve."""
-        while self._step_marks:
-            step, steps, mark = self._step_marks[0]
-            if mark is None:  # an epoch boundary
-                self._step_marks.popleft()
-                self._last_end_s = None
-                continue
-            end = self._cursor.timeline.wait(mark) if wait else self._cursor.timeline.seconds(mark)
-            if end is None:
-                return
-            self._step_marks.popleft()
-            step_time = (end - self._last_end_s) / steps if self._last_end_s is not None else None
-            self._last_end_s = end
-            for index in range(steps):
-                self._add_step(step - steps + 1 + index, step_time, None)
-
-    def _take_records(self, trainer: pl.Trainer, records: list[StepRecord]) -> None:
-        ledger = self._cursor.ledger
+    def _take_records(self, trainer: pl.Trainer, ledger: CommLedger | None, records: list[StepRecord]) -> None:
+        """Add resolved records; the sync figures count only from the strategy's ledger, not our step clock."""
         for record in records:
             assert ledger is not None
             # On a GPU a record resolves a step or so after the host took it: place it at its own step.
             step = trainer.global_step - (ledger.closed_steps - record.step)
-            self._add_step(float(step), record.step_time_s, record)
+            self._add_step(float(step), record.step_time_s, record if ledger is self._cursor.ledger else None)
 
     def _add_step(self, step: float, step_time: float | None, record: StepRecord | None) -> None:
         self._series["step"].append(step)
@@ -217,8 +201,9 @@ class CommProfiler(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
             return
-        self._take_records(trainer, self._cursor.new_records(wait=True))
-        self._take_step_marks(wait=True)
+        self._take_records(trainer, self._cursor.ledger, self._cursor.new_records(wait=True))
+        if self._step_clock is not None:
+            self._take_records(trainer, self._step_clock, self._step_clock.flush())
         # Steps since the last log point, or records that resolved after it on some rank: one more aggregation.
         unlogged = bool(self._interval["step_time"] or self._interval["sync_time"])
         if trainer.strategy.reduce_boolean_decision(self._since_log > 0 or unlogged, all=False):
