@@ -163,7 +163,8 @@ class CommProfiler(Callback):
         self._take_records(trainer, self._cursor.ledger, self._cursor.new_records())
         clock = self._step_clock
         if clock is not None:
-            self._take_records(trainer, clock, [r for _ in range(steps) for r in clock.close_step()] or clock.poll())
+            resolved = [record for _ in range(steps) for record in clock.close_step()] if steps else clock.poll()
+            self._take_records(trainer, clock, resolved)
         # The host's step count decides when to aggregate: the same step on every rank, whatever each device's lag.
         self._since_log += steps
         if self._since_log >= self.every_n_steps:
