@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from lightning_ddpopt._validate import require_int
 
-__all__ = ["bf16_supported", "fp16_mixed_precision"]
+__all__ = ["bf16_supported", "current_loss_scale", "fp16_mixed_precision"]
 
 
 def fp16_mixed_precision(
@@ -61,3 +61,15 @@ def bf16_supported(device: torch.device) -> tuple[bool, str]:
             "later): lower the learning rate or check the model for values beyond fp16's range"
         )
     return True, "bf16 autocast runs on CPUs: use precision='bf16-mixed'"
+
+
+def current_loss_scale(precision_plugin: Precision | None) -> torch.Tensor | None:
+    """The loss scale of ``precision_plugin``'s GradScaler as the scaler holds it, or ``None`` without one.
+
+    Read during a backward pass, it is the scale that pass runs with (the scaler updates it after the step). It is
+    the scaler's own tensor, on the device: ``GradScaler.get_scale()`` would sync the host on a GPU. Copy it to keep it.
+    """
+    scaler = getattr(precision_plugin, "scaler", None)
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        return None
+    return scaler._scale  # private, see above; None until the scaler's first scale()

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddpopt._compat import check_lightning_version
+from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_step
 from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
 from lightning_ddpopt.buckets import (
@@ -37,6 +38,7 @@ from lightning_ddpopt.buckets import (
     plan_buckets,
     validate_bucket_cap_mb,
 )
+from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, SavedRun, gather_hook_states, restore_hook_state
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
@@ -48,12 +50,12 @@ from lightning_ddpopt.hooks.registry import (
     validate_hook_callable,
 )
 from lightning_ddpopt.ledger import CommHook, CommLedger
+from lightning_ddpopt.precision import current_loss_scale
 from lightning_ddpopt.timing import timeline_for
 
 __all__ = ["OptimizedDDPStrategy"]
 
 _DEFAULT_COMM_HOOK = "allreduce"
-_CHECKPOINT_KEY = "ddpopt"
 #: DDP settles its bucket layout after its first synchronised step; by the end of the second the layout is final.
 _LAYOUT_FINAL_AFTER_STEPS = 2
 
@@ -74,20 +76,10 @@ class OptimizedDDPStrategy(DDPStrategy):
     * ``cpu_affinity`` pins each local rank to its own cores.
     * ``static_graph=True`` with gradient accumulation is refused (pytorch#143580 makes it compute wrong results).
 
+    Every ``DDPStrategy`` argument keeps its name, position and default; the arguments this class adds are
+    keyword-only. ``DistributedDataParallel`` receives only what differs from its own defaults.
+
     Args:
-        comm_hook: a registry name (see :data:`lightning_ddpopt.hooks.COMM_HOOKS`), a
-            :class:`~lightning_ddpopt.hooks.PowerSGDConfig`, a torch-style hook
-            ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's built-in
-            allreduce with nothing recorded; ``"auto"`` measures the link and the model at setup and picks
-            ``allreduce``, ``fp16`` or ``powersgd`` (see :mod:`lightning_ddpopt.hooks.auto`). The hook's state is
-            saved in checkpoints (every rank's) and restored.
-        comm_state: the state passed to a callable ``comm_hook``.
-        bucket_cap_mb: DDP's bucket cap in MiB, a positive number, ``"auto"`` or ``"autotune"``.
-        gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a copy and memory).
-        find_unused_parameters: forwarded to ``DistributedDataParallel``.
-        static_graph: forwarded to ``DistributedDataParallel``.
-        cpu_affinity: ``True`` splits this process's usable cores evenly among the local ranks; a list gives
-            each local rank its cores explicitly; ``False`` (default) leaves affinity alone.
         accelerator: see ``DDPStrategy``.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -97,10 +89,26 @@ class OptimizedDDPStrategy(DDPStrategy):
         ddp_comm_hook: Lightning's name for a callable hook; unlike in ``DDPStrategy`` it runs on every backend.
             Give either this or ``comm_hook``, not both.
         ddp_comm_wrapper: Lightning's hook wrapper, applied around ``ddp_comm_hook``.
-        model_averaging_period: see ``DDPStrategy`` (post-local SGD).
+        model_averaging_period: see ``DDPStrategy`` (post-local SGD; on CPU the ``PostLocalSGDState`` needs an
+            explicit ``subgroup`` or ``post_local_gradient_allreduce=False``).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: NCCL on CUDA, gloo otherwise.
         timeout: process-group timeout.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        comm_hook: a registry name (see :data:`lightning_ddpopt.hooks.COMM_HOOKS`), a
+            :class:`~lightning_ddpopt.hooks.PowerSGDConfig`, a torch-style hook
+            ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's built-in
+            allreduce with nothing recorded; ``"auto"`` measures the link and the model at setup and picks
+            ``allreduce``, ``fp16`` or ``powersgd`` (see :mod:`lightning_ddpopt.hooks.auto`). The hook's state is
+            saved in checkpoints (see :mod:`lightning_ddpopt.checkpoint`) and restored.
+        comm_state: the state passed to a callable ``comm_hook``.
+        bucket_cap_mb: DDP's bucket cap in MiB, a positive number, ``"auto"`` or ``"autotune"``.
+        gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a gradient-sized copy per step
+            and its memory; ``param.grad`` must then not be detached or resized in place). DDP's default is False.
+        find_unused_parameters: see ``DistributedDataParallel``.
+        static_graph: see ``DistributedDataParallel``.
+        cpu_affinity: ``True`` splits this process's usable cores evenly among the local ranks; a list gives
+            each local rank its cores explicitly; ``False`` (default) leaves affinity alone.
+        checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
         **kwargs: forwarded to ``DistributedDataParallel``.
 
     Example::
@@ -112,13 +120,6 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        comm_hook: str | PowerSGDConfig | Callable | None = _DEFAULT_COMM_HOOK,
-        comm_state: object | None = None,
-        bucket_cap_mb: float | Literal["auto", "autotune"] = "auto",
-        gradient_as_bucket_view: bool = True,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        cpu_affinity: bool | list[list[int]] = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -131,6 +132,15 @@ class OptimizedDDPStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        comm_hook: str | PowerSGDConfig | Callable | None = _DEFAULT_COMM_HOOK,
+        comm_state: object | None = None,
+        bucket_cap_mb: float | Literal["auto", "autotune"] = "auto",
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        cpu_affinity: bool | list[list[int]] = False,
+        checkpoint_timeout: float = 30.0,
         **kwargs: Any,
     ) -> None:
         check_lightning_version()
@@ -156,21 +166,28 @@ class OptimizedDDPStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
             **kwargs,
         )
+        # DistributedDataParallel gets only what differs from its own defaults (all False).
+        ddp_flags = {
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+        }
+        self._ddp_kwargs.update((name, True) for name, value in ddp_flags.items() if value)
         self._comm_state_arg = comm_state
         self._bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
         self._cpu_affinity = validate_cpu_affinity(cpu_affinity)
+        self._checkpoint_timeout = require_number("checkpoint_timeout", checkpoint_timeout)
+        self._checkpoint_saves = 0
         self.ledger: CommLedger | None = None
         self.comm_state: object | None = None
         self.comm_hook_name: str | None = None
         self.bucket_plan: BucketPlan | None = None
         self.bucket_layout: tuple[int, ...] | None = None
         self.core_binding: CoreBinding | None = None
-        self._saved_hook_state: dict[str, Any] | None = None
+        self._saved: SavedRun | None = None
+        self._hook_state_pending = False
         self._micro_batch_in_group = 0
         self._warned_extra_syncs = False
         self.autotuner: BucketAutotuner | None = None
@@ -201,16 +218,35 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        self.bucket_plan = plan_buckets(model, self._bucket_cap_mb, self.world_size)
+        reused = self._reused_decision("bucket_cap_mb") if self._bucket_cap_mb == "autotune" else None
+        if reused is not None:
+            replanned = plan_buckets(model, reused, self.world_size)
+            self.bucket_plan = dataclasses.replace(replanned, requested="autotune")
+            rank_zero_info(f"ddpopt: bucket_cap_mb='autotune' reuses the checkpoint's cap of {reused:g} MB")
+        else:
+            self.bucket_plan = plan_buckets(model, self._bucket_cap_mb, self.world_size)
+            if self._bucket_cap_mb == "autotune" and self.world_size > 1:
+                self.autotuner = BucketAutotuner(autotune_candidates(model, self.world_size))
         self._ddp_kwargs["bucket_cap_mb"] = self.bucket_plan.cap_mb
-        if self._bucket_cap_mb == "autotune" and self.world_size > 1:
-            self.autotuner = BucketAutotuner(autotune_candidates(model, self.world_size))
         return super()._setup_model(model)
+
+    def _reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb"]) -> Any:
+        """The checkpoint's measured decision ``name`` if this run may reuse it; says why when it may not."""
+        saved = self._saved
+        if saved is None or getattr(saved, name) is None:
+            return None
+        note = saved.decision_note(self.world_size)
+        if note is not None:
+            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb='autotune'"
+            rank_zero_info(f"ddpopt: {what} measures again: {note}")
+            return None
+        return getattr(saved, name)
 
     @override
     def _register_ddp_hooks(self) -> None:
         model = self.model
         assert isinstance(model, DistributedDataParallel)
+        self._check_post_local_sgd(self.root_device)
         backend = self._get_process_group_backend()
         hook = self._build_hook(model, backend)
         if hook is not None:
@@ -232,25 +268,38 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Add every rank's hook state (gathered to rank 0) to the checkpoint; all ranks must call this."""
+        """Add the hook's state (every rank's, gathered to rank 0) and the measured decisions to the checkpoint.
+
+        Every rank must call this, as with Lightning's ``DDPStrategy``; with a stateful hook a call on fewer ranks
+        raises within ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
+        """
         state = self.comm_state.state_dict() if isinstance(self.comm_state, CommHookState) else {}
+        states: list[dict[str, Any]] | None = []
         if state:  # the same hook on every rank, so every rank takes this branch or none does
-            states: list[object] = [None] * self.world_size
-            if self.world_size > 1:
-                torch.distributed.all_gather_object(states, state)
-            else:
-                states = [state]
-            checkpoint[_CHECKPOINT_KEY] = {
-                "comm_hook": self.comm_hook_name,
-                "world_size": self.world_size,
-                "hook_states": states,
-            }
+            self._checkpoint_saves += 1
+            states = gather_hook_states(
+                state,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout_s=self._checkpoint_timeout,
+                tag=str(self._checkpoint_saves),
+            )
+        if self.is_global_zero:
+            checkpoint[CHECKPOINT_KEY] = SavedRun(
+                world_size=self.world_size,
+                comm_hook=self.comm_hook_name,
+                hook_states=states or [],
+                hook_choice=self.hook_choice if self._auto_hook else None,
+                bucket_cap_mb=self._autotuned_cap(),
+            ).to_checkpoint()
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        self._saved_hook_state = checkpoint.get(_CHECKPOINT_KEY)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        self._saved = SavedRun.from_checkpoint(entry) if entry else None
+        self._hook_state_pending = self._saved is not None
         self._restore_hook_state()
         return checkpoint
 
@@ -365,6 +414,24 @@ class OptimizedDDPStrategy(DDPStrategy):
                     start_method=start_methods[suffix],
                 )
 
+    def _check_post_local_sgd(self, device: torch.device) -> None:
+        """Refuse a post-local SGD state that would fail mid-training on this device."""
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+        state = self._ddp_comm_state
+        if (
+            isinstance(state, PostLocalSGDState)
+            and state.subgroup is None
+            and state.post_local_gradient_allreduce
+            and device.type != "cuda"
+        ):
+            raise ValueError(
+                "ddp_comm_state=PostLocalSGDState(subgroup=None, post_local_gradient_allreduce=True) makes torch "
+                f"build one subgroup per node from the CUDA device count, which is 0 on {device.type}, and fails "
+                "once local SGD starts. Pass post_local_gradient_allreduce=False (no gradient sync between "
+                "averagings) or an explicit subgroup."
+            )
+
     def _autotune_step(self, ledger: CommLedger) -> None:
         """Count one step for the autotuner; score the candidate and switch DDP's buckets when it is complete."""
         tuner = self.autotuner
@@ -417,24 +484,32 @@ class OptimizedDDPStrategy(DDPStrategy):
         )
 
     def _restore_hook_state(self) -> None:
-        """Load this rank's saved hook state once both the checkpoint and the hook's state exist."""
-        saved = self._saved_hook_state
-        if saved is None or not isinstance(self.comm_state, CommHookState):
+        """Load this rank's saved hook state once both the checkpoint and the registered hook exist."""
+        saved = self._saved
+        if saved is None or not self._hook_state_pending or not isinstance(self.model, DistributedDataParallel):
             return
-        self._saved_hook_state = None
-        if saved["comm_hook"] != self.comm_hook_name:
-            rank_zero_warn(
-                f"ddpopt: the checkpoint holds state of comm hook {saved['comm_hook']!r}, this run uses "
-                f"{self.comm_hook_name!r}; the hook starts with fresh state"
-            )
-        elif saved["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"ddpopt: the checkpoint was saved with world size {saved['world_size']} and this run has "
-                f"{self.world_size}; per-rank hook state (error feedback, step count) cannot be mapped and starts "
-                f"afresh, so {self.comm_hook_name!r} warms up again"
+        self._hook_state_pending = False
+        if not saved.hook_states:
+            return
+        if isinstance(self.comm_state, CommHookState):
+            problem = restore_hook_state(
+                self.comm_state, saved, hook_name=self.comm_hook_name, world_size=self.world_size, rank=self.global_rank
             )
         else:
-            self.comm_state.load_state_dict(saved["hook_states"][self.global_rank])
+            problem = (
+                f"the checkpoint holds state of comm hook {saved.comm_hook!r}; this run's hook "
+                f"{self.comm_hook_name!r} keeps no state of this package's kind, so the saved state is not used"
+            )
+        if problem is not None:
+            rank_zero_warn(f"ddpopt: {problem}")
+
+    def _autotuned_cap(self) -> float | None:
+        """The cap ``bucket_cap_mb="autotune"`` settled on (measured now or reused), ``None`` while it searches."""
+        if self._bucket_cap_mb != "autotune" or self.bucket_plan is None:
+            return None
+        if self.autotuner is not None and not self.autotuner.done:
+            return None
+        return self.bucket_plan.cap_mb
 
     def _bind_cores(self) -> None:
         if self._cpu_affinity is False:
@@ -457,18 +532,24 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     def _build_hook(self, model: DistributedDataParallel, backend: str) -> CommHook | None:
         if self._auto_hook and self._hook_spec is None:
-            if self.world_size > 1:
+            reused: HookChoice | None = self._reused_decision("hook_choice")
+            if reused is not None:
+                self.hook_choice = reused
+                rank_zero_info(f"ddpopt: comm_hook='auto' reuses the checkpoint's choice {reused.name!r}")
+            elif self.world_size > 1:
                 costs = measure_hook_costs(model.module, model.process_group, self.root_device)
                 self.hook_choice = choose_hook(costs)
             else:
                 self.hook_choice = HookChoice("allreduce", {}, "one process: nothing to communicate")
-            rank_zero_info(f"ddpopt: comm_hook='auto' chose {self.hook_choice.name!r}: {self.hook_choice.reason}")
+            if reused is None:
+                rank_zero_info(f"ddpopt: comm_hook='auto' chose {self.hook_choice.name!r}: {self.hook_choice.reason}")
             self._hook_spec = get_hook_spec(self.hook_choice.name)
         if self._hook_spec is not None:
             reason = self._hook_spec.unsupported_reason(backend)
             if reason is not None:
                 raise ValueError(f"comm_hook={self._hook_spec.name!r} cannot run on backend {backend!r}: {reason}")
             self.comm_state = self._hook_spec.build(model.process_group, self.ledger)
+            self.comm_state.loss_scale = self._loss_scale
             self.comm_state.bind_module(model.module)
             self.comm_hook_name = self._hook_spec.name
             return self._hook_spec.hook
@@ -484,7 +565,12 @@ class OptimizedDDPStrategy(DDPStrategy):
             self.comm_state.bind_module(model.module)
             if self.comm_state.ledger is None:
                 self.comm_state.ledger = self.ledger
+            if self.comm_state.loss_scale is None:
+                self.comm_state.loss_scale = self._loss_scale
         return hook
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        return current_loss_scale(self.precision_plugin)
 
     def _log_plan(self, backend: str) -> None:
         plan = self.bucket_plan

@@ -47,6 +47,35 @@ class StackModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class OverflowModel(StackModel):
+    """Scales the loss to inf at the given 1-based optimizer steps (on ``ranks`` only, if given); optionally a
+    per-step halving LR scheduler."""
+
+    def __init__(
+        self,
+        overflow_at: tuple[int, ...] = (),
+        scheduler: bool = False,
+        lr: float = 0.05,
+        ranks: tuple[int, ...] | None = None,
+    ) -> None:
+        super().__init__(lr=lr)
+        self.overflow_at = overflow_at
+        self.scheduler = scheduler
+        self.ranks = ranks
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        overflow = batch_idx + 1 in self.overflow_at and (self.ranks is None or self.global_rank in self.ranks)
+        return loss * float("inf") if overflow else loss
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class ManualStackModel(StackModel):
     """Manual optimization with K-step accumulation, through ``strategy.accumulate`` or a naive loop that syncs
     every micro-batch (what users write by hand)."""

@@ -12,30 +12,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
-from tests.helpers import StackModel, fit_ddp, regression_data
+from tests.helpers import OverflowModel, StackModel, fit_ddp, regression_data
 
 INIT_SCALE = 2.0**16
 LR = 0.05
-
-
-class OverflowModel(StackModel):
-    """Scales the loss to inf at the given 1-based optimizer steps; optionally a per-step halving LR scheduler."""
-
-    def __init__(self, overflow_at: tuple[int, ...] = (), scheduler: bool = False) -> None:
-        super().__init__(lr=LR)
-        self.overflow_at = overflow_at
-        self.scheduler = scheduler
-
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("inf") if batch_idx + 1 in self.overflow_at else loss
-
-    def configure_optimizers(self):
-        optimizer = super().configure_optimizers()
-        if not self.scheduler:
-            return optimizer
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class NaNOnOneRank(StackModel):

@@ -12,7 +12,7 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import COMM_HOOKS, OptimizedDDPStrategy
+from lightning_ddpopt import COMM_HOOKS, OptimizedDDPStrategy, fp16_mixed_precision
 from tests.helpers import fit_ddp
 
 EPOCHS = 6
@@ -46,7 +46,7 @@ class HeldOutAccuracy(pl.Callback):
             torch.save(accuracy.compute().item(), self.out)
 
 
-def _accuracy(tmp_path: Path, hook: str) -> float:
+def _accuracy(tmp_path: Path, hook: str, **trainer_kwargs) -> float:
     out = tmp_path / f"{hook}.pt"
     pl.seed_everything(0)
     fit_ddp(
@@ -56,6 +56,7 @@ def _accuracy(tmp_path: Path, hook: str) -> float:
         loader=DataLoader(TRAIN, batch_size=32, shuffle=True),
         callbacks=[HeldOutAccuracy(str(out))],
         max_epochs=EPOCHS,
+        **trainer_kwargs,
     )
     return torch.load(out)
 
@@ -71,3 +72,21 @@ def test_hook_converges_like_allreduce(tmp_path, allreduce_accuracy, hook):
     accuracy = _accuracy(tmp_path, hook)
     print(f"convergence: {hook} {accuracy:.4f}, allreduce {allreduce_accuracy:.4f}")
     assert accuracy >= allreduce_accuracy - 0.01, f"{hook}: {accuracy:.4f} vs allreduce {allreduce_accuracy:.4f}"
+
+
+def _fp16_amp() -> dict:
+    return {"plugins": [fp16_mixed_precision("cpu", growth_interval=20)]}
+
+
+@pytest.fixture(scope="module")
+def allreduce_amp_accuracy(tmp_path_factory):
+    return _accuracy(tmp_path_factory.mktemp("allreduce_amp"), "allreduce", **_fp16_amp())
+
+
+@pytest.mark.parametrize("hook", ["powersgd", "batched_powersgd"])
+def test_powersgd_under_fp16_amp_converges_like_allreduce(tmp_path, allreduce_amp_accuracy, hook):
+    # Real fp16 autocast with a GradScaler on CPU: overflows, backoffs and growths reach the hook's state.
+    accuracy = _accuracy(tmp_path, hook, **_fp16_amp())
+    print(f"convergence under fp16 AMP: {hook} {accuracy:.4f}, allreduce {allreduce_amp_accuracy:.4f}")
+    assert allreduce_amp_accuracy > 0.9
+    assert accuracy >= allreduce_amp_accuracy - 0.01, f"{hook}: {accuracy:.4f} vs {allreduce_amp_accuracy:.4f}"

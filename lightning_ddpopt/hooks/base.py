@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,10 +20,14 @@ class CommHookState:
     Args:
         process_group: the group to all-reduce over; ``None`` for the default (world) group.
         ledger: where the hook reports the bytes it sends; ``None`` records nothing.
+        loss_scale: returns the loss scale the current backward pass runs with (a GradScaler's, as a tensor on
+            the device, so reading it never syncs the host), or ``None`` without one. Hooks that keep
+            gradient-valued state across steps use it to keep that state in the right units; the strategy sets it.
     """
 
     process_group: dist.ProcessGroup | None = None
     ledger: CommLedger | None = None
+    loss_scale: Callable[[], torch.Tensor | None] | None = None
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -42,3 +47,14 @@ class CommHookState:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict` output."""
+
+    def mismatch(self, state: dict[str, object]) -> str | None:
+        """Why ``state`` (saved by :meth:`state_dict`) cannot be loaded into this hook, or ``None`` if it can."""
+        return None
+
+    def load_shared_state_dict(self, state: dict[str, object]) -> str:
+        """Restore only the part of another world size's :meth:`state_dict` that is the same on every rank.
+
+        Returns what was kept, in words, for the warning the user sees.
+        """
+        return "nothing is kept"

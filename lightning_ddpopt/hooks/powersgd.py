@@ -10,10 +10,24 @@ the CUDA stream, so the host does not block; on gloo the hook blocks the backwar
 
 The random projections are drawn from generators seeded by ``(seed, step, parameter name)``, the same on every
 rank and reproducible after a resume without saving any RNG state.
+
+Under fp16 AMP two things keep the state sound:
+
+* **Non-finite gradients never enter the state.** A sync round stages its new error feedback and Q memories and
+  commits them only if every all-reduced factor of the round was finite. The test is on all-reduced values, the
+  same on every rank, so every rank takes the same decision (a non-finite local matrix always makes its P
+  non-finite). A bucket whose factors are not finite is handed back as NaN on every rank, so the GradScaler (or
+  AMPMonitor without one) skips that step everywhere; the next finite step compresses from the state before it.
+  The decision needs no host sync: on CPU it is taken at the round's last bucket, on a GPU the flag is copied
+  without blocking and read at the next round's first bucket. Until then both rounds' error feedback is held.
+* **Error feedback is kept in the units of its loss scale.** Each stored error remembers the loss scale of the
+  backward pass that produced it (``CommHookState.loss_scale``) and is rescaled to the current scale before it
+  is added, so a GradScaler's growth or backoff does not inject it 2x too large or too small.
 """
 
 import math
 import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -78,26 +92,88 @@ class PowerSGDConfig:
             )
 
 
+class _Round:
+    """One sync round's new error feedback and Q memories, committed only if all its reduced factors were finite."""
+
+    def __init__(self, scale: torch.Tensor | None) -> None:
+        self.scale = scale
+        self.errors: dict[str, torch.Tensor] = {}
+        self.q_memories: dict[str, torch.Tensor] = {}
+        self._flags: list[torch.Tensor] = []
+        self._finite: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+
+    def check(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Note whether ``tensors`` (all-reduced: the same on every rank) are finite; return that as a 0-dim flag."""
+        flag = torch.stack([t.isfinite().all() for t in tensors]).all()
+        self._flags.append(flag)
+        return flag
+
+    def seal(self) -> bool:
+        """End the round; return whether its verdict can be read at once (on a GPU it is read a round later)."""
+        finite = torch.stack(self._flags).all() if self._flags else torch.ones((), dtype=torch.bool)
+        if not finite.is_cuda:
+            self._finite = finite
+            return True
+        self._finite = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._finite.copy_(finite, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+        return False
+
+    def finite(self) -> bool:
+        assert self._finite is not None, "seal() first"
+        if self._ready is not None:
+            self._ready.synchronize()
+        return bool(self._finite)
+
+
+class _Regroup:
+    """Batched PowerSGD's first round after a resume: compress the groups the saved state was made with.
+
+    DDP starts a fresh module with its initial bucket layout and rebuilds it after the first step, so the first
+    resumed round would see buckets that the saved Q memories (keyed by a bucket's parameter names) never saw.
+    This round collects the gradients instead and compresses each saved group once all of it has arrived, in
+    DDP's bucket order, the same on every rank; a bucket's future completes when all of its gradients are done.
+    """
+
+    def __init__(self, groups: list[tuple[str, ...]]) -> None:
+        self.groups = groups
+        self.group_of = {name: index for index, group in enumerate(groups) for name in group}
+        self.arrived: dict[str, torch.Tensor] = {}
+        self.done: set[int] = set()
+        self.waiting: list[tuple[set[str], torch.futures.Future[torch.Tensor], torch.Tensor]] = []
+
+
 @dataclass(kw_only=True)
 class PowerSGDState(CommHookState):
     """PowerSGD's per-rank state: the step counter, error feedback and warm-start memories.
 
     ``iteration`` advances once per sync round, on the last bucket. Error feedback (kept for compressed matrices
-    only: uncompressed tensors are exact) and Q memories are keyed by
-    parameter name, not by bucket, so they survive DDP's bucket rebuild after the first step and a resume (where
-    DDP starts again from its initial layout). Error feedback differs per rank; Q memories are the same on every
-    rank (they are all-reduced). Call :meth:`bind_module` with the wrapped module before the first step.
+    only: uncompressed tensors are exact) and Q memories are keyed by parameter name (batched: by the bucket's
+    joined names), not by bucket index, so they survive DDP's bucket rebuild after the first step and a resume.
+    Error feedback differs per rank and is stored with the loss scale it is in (``error_scales``, 1 without a
+    GradScaler); Q memories are the same on every rank (they are all-reduced). ``skipped_rounds`` counts rounds
+    whose reduced factors were not finite and left the state untouched. Call :meth:`bind_module` with the wrapped
+    module before the first step.
     """
 
     config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
     iteration: int = 0
+    skipped_rounds: int = 0
     errors: dict[str, torch.Tensor] = field(default_factory=dict)
+    error_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
     _names: dict[int, str] = field(default_factory=dict, repr=False)
+    _round: _Round | None = field(default=None, repr=False)
+    _sealed: _Round | None = field(default=None, repr=False)
+    _regroup: _Regroup | None = field(default=None, repr=False)
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
-        self._names = {id(param): name for name, param in module.named_parameters()}
+        self._names = {id(param): name for name, param in module.named_parameters() if param.requires_grad}
+        if self._regroup is not None:
+            self._plan_regroup(list(self._regroup.groups))
 
     def names_in(self, bucket: dist.GradBucket) -> list[str]:
         """The names of the bucket's parameters, in the order of ``bucket.gradients()``."""
@@ -106,24 +182,95 @@ class PowerSGDState(CommHookState):
         return [self._names[id(param)] for param in bucket.parameters()]
 
     def state_dict(self) -> dict[str, object]:
-        """Iteration, error feedback and Q memories (tensors on the CPU) plus the config they belong to."""
+        """Iteration, error feedback with its loss scales, and Q memories (tensors on the CPU), plus the config."""
+        self._settle()
         return {
             "config": asdict(self.config),
             "iteration": self.iteration,
+            "skipped_rounds": self.skipped_rounds,
             "errors": {name: error.detach().cpu().clone() for name, error in self.errors.items()},
+            "error_scales": {name: float(scale) for name, scale in self.error_scales.items()},
             "q_memories": {key: q.detach().cpu().clone() for key, q in self.q_memories.items()},
         }
 
+    def mismatch(self, state: dict[str, object]) -> str | None:
+        """Name the config fields in which ``state`` differs from this run's, or ``None`` when they agree."""
+        saved, current = state.get("config"), asdict(self.config)
+        if not isinstance(saved, dict):
+            return "the saved PowerSGD state has no config"
+        changed = [
+            f"{key} {saved.get(key)!r} -> {value!r}" for key, value in current.items() if saved.get(key) != value
+        ]
+        return f"the PowerSGD config changed ({', '.join(changed)})" if changed else None
+
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict` output; tensors move to the gradients' device on first use."""
-        saved_config = state.get("config")
-        if saved_config != asdict(self.config):
-            raise ValueError(f"saved PowerSGD state has config {saved_config}, this run uses {asdict(self.config)}")
-        iteration, errors, q_memories = state["iteration"], state["errors"], state["q_memories"]
-        assert isinstance(iteration, int) and isinstance(errors, dict) and isinstance(q_memories, dict)
-        self.iteration = iteration
+        """Restore :meth:`state_dict` output; tensors move to the gradients' device on first use.
+
+        Raises:
+            ValueError: ``state`` was saved with another config (see :meth:`mismatch`).
+        """
+        reason = self.mismatch(state)
+        if reason is not None:
+            raise ValueError(f"cannot load PowerSGD state: {reason}")
+        errors, scales = state["errors"], state.get("error_scales", {})
+        assert isinstance(errors, dict) and isinstance(scales, dict)
+        self.load_shared_state_dict(state)
         self.errors = dict(errors)
+        self.error_scales = {name: torch.tensor(scale, dtype=torch.float32) for name, scale in scales.items()}
+        skipped = state.get("skipped_rounds", 0)
+        assert isinstance(skipped, int)
+        self.skipped_rounds = skipped
+
+    def load_shared_state_dict(self, state: dict[str, object]) -> str:
+        """Restore the step counter and the Q memories (the same on every rank); error feedback starts afresh."""
+        iteration, q_memories = state["iteration"], state["q_memories"]
+        assert isinstance(iteration, int) and isinstance(q_memories, dict)
+        self.iteration = iteration
         self.q_memories = dict(q_memories)
+        self.errors, self.error_scales = {}, {}
+        self._round = self._sealed = None
+        if self.config.batched:
+            self._plan_regroup([tuple(key.split("|")) for key in self.q_memories])
+        return f"the step count ({iteration}) and the warm-start Q memories are kept"
+
+    def _plan_regroup(self, groups: list[tuple[str, ...]]) -> None:
+        known = set(self._names.values())
+        usable = [group for group in groups if not known or set(group) <= known]
+        self._regroup = _Regroup(usable) if usable else None
+
+    def _open_round(self) -> _Round:
+        if self._round is None:
+            self._settle()
+            scale = self.loss_scale() if self.loss_scale is not None else None
+            self._round = _Round(scale.detach().clone() if isinstance(scale, torch.Tensor) else None)
+        return self._round
+
+    def _close_round(self) -> None:
+        """The round's last bucket is done: seal its staged state, and commit it now if its verdict is known."""
+        self.iteration += 1
+        self._regroup = None
+        round_, self._round = self._round, None
+        if round_ is not None:
+            self._settle()
+            self._sealed = round_
+            if round_.seal():
+                self._settle()
+
+    def _settle(self) -> None:
+        """Commit the sealed round's state if all its factors were finite; drop it otherwise."""
+        round_, self._sealed = self._sealed, None
+        if round_ is None:
+            return
+        if not round_.finite():
+            self.skipped_rounds += 1
+            return
+        self.errors.update(round_.errors)
+        self.q_memories.update(round_.q_memories)
+        for name in round_.errors:
+            if round_.scale is None:
+                self.error_scales.pop(name, None)
+            else:
+                self.error_scales[name] = round_.scale
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -134,16 +281,24 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     buffer = bucket.buffer()
     if state.iteration < state.config.start_iter:
         _allreduce_mean_inplace(state, bucket, buffer)
+        future = _completed(buffer)
     else:
-        _compress_and_allreduce(state, bucket, buffer)
+        future = _compress_and_allreduce(state, bucket, buffer)
     if bucket.is_last():
-        state.iteration += 1
+        state._close_round()
+    return future
+
+
+def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     # On CUDA the future must know its device: it then records an event on the current stream, and whoever waits
     # on it (DDP, the ledger's timing callback) is ordered after the kernels above, not merely after their launch.
-    devices: list[int | str | torch.device] | None = [buffer.device] if buffer.is_cuda else None
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=_devices(buffer))
     future.set_result(buffer)
     return future
+
+
+def _devices(tensor: torch.Tensor) -> list[int | str | torch.device] | None:
+    return [tensor.device] if tensor.is_cuda else None
 
 
 def _allreduce_mean_inplace(state: PowerSGDState, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
@@ -152,19 +307,21 @@ def _allreduce_mean_inplace(state: PowerSGDState, bucket: dist.GradBucket, tenso
     _wait(dist.all_reduce(tensor, group=state.process_group, async_op=True))
 
 
-def _compress_and_allreduce(state: PowerSGDState, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
+def _compress_and_allreduce(
+    state: PowerSGDState, bucket: dist.GradBucket, buffer: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
     config = state.config
+    round_ = state._open_round()
     names = state.names_in(bucket)
     gradients = bucket.gradients()
     if config.error_feedback:
-        for name, gradient in zip(names, gradients, strict=True):
-            error = state.errors.get(name)
-            if error is not None and error.shape == gradient.shape:
-                gradient.add_(error.to(gradient.device))
+        _add_error_feedback(state, round_, names, gradients)
 
     if config.batched:
-        _batched_allreduce(state, bucket, buffer, names, gradients)
-        return
+        if state._regroup is not None:
+            return _regrouped_batched(state, round_, bucket, buffer, names, gradients)
+        _batched_allreduce(state, round_, bucket, buffer, names, gradients)
+        return _completed(buffer)
     matrices, keys, others = [], [], []
     for name, gradient in zip(names, gradients, strict=True):
         matrix = gradient.view(gradient.shape[0], -1) if gradient.dim() > 1 else None
@@ -174,20 +331,47 @@ def _compress_and_allreduce(state: PowerSGDState, bucket: dist.GradBucket, buffe
         else:
             others.append(gradient)
     if others:
-        flat = torch.cat([t.reshape(-1) for t in others])
-        _allreduce_mean_inplace(state, bucket, flat)
-        offset = 0
-        for tensor in others:
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+        _allreduce_exact(state, round_, bucket, others)
     if matrices:
-        errors = _low_rank_allreduce(state, bucket, matrices, keys)
+        errors = _low_rank_allreduce(state, round_, bucket, matrices, keys)
         if config.error_feedback:
-            state.errors.update(zip(keys, errors, strict=True))
+            round_.errors.update(zip(keys, errors, strict=True))
+    return _completed(buffer)
+
+
+def _add_error_feedback(state: PowerSGDState, round_: _Round, names: list[str], gradients: list[torch.Tensor]) -> None:
+    """Add each gradient's stored error, rescaled from the loss scale it was stored at to this round's."""
+    for name, gradient in zip(names, gradients, strict=True):
+        error = state.errors.get(name)
+        if error is None or error.shape != gradient.shape:
+            continue
+        if error.device != gradient.device:
+            error = state.errors[name] = error.to(gradient.device)
+        stored = state.error_scales.get(name)
+        if stored is None and round_.scale is None:
+            gradient.add_(error)
+            continue
+        current = round_.scale if round_.scale is not None else torch.ones((), device=gradient.device)
+        ratio = current / (stored.to(gradient.device) if stored is not None else 1.0)
+        gradient.addcmul_(error, ratio.to(gradient.dtype))
+
+
+def _allreduce_exact(
+    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, tensors: list[torch.Tensor]
+) -> None:
+    """Mean-allreduce ``tensors`` uncompressed (one flat collective) and note whether the result is finite."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    _allreduce_mean_inplace(state, bucket, flat)
+    round_.check([flat])
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
 
 
 def _batched_allreduce(
     state: PowerSGDState,
+    round_: _Round,
     bucket: dist.GradBucket,
     buffer: torch.Tensor,
     names: list[str],
@@ -195,19 +379,89 @@ def _batched_allreduce(
 ) -> None:
     """Compress the whole bucket as one square matrix, zero-padded to ``side x side``."""
     numel = buffer.numel()
-    side = math.isqrt(numel - 1) + 1 if numel > 1 else 1
+    side = _square_side(numel)
     if not _worth_compressing(side, side, state.config):
         _allreduce_mean_inplace(state, bucket, buffer)
+        round_.check([buffer])
         return
     square = buffer if side * side == numel else torch.cat([buffer, buffer.new_zeros(side * side - numel)])
-    (error,) = _low_rank_allreduce(state, bucket, [square.view(side, side)], ["|".join(names)])
+    (error,) = _low_rank_allreduce(state, round_, bucket, [square.view(side, side)], ["|".join(names)])
     if square is not buffer:
         buffer.copy_(square[:numel])
-    if state.config.error_feedback:
-        flat_error = error.reshape(-1)
-        for name, gradient in zip(names, gradients, strict=True):
-            offset = (gradient.data_ptr() - buffer.data_ptr()) // buffer.element_size()
-            state.errors[name] = flat_error[offset : offset + gradient.numel()].view_as(gradient)
+    _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
+
+
+def _regrouped_batched(
+    state: PowerSGDState,
+    round_: _Round,
+    bucket: dist.GradBucket,
+    buffer: torch.Tensor,
+    names: list[str],
+    gradients: list[torch.Tensor],
+) -> torch.futures.Future[torch.Tensor]:
+    """One bucket of the first round after a resume: see :class:`_Regroup`."""
+    regroup = state._regroup
+    assert regroup is not None
+    loose = [gradient for name, gradient in zip(names, gradients, strict=True) if name not in regroup.group_of]
+    if loose:  # in buckets that were sent uncompressed before the checkpoint: exact, whatever the grouping
+        _allreduce_exact(state, round_, bucket, loose)
+    grouped = {name for name in names if name in regroup.group_of}
+    regroup.arrived.update((name, g) for name, g in zip(names, gradients, strict=True) if name in grouped)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=_devices(buffer))
+    regroup.waiting.append((grouped, future, buffer))
+    last = bucket.is_last()
+    for index, group in enumerate(regroup.groups):
+        arrived = [name for name in group if name in regroup.arrived]
+        if index in regroup.done or not (len(arrived) == len(group) or (last and arrived)):
+            continue
+        regroup.done.add(index)
+        _compress_group(state, round_, bucket, arrived, [regroup.arrived.pop(name) for name in arrived])
+    finished = {name for index in regroup.done for name in regroup.groups[index]}
+    still_waiting = []
+    for pending_names, pending, pending_buffer in regroup.waiting:
+        if pending_names <= finished:
+            pending.set_result(pending_buffer)
+        else:
+            still_waiting.append((pending_names, pending, pending_buffer))
+    regroup.waiting = still_waiting
+    assert not (last and still_waiting), "every gradient has arrived by the last bucket"
+    return future
+
+
+def _compress_group(
+    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, names: list[str], gradients: list[torch.Tensor]
+) -> None:
+    """Compress gradients from several buckets as one square matrix, as the bucket they formed before did."""
+    flat = torch.cat([g.reshape(-1) for g in gradients])
+    numel = flat.numel()
+    side = _square_side(numel)
+    if not _worth_compressing(side, side, state.config):
+        _allreduce_exact(state, round_, bucket, gradients)
+        return
+    square = torch.cat([flat, flat.new_zeros(side * side - numel)]) if side * side != numel else flat
+    (error,) = _low_rank_allreduce(state, round_, bucket, [square.view(side, side)], ["|".join(names)])
+    offset = 0
+    for gradient in gradients:
+        gradient.copy_(square[offset : offset + gradient.numel()].view_as(gradient))
+        offset += gradient.numel()
+    _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
+
+
+def _stage_batched_errors(
+    state: PowerSGDState, round_: _Round, error: torch.Tensor, names: list[str], shapes: list[torch.Size]
+) -> None:
+    """Split a batched matrix's error into per-parameter views (the parameters lie in it in ``names`` order)."""
+    if not state.config.error_feedback:
+        return
+    flat_error, offset = error.reshape(-1), 0
+    for name, shape in zip(names, shapes, strict=True):
+        size = math.prod(shape)
+        round_.errors[name] = flat_error[offset : offset + size].view(shape)
+        offset += size
+
+
+def _square_side(numel: int) -> int:
+    return math.isqrt(numel - 1) + 1 if numel > 1 else 1
 
 
 def _worth_compressing(rows: int, cols: int, config: PowerSGDConfig) -> bool:
@@ -216,12 +470,13 @@ def _worth_compressing(rows: int, cols: int, config: PowerSGDConfig) -> bool:
 
 
 def _low_rank_allreduce(
-    state: PowerSGDState, bucket: dist.GradBucket, matrices: list[torch.Tensor], keys: list[str]
+    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, matrices: list[torch.Tensor], keys: list[str]
 ) -> list[torch.Tensor]:
     """Replace each matrix M with the rank-r approximation P Q^T of its mean over ranks.
 
     Returns this rank's compression errors ``M - P P^T M`` (Vogels et al., Algorithm 2: the local matrix minus its
-    projection with the local Q), empty when error feedback is off.
+    projection with the local Q), empty when error feedback is off. New Q memories go to ``round_``; when a
+    reduced P is not finite, the matrices come back as NaN on every rank.
     """
     config = state.config
     wire_dtype = _DTYPES[config.matrix_dtype]
@@ -230,15 +485,19 @@ def _low_rank_allreduce(
         shape = (matrix.shape[1], min(*matrix.shape, config.rank))
         q = state.q_memories.get(key) if config.warm_start else None
         if q is None or q.shape != shape:
-            seed = (config.seed * 1_000_003 + state.iteration) * 2**32 + zlib.crc32(key.encode())
-            q = torch.randn(shape, generator=torch.Generator().manual_seed(seed % 2**63))
-            _orthogonalize(q, config.orthogonalization_epsilon)
+            q = _random_q(config, state.iteration, key, shape)
         qs.append(q.to(matrix))
 
-    # P = M Q, all-reduced (the scale is irrelevant: P is orthogonalised next).
-    ps = _allreduce_matrices(state, bucket, [m @ q for m, q in zip(matrices, qs, strict=True)], wire_dtype)
+    # P = M Q / world_size, all-reduced: the mean, so that a half-precision sum cannot overflow where the mean
+    # would not (the scale is otherwise irrelevant: P is orthogonalised next).
+    local_ps = [(m @ q).div_(state.world_size) for m, q in zip(matrices, qs, strict=True)]
+    ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
+    finite = round_.check(ps)
     for p in ps:
         _orthogonalize(p, config.orthogonalization_epsilon)
+        # A non-finite local M makes the reduced P non-finite on every rank: hand back NaN everywhere, so the
+        # overflow is seen (and the step skipped) on every rank alike.
+        p.masked_fill_(~finite, math.nan)
     # Q = M^T P averaged over ranks, so that M ~ P Q^T.
     # (P^T M)^T rather than M^T P: BLAS is several times faster with the large matrix untransposed.
     local_qs = [(p.t() @ m).t() for m, p in zip(matrices, ps, strict=True)]
@@ -246,11 +505,21 @@ def _low_rank_allreduce(
     if config.error_feedback:
         errors = [torch.addmm(m, p, q.t(), alpha=-1) for m, p, q in zip(matrices, ps, local_qs, strict=True)]
     qs = _allreduce_matrices(state, bucket, [q.div_(state.world_size) for q in local_qs], wire_dtype)
+    round_.check(qs)
     for m, p, q in zip(matrices, ps, qs, strict=True):
         torch.matmul(p, q.t(), out=m)
     if config.warm_start:
-        state.q_memories.update(zip(keys, qs, strict=True))
+        round_.q_memories.update(zip(keys, qs, strict=True))
     return errors
+
+
+def _random_q(config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int]) -> torch.Tensor:
+    """The orthonormal start of the power iteration, seeded by (seed, iteration, key): the same on every rank."""
+    # The CPU generator keeps only a seed's low 32 bits, so all three go through one 32-bit hash.
+    seed = zlib.crc32(f"{config.seed}/{iteration}/{key}".encode())
+    q = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    _orthogonalize(q, config.orthogonalization_epsilon)
+    return q
 
 
 def _allreduce_matrices(

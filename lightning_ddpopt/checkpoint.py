@@ -1,0 +1,135 @@
+"""Comm-hook state and setup decisions in Lightning checkpoints: gathered to the writing rank, restored per rank.
+
+What ``checkpoint["ddpopt"]`` holds:
+
+* ``hook_states``: every rank's comm-hook state (PowerSGD's error feedback differs per rank), gathered to rank 0,
+  which writes the checkpoint; no other rank ever holds more than its own.
+* ``hook_choice`` and ``bucket_cap_mb``: what ``comm_hook="auto"`` and ``bucket_cap_mb="autotune"`` measured and
+  chose, so that a resume on the same world size reuses them instead of re-measuring (which could switch hooks
+  and drop their state).
+
+The contract: every rank calls ``save_checkpoint`` (Lightning's ``ModelCheckpoint`` and ``Trainer.save_checkpoint``
+do; Lightning's own barrier after saving needs it too). A stateful hook's gather first waits at most
+``timeout_s`` for every rank to arrive; a call on fewer ranks raises a ``RuntimeError`` naming the missing ranks
+instead of hanging until the process-group timeout. Stateless hooks add no collective at all.
+
+A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook
+afresh; another world size keeps what is the same on every rank (PowerSGD's step count and Q memories) and
+restarts the per-rank rest, and re-measures the ``"auto"`` / ``"autotune"`` decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
+
+from lightning_ddpopt.hooks.auto import HookChoice
+from lightning_ddpopt.hooks.base import CommHookState
+
+__all__ = ["CHECKPOINT_KEY", "SavedRun", "gather_hook_states", "restore_hook_state"]
+
+CHECKPOINT_KEY = "ddpopt"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+    """The ``checkpoint["ddpopt"]`` entry.
+
+    Attributes:
+        world_size: the number of ranks that saved it.
+        comm_hook: the registry name (or qualified name) of the hook that ran, ``None`` for DDP's built-in one.
+        hook_states: every rank's hook state, by global rank; empty for stateless hooks.
+        hook_choice: what ``comm_hook="auto"`` chose, ``None`` when it was not used.
+        bucket_cap_mb: the cap ``bucket_cap_mb="autotune"`` chose, ``None`` when it was not used or not finished.
+    """
+
+    world_size: int
+    comm_hook: str | None
+    hook_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    hook_choice: HookChoice | None = None
+    bucket_cap_mb: float | None = None
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        """Plain types only, so that ``torch.load(weights_only=True)`` reads it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_checkpoint(cls, entry: dict[str, Any]) -> SavedRun:
+        """Read an entry written by :meth:`to_checkpoint` (or by an earlier release, without the decisions)."""
+        choice = entry.get("hook_choice")
+        return cls(
+            world_size=entry["world_size"],
+            comm_hook=entry.get("comm_hook"),
+            hook_states=list(entry.get("hook_states") or []),
+            hook_choice=HookChoice(**choice) if choice else None,
+            bucket_cap_mb=entry.get("bucket_cap_mb"),
+        )
+
+    def decision_note(self, world_size: int) -> str | None:
+        """Why this run cannot reuse the saved decisions, or ``None`` when it can."""
+        if self.world_size != world_size:
+            return f"the checkpoint was saved with world size {self.world_size} and this run has {world_size}"
+        return None
+
+
+def gather_hook_states(
+    state: dict[str, Any], *, rank: int, world_size: int, timeout_s: float, tag: str
+) -> list[dict[str, Any]] | None:
+    """Every rank's ``state``, on rank 0 (``None`` on the others). Every rank must call it, with the same ``tag``.
+
+    Raises:
+        RuntimeError: not every rank arrived within ``timeout_s`` (the message names the missing ranks).
+    """
+    if world_size == 1:
+        return [state]
+    _wait_for_every_rank(rank, world_size, timeout_s, tag)
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def restore_hook_state(
+    state: CommHookState, saved: SavedRun, *, hook_name: str | None, world_size: int, rank: int
+) -> str | None:
+    """Load this rank's part of ``saved`` into ``state``; return what could not be restored, in words, or ``None``."""
+    if not saved.hook_states:
+        return None
+    if saved.comm_hook != hook_name:
+        return (
+            f"the checkpoint holds state of comm hook {saved.comm_hook!r}, this run uses {hook_name!r}, which starts "
+            "with fresh state"
+        )
+    if saved.world_size != world_size:
+        reason = state.mismatch(saved.hook_states[0])
+        if reason is not None:
+            return f"{reason}; comm hook {hook_name!r} starts with fresh state"
+        kept = state.load_shared_state_dict(saved.hook_states[0])
+        return (
+            f"the checkpoint was saved with world size {saved.world_size} and this run has {world_size}: "
+            f"{kept}; per-rank hook state (error feedback) cannot be mapped to the new ranks and starts afresh"
+        )
+    reason = state.mismatch(saved.hook_states[rank])
+    if reason is not None:
+        return f"{reason}; comm hook {hook_name!r} starts with fresh state"
+    state.load_state_dict(saved.hook_states[rank])
+    return None
+
+
+def _wait_for_every_rank(rank: int, world_size: int, timeout_s: float, tag: str) -> None:
+    """Meet the other ranks on the process group's store (not in a collective, so a no-show cannot hang it)."""
+    store = _get_default_store()
+    keys = [f"ddpopt/checkpoint/{tag}/{other}" for other in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError:
+        missing = [other for other, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) {missing} did "
+            f"not call save_checkpoint within {timeout_s:g} s. Call trainer.save_checkpoint on every rank, as "
+            "Lightning's DDP strategies require (ModelCheckpoint does)."
+        ) from None

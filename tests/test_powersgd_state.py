@@ -1,0 +1,290 @@
+"""PowerSGD state under fp16 AMP and across resumes: overflows, loss-scale changes, bit-exact resume, changed
+settings, reused measurements, and the checkpoint gather's contract. Real multi-process CPU (gloo) DDP."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_ddpopt.strategy as strategy_module
+from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt.hooks import PowerSGDConfig, PowerSGDState, powersgd_spec
+from lightning_ddpopt.hooks.powersgd import _random_q
+from tests.helpers import OverflowModel, WarningsProbe, fit_ddp, uninterrupted_and_resumed
+
+BUCKET_CAP_MB = 0.3  # three buckets of two Linear(256, 256) layers each
+VARIANTS = {
+    "powersgd": PowerSGDConfig(rank=2, start_iter=2),
+    "powersgd_fp16": PowerSGDConfig(rank=2, start_iter=2, matrix_dtype="fp16"),
+    "powersgd_bf16": PowerSGDConfig(rank=2, start_iter=2, matrix_dtype="bf16"),
+    "batched_powersgd": PowerSGDConfig(rank=4, start_iter=2, batched=True),
+}
+
+
+class AMPProbe(pl.Callback):
+    """Saves, per rank at the end of fit, the skipped steps AMPMonitor saw, the final scale and the hook's state."""
+
+    def __init__(self, monitor: AMPMonitor, out: Path) -> None:
+        self.monitor, self.out = monitor, out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.comm_state
+        record = {
+            "skipped": self.monitor.skipped_step_indices,
+            "scale": trainer.precision_plugin.scaler.get_scale(),
+            "skipped_rounds": state.skipped_rounds,
+            "errors_finite": all(bool(e.isfinite().all()) for e in state.errors.values()),
+            "q_finite": all(bool(q.isfinite().all()) for q in state.q_memories.values()),
+            # Error feedback is kept (and so injected) for every compressed weight, in the weight's shape.
+            "error_shapes": {name: tuple(e.shape) for name, e in state.errors.items()},
+        }
+        torch.save(record, self.out / f"amp{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("overflow_ranks", [(1,), (0, 1)], ids=["rank1", "all"])
+def test_one_overflow_skips_one_step_and_leaves_the_state_clean(tmp_path, name, overflow_ranks):
+    # fp16 factors have less headroom than fp16 gradients (an entry of P = M Q sums a row of M): on this model a
+    # GradScaler backs off from 2^16 to 2^13 for them before any injected overflow, so they start lower.
+    init_scale = 2.0**12 if VARIANTS[name].matrix_dtype == "fp16" else 2.0**16
+    monitor = AMPMonitor()
+    strategy = OptimizedDDPStrategy(comm_hook=VARIANTS[name], bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+    ranks = fit_ddp(
+        tmp_path,
+        strategy,
+        model=OverflowModel(overflow_at=(6,), ranks=overflow_ranks, lr=0.01),
+        plugins=[fp16_mixed_precision("cpu", init_scale=init_scale)],
+        callbacks=[monitor, AMPProbe(monitor, tmp_path)],
+        samples=256,
+        max_steps=16,
+    )
+    for rank in (0, 1):
+        amp = torch.load(tmp_path / f"amp{rank}.pt")
+        shapes = amp.pop("error_shapes")
+        # Every weight has error feedback (batched: biases in compressed buckets too), in its parameter's shape.
+        assert {f"net.{i}.weight" for i in range(0, 12, 2)} <= shapes.keys()
+        assert all(shape == ((256, 256) if name.endswith("weight") else (256,)) for name, shape in shapes.items())
+        # Exactly the overflow step is skipped, on every rank; the scale halves once and never again.
+        assert amp == {
+            "skipped": [6],
+            "scale": init_scale / 2,
+            "skipped_rounds": 1,
+            "errors_finite": True,
+            "q_finite": True,
+        }
+    assert ranks[0]["hook_iteration"] == 16
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+    assert bool(ranks[0]["params"].isfinite().all())
+
+
+def _scaled_steps(scales: list[float], config: PowerSGDConfig) -> tuple[list[torch.Tensor], PowerSGDState]:
+    """Run one DDP rank through ``len(scales)`` steps whose loss is multiplied by ``scales[i]``, as a GradScaler
+    would; return the gradients divided by the scale again (what the optimizer would see) and the hook state."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    model = DistributedDataParallel(module)
+    current = torch.ones(())
+    state = PowerSGDState(config=config, loss_scale=lambda: current)
+    state.bind_module(module)
+    model.register_comm_hook(state, powersgd_spec(config).hook)
+    data = torch.Generator().manual_seed(1)
+    unscaled = []
+    for scale in scales:
+        current.fill_(scale)
+        model.zero_grad()
+        (model(torch.randn(8, 64, generator=data)).pow(2).mean() * scale).backward()
+        unscaled.append(torch.cat([p.grad.flatten() / scale for p in module.parameters()]))
+    return unscaled, state
+
+
+def test_error_feedback_follows_the_loss_scale(gloo_group):
+    config = PowerSGDConfig(rank=1, start_iter=2)
+    steady, _ = _scaled_steps([1024.0] * 8, config)
+    # A GradScaler's growth (x2) and backoff (x0.5) between steps: what the optimizer sees must not change.
+    schedule = [1024.0, 1024.0, 1024.0, 2048.0, 4096.0, 1024.0, 512.0, 512.0]
+    changing, state = _scaled_steps(schedule, config)
+    for step, (a, b) in enumerate(zip(steady, changing, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=f"step {step + 1}")
+    # Stored errors carry the scale of the backward pass that produced them (the last one's).
+    assert {float(s) for s in state.error_scales.values()} == {512.0}
+    assert set(state.error_scales) == set(state.errors) == {"0.weight", "2.weight"}
+    # The rank-1 approximation leaves a large error: injected at the wrong scale it would change the gradients.
+    error_norm = state.errors["0.weight"].norm() / 512.0
+    assert error_norm > 0.1 * steady[-1][: 64 * 64].norm()
+
+
+def _fp16_sum_worker(rank: int, port: int, seed: int, scale: float, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    config = PowerSGDConfig(
+        rank=1, start_iter=0, error_feedback=False, warm_start=False, matrix_dtype="fp16", seed=seed
+    )
+    module = nn.Linear(256, 4, bias=False)
+    model = DistributedDataParallel(module)
+    state = PowerSGDState(config=config)
+    state.bind_module(module)
+    model.register_comm_hook(state, powersgd_spec(config).hook)
+    model(torch.full((1, 256), scale)).sum().backward()  # weight gradient: scale * ones(4, 256)
+    if rank == 0:
+        torch.save(module.weight.grad.clone(), out)
+    # DDP's reducer must not hold the group's last reference: its destructor would join gloo's threads holding
+    # the GIL, which a thread finishing its last work may need (a hang at exit).
+    del model, state
+    dist.destroy_process_group()
+
+
+def test_fp16_factors_are_averaged_before_the_sum(tmp_path):
+    # Every rank's gradient is scale * ones(4, 256), so P = M q has every entry scale * sum(q). Pick the seed and
+    # scale so that P's entries are 26000: fp16 holds one rank's P and the mean, but not a 3-rank sum (78000).
+    seed = next(
+        s for s in range(1000) if abs(float(_random_q(PowerSGDConfig(seed=s), 0, "weight", (256, 1)).sum())) > 2
+    )
+    scale = 26000 / abs(float(_random_q(PowerSGDConfig(seed=seed), 0, "weight", (256, 1)).sum()))
+    out = str(tmp_path / "grad.pt")
+    mp.start_processes(_fp16_sum_worker, args=(29537, seed, scale, out), nprocs=3, start_method="fork")
+    grad = torch.load(out)
+    assert bool(grad.isfinite().all())
+    # A rank-1 matrix is its own rank-1 approximation: the mean comes back, to fp16's precision.
+    torch.testing.assert_close(grad, torch.full_like(grad, scale), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "powersgd_fp16", "batched_powersgd"])
+def test_resume_is_bit_exact(tmp_path, name):
+    def strategy():
+        return OptimizedDDPStrategy(comm_hook=VARIANTS[name], bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+
+    uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, strategy)
+    saved = torch.load(checkpoint, weights_only=True)["ddpopt"]
+    assert saved["world_size"] == 2 and saved["comm_hook"] == "powersgd"
+    states = saved["hook_states"]
+    assert [s["iteration"] for s in states] == [4, 4]
+    # Error feedback is each rank's own; Q memories are all-reduced, the same on both ranks.
+    assert not torch.equal(*(s["errors"][next(iter(s["errors"]))] for s in states))
+    assert states[0]["q_memories"].keys() == states[1]["q_memories"].keys()
+    for key, q in states[0]["q_memories"].items():
+        assert torch.equal(q, states[1]["q_memories"][key])
+    for before, after in zip(uninterrupted, resumed, strict=True):
+        torch.testing.assert_close(after["params"], before["params"], rtol=0, atol=0)
+
+
+def _first_epoch(tmp_path: Path, comm_hook: object, **kwargs) -> Path:
+    strategy = OptimizedDDPStrategy(comm_hook=comm_hook, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork", **kwargs)
+    fit_ddp(tmp_path / "first", strategy, max_epochs=1, save_last_to=tmp_path)
+    return tmp_path / "last.ckpt"
+
+
+def _resume(tmp_path: Path, checkpoint: Path, comm_hook: object, devices: int = 2) -> tuple[list, list[str]]:
+    strategy = OptimizedDDPStrategy(comm_hook=comm_hook, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+    warnings_out = tmp_path / "warnings.pt"
+    ranks = fit_ddp(
+        tmp_path / "resumed",
+        strategy,
+        devices=devices,
+        max_epochs=2,
+        ckpt_path=str(checkpoint),
+        callbacks=[WarningsProbe(str(warnings_out))],
+    )
+    return ranks, [w for w in torch.load(warnings_out) if w.startswith("ddpopt:")]
+
+
+def test_resume_with_another_config_warns_and_trains_on(tmp_path):
+    checkpoint = _first_epoch(tmp_path, PowerSGDConfig(rank=2, start_iter=2))
+    ranks, warnings = _resume(tmp_path, checkpoint, PowerSGDConfig(rank=4, start_iter=2))
+    assert warnings == [
+        "ddpopt: the PowerSGD config changed (rank 2 -> 4); comm hook 'powersgd' starts with fresh state"
+    ]
+    assert [r["hook_iteration"] for r in ranks] == [4, 4]  # started afresh: four steps in the second epoch
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
+def test_resume_on_three_ranks_keeps_what_is_shared(tmp_path, name):
+    checkpoint = _first_epoch(tmp_path, VARIANTS[name])
+    ranks, warnings = _resume(tmp_path, checkpoint, VARIANTS[name], devices=3)
+    assert warnings == [
+        "ddpopt: the checkpoint was saved with world size 2 and this run has 3: the step count (4) and the "
+        "warm-start Q memories are kept; per-rank hook state (error feedback) cannot be mapped to the new ranks "
+        "and starts afresh"
+    ]
+    # 64 samples over 3 ranks at batch 8: 3 steps in the resumed epoch, counted on from the saved 4.
+    assert [r["hook_iteration"] for r in ranks] == [7, 7, 7]
+    for record in ranks[1:]:
+        torch.testing.assert_close(record["params"], ranks[0]["params"], rtol=0, atol=0)
+    assert bool(ranks[0]["params"].isfinite().all())
+
+
+def test_resume_with_another_hook_warns(tmp_path):
+    checkpoint = _first_epoch(tmp_path, "powersgd")
+    _, warnings = _resume(tmp_path, checkpoint, "batched_powersgd")
+    assert warnings == [
+        "ddpopt: the checkpoint holds state of comm hook 'powersgd', this run uses 'batched_powersgd', which starts "
+        "with fresh state"
+    ]
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("measured again on resume")
+
+
+def test_auto_hook_and_autotuned_cap_are_reused_on_resume(tmp_path, monkeypatch):
+    strategy = OptimizedDDPStrategy(comm_hook="auto", bucket_cap_mb="autotune", start_method="fork")
+    fit_ddp(tmp_path / "first", strategy, max_epochs=1, samples=512, save_last_to=tmp_path)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["ddpopt"]
+    assert saved["hook_choice"]["name"] in ("allreduce", "fp16", "powersgd")
+    assert saved["bucket_cap_mb"] > 0
+    # Forked ranks inherit these: a resume that measured again would fail.
+    monkeypatch.setattr(strategy_module, "measure_hook_costs", _refuse)
+    monkeypatch.setattr(strategy_module, "BucketAutotuner", _refuse)
+    resumed = OptimizedDDPStrategy(comm_hook="auto", bucket_cap_mb="autotune", start_method="fork")
+    ranks = fit_ddp(tmp_path / "resumed", resumed, max_epochs=2, samples=512, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert ranks[0]["comm_hook_name"] == saved["hook_choice"]["name"]
+    assert ranks[0]["bucket_plan"]["cap_mb"] == saved["bucket_cap_mb"]
+    assert ranks[0]["autotune_scores"] is None
+
+
+class LoneSave(pl.Callback):
+    """Rank 0 alone saves a checkpoint at the end of fit; records the error and how long it took."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        start = time.perf_counter()
+        try:
+            trainer.strategy.save_checkpoint(trainer._checkpoint_connector.dump_checkpoint(), self.out / "lone.ckpt")
+            message = None
+        except RuntimeError as error:
+            message = str(error)
+        torch.save({"message": message, "seconds": time.perf_counter() - start}, self.out / "lone.pt")
+
+
+def test_checkpoint_saved_on_one_rank_fails_fast_and_clearly(tmp_path):
+    strategy = OptimizedDDPStrategy(
+        comm_hook=VARIANTS["powersgd"], bucket_cap_mb=BUCKET_CAP_MB, start_method="fork", checkpoint_timeout=2
+    )
+    fit_ddp(tmp_path, strategy, max_steps=3, callbacks=[LoneSave(tmp_path)])
+    result = torch.load(tmp_path / "lone.pt")
+    assert result["message"] == (
+        "ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) [1] did not call "
+        "save_checkpoint within 2 s. Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies "
+        "require (ModelCheckpoint does)."
+    )
+    assert result["seconds"] < 10
+    assert not (tmp_path / "lone.ckpt").exists()
+
+
+def test_bad_checkpoint_timeout():
+    with pytest.raises(ValueError, match="checkpoint_timeout=0 must be a positive number"):
+        OptimizedDDPStrategy(checkpoint_timeout=0)
