@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "cluster_worker.py"
 DEFAULT_VARIANTS = ("compute", "stock", "ours", "fp16", "bf16", "powersgd_r1", "powersgd_r4", "accum4", "auto_hook")
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
+DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
 PREFIX = "ddpopt-"
 SUBNET = "10.77.0"
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -309,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated; default {','.join(DEFAULT_VARIANTS)}; bucket sweep: {','.join(BUCKET_SWEEP)}",
+        help=f"comma-separated; default {','.join(DEFAULT_VARIANTS)}; bucket sweep: {','.join(BUCKET_SWEEP)}; "
+        f"defaults check: {','.join(DEFAULTS_CHECK)}",
     )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
@@ -327,9 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(DEFAULT_VARIANTS) - set(BUCKET_SWEEP))
+    unknown = sorted(set(variants) - set(DEFAULT_VARIANTS) - set(BUCKET_SWEEP) - set(DEFAULTS_CHECK))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(DEFAULT_VARIANTS + BUCKET_SWEEP)}")
+        parser.error(
+            f"unknown variants {unknown}; choose from {', '.join(DEFAULT_VARIANTS + BUCKET_SWEEP + DEFAULTS_CHECK)}"
+        )
     loopback = args.loopback
     reason = None if loopback else can_emulate()
     if reason:

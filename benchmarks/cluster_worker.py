@@ -28,6 +28,8 @@ from lightning_ddpopt.hooks import PowerSGDConfig
 VARIANTS: dict[str, tuple[Any, int]] = {
     "stock": (lambda: DDPStrategy(), 1),
     "ours": (lambda: OptimizedDDPStrategy(), 1),
+    "ours_builtin": (lambda: OptimizedDDPStrategy(comm_hook=None), 1),
+    "ours_no_view": (lambda: OptimizedDDPStrategy(gradient_as_bucket_view=False), 1),
     "fp16": (lambda: OptimizedDDPStrategy(comm_hook="fp16"), 1),
     "bf16": (lambda: OptimizedDDPStrategy(comm_hook="bf16"), 1),
     "powersgd_r1": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, start_iter=2)), 1),

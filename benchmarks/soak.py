@@ -19,6 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt.hooks import PowerSGDConfig
+
 HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "powersgd_fp16", "batched_powersgd", "auto")
 
 
@@ -29,30 +39,23 @@ def _spin(stop_at: float) -> None:
         x = (x * 31 + 7) % 1_000_003
 
 
+class Model(pl.LightningModule):
+    """Six Linear(128, 128) layers: several buckets at a 0.1 MiB cap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(6)])
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
 def worker(hook: str, stock: bool, out: Path) -> None:
     """One run: 3 spawned ranks, 15 steps, the callbacks, checkpoints every 7 steps."""
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.strategies import DDPStrategy
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
-    from lightning_ddpopt.hooks import PowerSGDConfig
-
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(6)])
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     comm_hook: object = PowerSGDConfig(start_iter=2) if hook == "powersgd" else hook
     strategy = (
         DDPStrategy(start_method="spawn")

@@ -3,6 +3,7 @@ a CSV logger; prints what the strategy did, the findings, and the held-out accur
 
 Run:  python examples/train_digits.py [--hook fp16] [--devices 2] [--epochs 10] [--no-callbacks]
       python examples/train_digits.py --epochs 1 --stall-rank 1    # see the diagnosis find a straggler
+      python examples/train_digits.py --epochs 1 --stall-rank 0 --stall-phase backward
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
 class DigitsClassifier(pl.LightningModule):
     """A 64 -> hidden -> hidden -> 10 MLP with torchmetrics accuracy."""
 
-    def __init__(self, hidden: int = 1024, lr: float = 1e-3) -> None:
+    def __init__(self, hidden: int = 1024, lr: float = 1e-3, stall: tuple[int, str, float] | None = None) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["stall"])
+        self.stall = stall  # demo: (rank, "forward" | "backward" | "optimizer", seconds)
         self.net = nn.Sequential(
             nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
         )
@@ -50,9 +52,22 @@ class DigitsClassifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        self._stall("forward")
         loss = nn.functional.cross_entropy(self(x), y)
+        if self._stalls("backward"):
+            loss.register_hook(lambda grad: (self._stall("backward"), grad)[1])  # runs inside the backward pass
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._stall("optimizer")
+
+    def _stalls(self, phase: str) -> bool:
+        return self.stall is not None and self.stall[:2] == (self.global_rank, phase)
+
+    def _stall(self, phase: str) -> None:
+        if self.stall is not None and self._stalls(phase):
+            time.sleep(self.stall[2])
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
@@ -84,7 +99,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--log-dir", default="runs")
     parser.add_argument("--no-callbacks", action="store_true", help="train without the measuring callbacks")
-    parser.add_argument("--stall-rank", type=int, help="demo: make this rank's data loading slow")
+    parser.add_argument("--stall-rank", type=int, help="demo: make this rank slow (see --stall-phase)")
+    parser.add_argument(
+        "--stall-phase",
+        default="data",
+        choices=("data", "forward", "backward", "optimizer"),
+        help="where the stalled rank is slow (default: data loading)",
+    )
     parser.add_argument("--stall-ms", type=float, default=200.0, help="the stall per batch (default 200 ms)")
     args = parser.parse_args()
     bucket_cap = args.bucket_cap_mb if args.bucket_cap_mb == "auto" else float(args.bucket_cap_mb)
@@ -103,8 +124,10 @@ def main() -> None:
         log_every_n_steps=10,
         callbacks=[] if args.no_callbacks else [CommProfiler(probe_link=True), StragglerDetector(), AMPMonitor()],
     )
-    model = DigitsClassifier()
-    collate = StalledCollate(args.stall_rank, args.stall_ms / 1e3) if args.stall_rank is not None else None
+    stalled = args.stall_rank is not None
+    model_stall = (args.stall_rank, args.stall_phase, args.stall_ms / 1e3) if stalled else None
+    model = DigitsClassifier(stall=model_stall if args.stall_phase != "data" else None)
+    collate = StalledCollate(args.stall_rank, args.stall_ms / 1e3) if stalled and args.stall_phase == "data" else None
     trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collate))
     ledger = strategy.ledger
     if trainer.is_global_zero and ledger is not None and ledger.total_steps:

@@ -185,8 +185,11 @@ def _accumulation(summary: dict[str, Any]) -> Finding:
 
 def _stragglers(summary: dict[str, Any]) -> Finding:
     stragglers = summary.get("stragglers")
-    if stragglers is None or stragglers.get("last") is None:
+    if stragglers is None:
         return Finding("stragglers", "unknown", "not measured", "add StragglerDetector()")
+    if stragglers.get("last") is None:
+        why = stragglers.get("no_verdict") or "no window was analysed"
+        return Finding("stragglers", "unknown", f"no verdict: {why}")
     last = stragglers["last"]
     per_rank = last["per_rank_ms"][str(last["slowest_rank"])]
     if not last["is_straggler"]:
@@ -197,12 +200,20 @@ def _stragglers(summary: dict[str, Any]) -> Finding:
             "median",
         )
     rank, phase = last["slowest_rank"], last["phase"]
+    named = stragglers.get("straggler_windows", {}).get(str(rank), 0)
     evidence = (
         f"rank {rank} is {last['excess_ms']:.0f} ms/step slower than the median rank, in {phase} "
-        f"(data {per_rank['data']:.0f} ms, compute {per_rank['compute']:.0f} ms per step); the other ranks wait for it"
+        f"(data {per_rank['data']:.0f} ms, compute {per_rank['compute']:.0f} ms, optimizer "
+        f"{per_rank.get('optimizer', 0.0):.0f} ms per step); the other ranks wait for it; named in {named} of "
+        f"{stragglers.get('windows', 0)} windows"
     )
     if phase == "data":
         advice = f"rank {rank} waits for data: raise num_workers (and pin_memory) there, check its storage and CPU load"
+    elif phase == "optimizer":
+        advice = (
+            f"rank {rank} is slow after its backward pass: check what runs there only on that rank (callbacks in "
+            "on_before_optimizer_step, gradient clipping, an optimizer with state offloaded) and its device load"
+        )
     else:
         advice = (
             f"rank {rank} computes slowly: check its device for throttling or other processes; on CPUs try "

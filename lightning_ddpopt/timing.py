@@ -6,13 +6,14 @@ current stream, and it becomes a time only once the device has passed it. :meth:
 blocks (it answers ``None`` until then); :meth:`Timeline.wait` blocks and is meant for the end of a run.
 Readers (the ledger, the callbacks) keep marks and resolve them later, so training never pays a host sync.
 
-Seconds on a CUDA timeline count on the device's clock from a reference event taken at construction, offset
-so that they start at the ``time.perf_counter()`` of that moment; compare them with marks of the same timeline,
-not with host clocks.
+Seconds on a CUDA timeline count on the device's clock from a reference event taken at construction (through a
+chain of recent anchors, so that float32 event times keep their resolution), offset so that they start at the
+``time.perf_counter()`` of that moment; compare them with marks of the same timeline, not with host clocks.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Protocol
 
@@ -21,7 +22,7 @@ import torch
 __all__ = ["CudaTimeline", "HostTimeline", "Timeline", "timeline_for"]
 
 Mark = Any
-"""What :meth:`Timeline.mark` returns: a float on the host, a ``torch.cuda.Event`` on a CUDA device."""
+"""What :meth:`Timeline.mark` returns: a float on the host, a ``torch.cuda.Event`` and its anchor on a CUDA device."""
 
 
 class Timeline(Protocol):
@@ -59,40 +60,92 @@ class HostTimeline:
         return mark
 
 
+class _Anchor:
+    """A reference event and, once resolved, its distance in seconds from the timeline's first reference."""
+
+    __slots__ = ("event", "host_s", "offset_s")
+
+    def __init__(self, event: torch.cuda.Event, host_s: float, offset_s: float | None) -> None:
+        self.event = event
+        self.host_s = host_s
+        self.offset_s = offset_s
+
+
 class CudaTimeline:
     """Marks are timing events recorded on the current CUDA stream of ``device``; resolved once the device passed them.
 
+    CUDA gives the time between two events as float32 milliseconds, whose resolution falls with the distance
+    (about 8 ms after a day). So each mark is timed from a recent reference event (an anchor, renewed every
+    ``reanchor_s`` seconds), and anchors are chained to the first one in float64: durations keep a resolution of
+    about a microsecond however long the run.
+
     Args:
         device: the CUDA device whose streams are marked.
+        reanchor_s: host seconds after which a mark records a new anchor first.
     """
 
     device_clock = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, reanchor_s: float = 10.0) -> None:
         if device.type != "cuda":
             raise ValueError(f"device={device!r}: CudaTimeline marks CUDA streams, pass a 'cuda' device")
         self.device = device
-        self._reference = torch.cuda.Event(enable_timing=True)
-        self._reference.record(torch.cuda.current_stream(device))
-        self._reference.synchronize()  # once, at construction: every later mark is read without waiting
+        self.reanchor_s = reanchor_s
+        self._lock = threading.Lock()
+        first = torch.cuda.Event(enable_timing=True)
+        first.record(torch.cuda.current_stream(device))
+        first.synchronize()  # once, at construction: every later mark is read without waiting
         self._reference_s = time.perf_counter()
+        self._current = _Anchor(first, self._reference_s, 0.0)
+        # Anchors not yet placed on the chain, after the newest one that is.
+        self._resolved = self._current
+        self._unresolved: list[_Anchor] = []
 
-    def mark(self) -> torch.cuda.Event:
-        """A timing event recorded on ``device``'s current stream: it fires when the work queued before it is done."""
+    def mark(self) -> tuple[torch.cuda.Event, _Anchor]:
+        """A timing event on ``device``'s current stream (fires once the work before it is done), and its anchor."""
+        stream = torch.cuda.current_stream(self.device)
+        with self._lock:
+            now = time.perf_counter()
+            if now - self._current.host_s >= self.reanchor_s:
+                anchor_event = torch.cuda.Event(enable_timing=True)
+                anchor_event.record(stream)
+                self._current = _Anchor(anchor_event, now, None)
+                self._unresolved.append(self._current)
+            anchor = self._current
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        event.record(stream)
+        return event, anchor
 
-    def seconds(self, mark: torch.cuda.Event) -> float | None:
+    def seconds(self, mark: tuple[torch.cuda.Event, _Anchor]) -> float | None:
         """Seconds on the device clock, or ``None`` while the device is still busy with work before the mark."""
-        if not mark.query():
+        event, anchor = mark
+        if not event.query() or not self._place(anchor, wait=False):
             return None
-        return self._reference_s + self._reference.elapsed_time(mark) / 1e3
+        assert anchor.offset_s is not None
+        return self._reference_s + anchor.offset_s + anchor.event.elapsed_time(event) / 1e3
 
-    def wait(self, mark: torch.cuda.Event) -> float:
+    def wait(self, mark: tuple[torch.cuda.Event, _Anchor]) -> float:
         """Seconds on the device clock, after blocking until the device has reached the mark."""
-        mark.synchronize()
-        return self._reference_s + self._reference.elapsed_time(mark) / 1e3
+        event, anchor = mark
+        event.synchronize()
+        self._place(anchor, wait=True)
+        assert anchor.offset_s is not None
+        return self._reference_s + anchor.offset_s + anchor.event.elapsed_time(event) / 1e3
+
+    def _place(self, anchor: _Anchor, wait: bool) -> bool:
+        """Chain the anchors up to ``anchor``; whether it is placed (it always is with ``wait``)."""
+        with self._lock:
+            while anchor.offset_s is None and self._unresolved:
+                following = self._unresolved[0]
+                if wait:
+                    following.event.synchronize()
+                elif not following.event.query():
+                    return False
+                previous = self._resolved
+                assert previous.offset_s is not None
+                following.offset_s = previous.offset_s + previous.event.elapsed_time(following.event) / 1e3
+                self._resolved = self._unresolved.pop(0)
+            return anchor.offset_s is not None
 
 
 def timeline_for(device: torch.device) -> Timeline:

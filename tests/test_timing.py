@@ -97,7 +97,7 @@ class _FakeEvent:
     def elapsed_time(self, end: _FakeEvent) -> float:
         assert self.reached and end.reached, "cudaErrorNotReady"
         assert self.at_ms is not None and end.at_ms is not None
-        return end.at_ms - self.at_ms
+        return torch.tensor(end.at_ms - self.at_ms, dtype=torch.float32).item()  # CUDA answers in float32 ms
 
 
 def test_cuda_timeline_reads_events_only_once_reached(monkeypatch):
@@ -111,6 +111,34 @@ def test_cuda_timeline_reads_events_only_once_reached(monkeypatch):
     _FakeEvent.device_ms = 1400.0
     second = timeline.mark()
     assert timeline.seconds(first) is None and timeline.seconds(second) is None  # the device has not got there
-    first.reached = True
-    assert timeline.seconds(first) - timeline.wait(timeline._reference) == pytest.approx(0.250)
+    first[0].reached = True
+    assert timeline.seconds(first) - timeline._reference_s == pytest.approx(0.250)
     assert timeline.wait(second) - timeline.seconds(first) == pytest.approx(0.150)  # waiting is explicit
+
+
+def test_cuda_timeline_keeps_sub_microsecond_durations_after_a_day(monkeypatch):
+    import lightning_ddpopt.timing as timing
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    host = {"s": 0.0}
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: host["s"])
+
+    def advance(seconds: float) -> None:  # host and device move together
+        host["s"] += seconds
+        _FakeEvent.device_ms += seconds * 1e3
+
+    _FakeEvent.device_ms = 0.0
+    timeline = CudaTimeline(torch.device("cuda", 0))
+    marks = []
+    for _ in range(24 * 60):  # a mark a minute for 24 hours, each resolved later
+        advance(60.0)
+        marks.append(timeline.mark())
+    begin = timeline.mark()
+    advance(0.00005)  # 50 microseconds of device work
+    end = timeline.mark()
+    for event, anchor in [*marks, begin, end]:
+        event.reached = anchor.event.reached = True
+    # A float32 millisecond count from the first event has a resolution of 8 ms after a day.
+    assert timeline.seconds(end) - timeline.seconds(begin) == pytest.approx(50e-6, abs=1e-6)
+    assert timeline.seconds(begin) - timeline._reference_s == pytest.approx(24 * 3600, abs=1e-3)

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ddpopt._validate import require_int, require_number
+from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -164,6 +165,10 @@ class AMPMonitor(Callback):
             self._observe_scaler(trainer, pl_module, optimizer, self._scaler)
         elif self.check_nonfinite:
             self._check_nonfinite(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report_if_last(trainer, self)
 
     @override
     def state_dict(self) -> dict[str, Any]:

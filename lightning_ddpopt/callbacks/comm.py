@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -20,8 +19,8 @@ from typing_extensions import override
 
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
+from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.costmodel import bus_bandwidth
-from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
 from lightning_ddpopt.ledger import CommLedger, StepRecord
 
 __all__ = ["CommProfiler"]
@@ -104,6 +103,7 @@ class CommProfiler(Callback):
         self.link_busbw_gbps: float | None = None
         self.last_metrics: dict[str, float] = {}
         self.report_path: Path | None = None
+        self.report_series: dict[str, Any] | None = None
         self._cursor = LedgerCursor()
         self._active = False
         self._step_clock: CommLedger | None = None  # without the strategy's ledger: one of our own, for step times
@@ -210,26 +210,12 @@ class CommProfiler(Callback):
         if trainer.strategy.reduce_boolean_decision(self._since_log > 0 or unlogged, all=False):
             self._since_log = 0
             self.last_metrics = self._aggregate(trainer.world_size)
-        # trainer.log_dir broadcasts: every rank must ask.
-        directory = Path(trainer.log_dir or trainer.default_root_dir)
         series: list[Any] = [self._series]
         if dist.is_available() and dist.is_initialized():
             series = [None] * trainer.world_size
             dist.all_gather_object(series, self._series)
-        if self.report and trainer.is_global_zero:
-            summary = summarize(trainer)
-            findings = diagnose(summary)
-            print(format_findings(findings), flush=True)
-            directory.mkdir(parents=True, exist_ok=True)
-            self.report_path = directory / REPORT_NAME
-            payload = {
-                "version": 1,
-                "summary": summary,
-                "findings": [finding.as_dict() for finding in findings],
-                "series": {str(rank): s for rank, s in enumerate(series)},
-            }
-            self.report_path.write_text(json.dumps(_finite(payload), indent=1))
-            rank_zero_info(f"ddpopt: report written to {self.report_path}")
+        self.report_series = {str(rank): s for rank, s in enumerate(series)}
+        self.report_path = report_if_last(trainer, self)
 
     summary_key = "comm"
 
@@ -316,14 +302,3 @@ def _percentile(values: list[float], q: float) -> float:
     rank = (len(ordered) - 1) * q / 100
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with NaN and infinities replaced by ``None``, which JSON can hold."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value

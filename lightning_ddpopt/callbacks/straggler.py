@@ -1,8 +1,9 @@
-"""StragglerDetector: which rank is slow, by how much, and whether data loading or compute makes it slow."""
+"""StragglerDetector: which rank is slow, by how much, and in which phase: data, compute or the optimizer step."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -13,60 +14,90 @@ from typing_extensions import override
 
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
+from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.ledger import StepRecord
 from lightning_ddpopt.timing import Mark, Timeline
 
 __all__ = ["StragglerDetector"]
 
-PHASES = ("data", "compute", "wait")
+PHASES = ("data", "compute", "wait", "optimizer")
+#: A rank's own work; ``wait`` is time it spent waiting for the others.
+OWN_PHASES = ("data", "compute", "optimizer")
 
 
 class _Batch(NamedTuple):
-    """Marks of one training batch: the previous batch's end (``None`` at an epoch's start), its start and end."""
+    """Marks of one training batch.
+
+    ``previous_end`` is the previous batch's end (``None`` at an epoch's start); ``fetches`` the (start, end) marks
+    of the data loading between the two, ``None`` when the loader could not be timed; ``before_optimizer`` the
+    mark after the backward pass, ``None`` when the batch did not step an optimizer.
+    """
 
     previous_end: Mark | None
+    fetches: tuple[tuple[Mark, Mark], ...] | None
     start: Mark
+    before_optimizer: Mark | None
     end: Mark
 
-    def seconds(self, timeline: Timeline, wait: bool) -> tuple[float, float] | None:
-        """(data, busy) seconds, or ``None`` while a mark has not resolved."""
+    def seconds(self, timeline: Timeline, wait: bool) -> tuple[float, float, float, float] | None:
+        """(data, wait before the batch, batch start to optimizer, optimizer) seconds; ``None`` if unresolved."""
         read = timeline.wait if wait else timeline.seconds
-        start, end = read(self.start), read(self.end)
-        previous = read(self.previous_end) if self.previous_end is not None else start
-        if start is None or end is None or previous is None:
+        marks = [self.start, self.end, self.before_optimizer or self.end, self.previous_end or self.start]
+        marks += [mark for fetch in self.fetches or () for mark in fetch]
+        times = [read(mark) for mark in marks]
+        if any(t is None for t in times):
             return None
-        return start - previous, end - start
+        start, end, before, previous, *fetched = (t for t in times if t is not None)
+        if self.previous_end is None:  # the loader's start-up at an epoch's start is not a step's cost
+            return 0.0, 0.0, before - start, end - before
+        gap = start - previous
+        if self.fetches is None:  # the whole gap counts as data, as it would without this split
+            return gap, 0.0, before - start, end - before
+        data = min(sum(b - a for a, b in zip(fetched[::2], fetched[1::2], strict=True)), gap)
+        # The rest of the gap is spent in Lightning's per-batch collective (its SIGTERM broadcast): waiting for
+        # the ranks still busy with the previous step.
+        return data, gap - data, before - start, end - before
 
 
 class StragglerDetector(Callback):
-    """Finds the rank that makes every other rank wait.
+    """Finds the rank that makes every other rank wait, and the phase of the step in which it is slow.
 
-    The allreduce is a barrier, so a rank's backward wall time is the same everywhere and cannot point at the slow
-    rank. Instead each rank measures, per optimizer step: time waiting for its next batch (**data**), time from
-    batch start until its first gradient bucket reaches the sync point (**compute**, forward and backward up to the
-    sync), and time from there until the sync completed (**wait**, which the fast ranks spend waiting for the slow
-    one). Every ``every_n_steps`` steps the per-rank means are gathered (one small all-gather); the rank with the
-    most data + compute is the slowest, and it is named a straggler when it exceeds the median of the others by
-    both ``min_excess_ms`` and ``min_excess_fraction`` of the median step. The phase named is the one in which it
-    exceeds the others most.
+    Each rank measures, per optimizer step:
+
+    * **data**: time spent fetching its batches (the Trainer's data fetcher, timed around each fetch);
+    * **compute**: from the batch's start until its gradients are ready for the sync: forward and backward, minus
+      the time its buckets spent in the gradient sync;
+    * **wait**: time waiting for the other ranks: in the gradient sync (first bucket handed to the comm hook until
+      the last finished) and in Lightning's per-batch collective before a batch starts;
+    * **optimizer**: from the end of the backward pass (``on_before_optimizer_step``) to the batch's end: the
+      optimizer step, gradient clipping, the GradScaler.
+
+    The slowest rank is the one with the most own work (data + compute + optimizer); it is named a straggler when
+    that exceeds the median of the other ranks by both ``min_excess_ms`` and ``min_excess_fraction`` of the median
+    step. The phase named is the own phase in which it exceeds the others most. A rank's wait is not compared:
+    whoever is slow makes the others wait, wherever their next sync point is. Every ``every_n_steps`` steps the
+    per-rank means are gathered (one small all-gather); at the end of fit the steps since the last window get a
+    verdict too, so a run shorter than one window still gets one.
 
     On CPU the phases are host times. On a GPU every boundary is a CUDA event on the current stream, read back a
-    step or so later without a host sync: data is then the time the device sat idle waiting for the next batch,
+    step or so later without a host sync: data is then the time the device sat idle while the host fetched,
     compute and wait are device times (host clocks would time the queueing of kernels). Each gather happens at
     the same optimizer step on every rank and covers the steps each rank's device has finished by then.
 
     Without :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s ledger (Lightning's stock ``DDPStrategy``) the sync
-    point is unknown: a fast rank's wait would look like compute, so only data time can name a rank; it warns once
-    and reports compute with the wait in it. On one device it warns once and steps aside.
+    point is unknown: a fast rank's wait in the gradient sync would look like compute, so only data and optimizer
+    time can name a rank; it warns once and reports compute with that wait in it. On one device it warns once and
+    steps aside.
 
     ===================================  ========================================================================
     key                                  meaning (over the last ``every_n_steps`` steps)
     ===================================  ========================================================================
-    ``ddpopt/straggler/slowest_rank``    the rank with the most data + compute time (data alone without a ledger)
+    ``ddpopt/straggler/slowest_rank``    the rank with the most own work (data + compute + optimizer)
     ``ddpopt/straggler/excess_ms``       that time above the median of the other ranks
     ``ddpopt/straggler/is_straggler``    1 when the excess crosses both thresholds, else 0
     ``ddpopt/straggler/data_ms``         the slowest rank's mean data time per step
     ``ddpopt/straggler/compute_ms``      the slowest rank's mean compute time per step
+    ``ddpopt/straggler/optimizer_ms``    the slowest rank's mean optimizer time per step
     ``ddpopt/straggler/wait_ms``         the largest mean wait of any rank
     ===================================  ========================================================================
 
@@ -86,17 +117,26 @@ class StragglerDetector(Callback):
         self.min_excess_ms = min_excess_ms
         self.min_excess_fraction = min_excess_fraction
         self.last: dict[str, Any] | None = None
+        self.no_verdict: str | None = None
         self.straggler_windows: dict[int, int] = {}
         self.windows = 0
         self._cursor = LedgerCursor()
         self._active = False
         self._previous_end: Mark | None = None
         self._batch_start: Mark | None = None
+        self._batch_fetches: tuple[tuple[Mark, Mark], ...] | None = None
+        self._before_optimizer: Mark | None = None
+        self._fetch_start: Mark | None = None
+        self._fetches: list[tuple[Mark, Mark]] = []
+        self._timed_fetcher: tuple[object, Callable[[], None]] | None = None
+        self._fetch_timing = True
         self._step_batches: list[_Batch] = []
         self._unresolved: deque[list[_Batch]] = deque()  # host-closed steps, oldest first
         self._records: deque[StepRecord] = deque()  # ledger records not yet matched with their batches
-        self._totals = torch.zeros(4, dtype=torch.float64)  # data, compute, wait (seconds), resolved steps
+        # data, compute, wait, optimizer (seconds), resolved steps
+        self._totals = torch.zeros(len(PHASES) + 1, dtype=torch.float64)
         self._steps_in_window = 0
+        self._undecided = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -112,7 +152,7 @@ class StragglerDetector(Callback):
         if self._cursor.ledger is None:
             rank_zero_warn(
                 "ddpopt: StragglerDetector sees no sync point (use OptimizedDDPStrategy with a comm_hook other than "
-                "None); it can name only ranks that are slow in data loading."
+                "None); it can name only ranks that are slow in data loading or in the optimizer step."
             )
 
     @override
@@ -123,8 +163,20 @@ class StragglerDetector(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._active:
-            self._batch_start = self._cursor.timeline.mark()
+        if not self._active:
+            return
+        self._time_fetches(trainer)
+        self._batch_fetches = tuple(self._fetches) if self._fetch_timing else None
+        self._fetches.clear()
+        self._before_optimizer = None
+        self._batch_start = self._cursor.timeline.mark()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._active and self._batch_start is not None and self._before_optimizer is None:
+            self._before_optimizer = self._cursor.timeline.mark()
 
     @override
     def on_train_batch_end(
@@ -133,7 +185,8 @@ class StragglerDetector(Callback):
         if not self._active or self._batch_start is None:
             return
         end = self._cursor.timeline.mark()
-        self._step_batches.append(_Batch(self._previous_end, self._batch_start, end))
+        batch_marks = _Batch(self._previous_end, self._batch_fetches, self._batch_start, self._before_optimizer, end)
+        self._step_batches.append(batch_marks)
         self._previous_end, self._batch_start = end, None
         steps = self._cursor.new_steps(trainer)
         if steps:
@@ -149,17 +202,56 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._active:
-            self._records.extend(self._cursor.new_records(wait=True))
-            self._resolve(wait=True)
+        if not self._active:
+            return
+        self._records.extend(self._cursor.new_records(wait=True))
+        self._resolve(wait=True)
+        # The steps since the last window (all of a run shorter than one window) get a verdict too. Host step
+        # counts and gathered figures decide, so every rank takes this branch or none does.
+        if self._steps_in_window > 0 or self._undecided:
+            self._analyse(trainer, pl_module, final=True)
+        elif self.last is None:
+            self.no_verdict = "no optimizer step was measured"
+        report_if_last(trainer, self)
 
     def summary(self) -> dict[str, Any]:
-        """The latest analysis and how often each rank was named, for the diagnosis."""
+        """The latest analysis, how often each rank was named, and why there is no verdict if there is none."""
         return {
             "last": self.last,
             "windows": self.windows,
-            "straggler_windows": {str(rank): count for rank, count in self.straggler_windows.items()},
+            "straggler_windows": {str(rank): count for rank, count in sorted(self.straggler_windows.items())},
+            "no_verdict": self.no_verdict,
         }
+
+    def _time_fetches(self, trainer: pl.Trainer) -> None:
+        """Mark the start and end of every fetch of the Trainer's training data fetcher.
+
+        Lightning's fetcher calls ``_start_profiler`` / ``_stop_profiler`` around each fetch (private API of the
+        Lightning range this package pins and tests); each epoch's loop sets them anew, so they are wrapped again.
+        Without them, data time is the whole gap between batches, which includes Lightning's per-batch collective.
+        """
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        start, stop = getattr(fetcher, "_start_profiler", None), getattr(fetcher, "_stop_profiler", None)
+        if fetcher is None or not callable(start) or not callable(stop):
+            self._fetch_timing = False
+            return
+        if self._timed_fetcher is not None and self._timed_fetcher == (fetcher, start):
+            return
+        timeline = self._cursor.timeline
+
+        def timed_start() -> None:
+            self._fetch_start = timeline.mark()
+            start()
+
+        def timed_stop() -> None:
+            stop()
+            if self._fetch_start is not None:
+                self._fetches.append((self._fetch_start, timeline.mark()))
+                self._fetch_start = None
+
+        fetcher._start_profiler, fetcher._stop_profiler = timed_start, timed_stop
+        self._timed_fetcher = (fetcher, timed_start)
+        self._fetch_timing = True
 
     def _resolve(self, wait: bool) -> None:
         """Add the host-closed steps whose marks (and ledger record) have resolved to the window's totals."""
@@ -169,33 +261,40 @@ class StragglerDetector(Callback):
             if any(t is None for t in times):
                 return
             self._unresolved.popleft()
-            data = busy = 0.0
+            data = gap_wait = busy = optimizer = 0.0
             for t in times:
                 assert t is not None
-                data, busy = data + t[0], busy + t[1]
-            wait_s = self._records.popleft().sync_time_s if self._cursor.ledger is not None else 0.0
-            self._totals += torch.tensor([data, max(busy - wait_s, 0.0), wait_s, 1.0], dtype=torch.float64)
+                data, gap_wait, busy, optimizer = data + t[0], gap_wait + t[1], busy + t[2], optimizer + t[3]
+            sync = self._records.popleft().sync_time_s if self._cursor.ledger is not None else 0.0
+            step = [data, max(busy - sync, 0.0), sync + gap_wait, optimizer, 1.0]
+            self._totals += torch.tensor(step, dtype=torch.float64)
 
-    def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # (world, [data, compute, wait, steps]): every rank's sums over the steps it has resolved so far.
-        per_rank = trainer.strategy.all_gather(self._totals.to(pl_module.device)).reshape(-1, 4).double().cpu()
+    def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
+        # (world, phases + 1): every rank's sums over the steps it has resolved so far.
+        width = len(PHASES) + 1
+        per_rank = trainer.strategy.all_gather(self._totals.to(pl_module.device)).reshape(-1, width).double().cpu()
         self._steps_in_window = 0
-        if bool((per_rank[:, 3] == 0).any()):
-            return  # a rank's device has not finished a step yet: keep the sums, decide after the next window
+        if bool((per_rank[:, -1] == 0).any()):
+            # A rank's device has not finished a step yet: keep the sums, decide at the next window (or the end).
+            self._undecided = True
+            if final:
+                self.no_verdict = "a rank finished no optimizer step that could be timed"
+            return
+        self._undecided = False
         self._totals.zero_()
-        per_rank = per_rank[:, :3] / per_rank[:, 3:] * 1e3  # mean ms per step
-        # Without the ledger, compute holds the fast ranks' wait: only data can tell the ranks apart.
-        phases = 2 if self._cursor.ledger is not None else 1
-        busy = per_rank[:, :phases].sum(dim=1)
-        slowest = int(busy.argmax())
+        per_rank = per_rank[:, :-1] / per_rank[:, -1:] * 1e3  # mean ms per step
+        # Without the ledger, compute holds the fast ranks' wait in the gradient sync: it cannot tell ranks apart.
+        own = [PHASES.index(p) for p in OWN_PHASES if self._cursor.ledger is not None or p != "compute"]
+        work = per_rank[:, own].sum(dim=1)
+        slowest = int(work.argmax())
         others = [r for r in range(per_rank.shape[0]) if r != slowest]
         median_others = per_rank[others].median(dim=0).values
-        excess = float(busy[slowest] - median_others[:phases].sum())
+        excess = float(work[slowest] - median_others[own].sum())
         step_ms = float(per_rank.sum(dim=1).median())
         is_straggler = excess >= self.min_excess_ms and excess >= self.min_excess_fraction * step_ms
-        phase_excess = per_rank[slowest, :phases] - median_others[:phases]
-        phase = PHASES[int(phase_excess.argmax())]
+        phase = PHASES[own[int((per_rank[slowest, own] - median_others[own]).argmax())]]
         self.windows += 1
+        self.no_verdict = None
         self.last = {
             "step": trainer.global_step,
             "slowest_rank": slowest,
@@ -212,12 +311,15 @@ class StragglerDetector(Callback):
                 f"in {phase} ({per_rank[slowest, PHASES.index(phase)]:.0f} ms vs "
                 f"{median_others[PHASES.index(phase)]:.0f} ms)"
             )
+        if final:
+            return  # Lightning takes no logs at the end of fit; the verdict goes to the report
         metrics = {
             "slowest_rank": float(slowest),
             "excess_ms": excess,
             "is_straggler": float(is_straggler),
             "data_ms": float(per_rank[slowest, 0]),
             "compute_ms": float(per_rank[slowest, 1]),
+            "optimizer_ms": float(per_rank[slowest, 3]),
             "wait_ms": float(per_rank[:, 2].max()),
         }
         for key, value in metrics.items():

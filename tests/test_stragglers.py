@@ -1,0 +1,130 @@
+"""StragglerDetector names the slow rank and its phase (data, forward/backward compute, optimizer step), with 2 and
+3 ranks, the slow rank being rank 0 or another, and several hooks; healthy runs name nobody. Real CPU DDP."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import default_collate
+
+from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt.hooks import PowerSGDConfig
+from tests.helpers import StackModel, fit_ddp, regression_data
+
+STALL_S = 0.15
+HOOKS = {"allreduce": "allreduce", "fp16": "fp16", "powersgd": PowerSGDConfig(start_iter=2)}
+
+
+class SlowRank(StackModel):
+    """One rank sleeps ``STALL_S`` per step in its forward pass, its backward pass or after it (optimizer)."""
+
+    def __init__(self, rank: int, phase: str) -> None:
+        super().__init__()
+        self.slow_rank, self.phase = rank, phase
+
+    def _stall(self, phase: str) -> None:
+        if self.global_rank == self.slow_rank and self.phase == phase:
+            time.sleep(STALL_S)
+
+    def training_step(self, batch, batch_idx):
+        self._stall("forward")
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == self.slow_rank and self.phase == "backward":
+            loss.register_hook(lambda grad: (self._stall("backward"), grad)[1])  # inside autograd's backward
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self._stall("optimizer")
+
+
+def _slow_collate(rank: int):
+    def collate(samples):
+        if dist.is_initialized() and dist.get_rank() == rank:
+            time.sleep(STALL_S)
+        return default_collate(samples)
+
+    return collate
+
+
+def _report(tmp_path, *, devices: int, hook: str, rank: int | None, phase: str | None, max_steps=8, every=4) -> dict:
+    loader = DataLoader(
+        regression_data(devices * 8 * max_steps),
+        batch_size=8,
+        collate_fn=_slow_collate(rank) if phase == "data" and rank is not None else None,
+    )
+    model = SlowRank(-1 if rank is None else rank, phase or "")
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook=HOOKS[hook], start_method="fork"),
+        model=model,
+        loader=loader,
+        devices=devices,
+        callbacks=[CommProfiler(every_n_steps=every), StragglerDetector(every_n_steps=every), AMPMonitor()],
+        max_steps=max_steps,
+    )
+    return json.loads((tmp_path / "ddpopt_report.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("devices", "rank", "phase", "hook"),
+    [
+        (2, 1, "data", "fp16"),
+        (3, 0, "data", "allreduce"),
+        (2, 1, "forward", "allreduce"),
+        (3, 0, "forward", "fp16"),
+        (2, 0, "backward", "powersgd"),
+        (3, 2, "backward", "allreduce"),
+        (2, 1, "optimizer", "powersgd"),
+        (3, 0, "optimizer", "fp16"),
+    ],
+)
+def test_the_slow_rank_is_named_with_its_phase(tmp_path, devices, rank, phase, hook):
+    report = _report(tmp_path, devices=devices, hook=hook, rank=rank, phase=phase)
+    stragglers = report["summary"]["stragglers"]
+    last = stragglers["last"]
+    expected_phase = "compute" if phase in ("forward", "backward") else phase
+    assert (last["slowest_rank"], last["phase"], last["is_straggler"]) == (rank, expected_phase, True)
+    assert 0.7 * STALL_S * 1e3 < last["excess_ms"] < 2.5 * STALL_S * 1e3
+    # Every other rank spends the stall waiting: in the gradient sync, or before its next batch.
+    for other in set(range(devices)) - {rank}:
+        assert last["per_rank_ms"][str(other)]["wait"] > 0.7 * STALL_S * 1e3
+    # Named in every window (8 steps, a window every 4), and the findings agree with each other.
+    assert stragglers["straggler_windows"] == {str(rank): 2}
+    findings = {f["area"]: f for f in report["findings"]}
+    assert findings["stragglers"]["status"] == "problem"
+    assert findings["stragglers"]["evidence"].startswith(f"rank {rank} is ")
+    assert "named in 2 of 2 windows" in findings["stragglers"]["evidence"]
+    if phase != "optimizer":  # a stall after the sync makes the others wait before their next batch, not in it
+        assert "mostly waiting for the slowest rank" in findings["network"]["evidence"]
+
+
+@pytest.mark.parametrize(("devices", "hook"), [(2, "allreduce"), (3, "powersgd")])
+def test_healthy_runs_name_nobody(tmp_path, devices, hook):
+    report = _report(tmp_path, devices=devices, hook=hook, rank=None, phase=None)
+    stragglers = report["summary"]["stragglers"]
+    assert stragglers["last"]["is_straggler"] is False and stragglers["straggler_windows"] == {}
+    assert {f["area"]: f["status"] for f in report["findings"]}["stragglers"] == "ok"
+
+
+def test_a_run_shorter_than_one_window_still_gets_a_verdict(tmp_path):
+    report = _report(tmp_path, devices=2, hook="allreduce", rank=1, phase="forward", max_steps=3, every=20)
+    last = report["summary"]["stragglers"]["last"]
+    assert (last["slowest_rank"], last["phase"], last["is_straggler"], last["step"]) == (1, "compute", True, 3)
+
+
+def test_the_report_is_written_without_comm_profiler(tmp_path):
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(start_method="fork"),
+        model=SlowRank(1, "optimizer"),
+        callbacks=[StragglerDetector(every_n_steps=4), AMPMonitor()],
+        max_steps=4,
+    )
+    report = json.loads((tmp_path / "ddpopt_report.json").read_text())
+    assert report["summary"]["stragglers"]["last"]["phase"] == "optimizer"
+    assert report["series"] == {}
+    assert [f["area"] for f in report["findings"]] == ["network", "amp", "accumulation", "stragglers"]
