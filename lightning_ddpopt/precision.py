@@ -9,7 +9,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from lightning_ddpopt._validate import require_int
 
-__all__ = ["bf16_supported", "current_loss_scale", "fp16_mixed_precision"]
+__all__ = ["bf16_supported", "current_loss_scale", "fp16_mixed_precision", "native_bf16"]
 
 
 def fp16_mixed_precision(
@@ -51,10 +51,18 @@ def fp16_mixed_precision(
     return MixedPrecision("16-mixed", device, scaler=scaler)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bf16 natively: CPUs, and GPUs of compute capability 8.0 (A100) or later.
+
+    ``torch.cuda.is_bf16_supported()`` alone also counts emulation, which runs but slowly; this does not.
+    """
+    return device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def bf16_supported(device: torch.device) -> tuple[bool, str]:
-    """Whether bf16 autocast runs natively on ``device``, with the reason in words."""
+    """Whether bf16 autocast runs natively on ``device`` (:func:`native_bf16`), with advice in words."""
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported(including_emulation=False):
+        if native_bf16(device):
             return True, f"{torch.cuda.get_device_name(device)} supports bf16: use precision='bf16-mixed'"
         return False, (
             f"{torch.cuda.get_device_name(device)} has no native bf16 (it needs compute capability 8.0, A100 or "

@@ -388,6 +388,12 @@ class OptimizedDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
+        # Nothing of ours may keep the process group alive past Lightning's exit-time destroy_process_group: a
+        # gloo group destroyed later, during interpreter shutdown, can abort the process with its threads running.
+        # The hook state keeps its figures (for a checkpoint saved after fit) and falls back to the default group.
+        if isinstance(self.comm_state, CommHookState):
+            self.comm_state.process_group = None
+        self._registered_hook = None
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None

@@ -257,9 +257,9 @@ class AMPMonitor(Callback):
 
     def _check_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        local = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).to(torch.float32)
+        # A rank without gradients still joins the reduce: every rank must take the same branch.
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        local = (~finite).to(device=pl_module.device, dtype=torch.float32)
         ranks_with_nonfinite = trainer.strategy.reduce(local, reduce_op="sum")
         if float(ranks_with_nonfinite) > 0:
             self.nonfinite_steps += 1

@@ -14,6 +14,7 @@ from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.ledger import CommHook, CommLedger
+from lightning_ddpopt.precision import native_bf16
 
 __all__ = ["COMM_HOOKS", "HookSpec", "get_hook_spec", "powersgd_spec", "validate_hook_callable"]
 
@@ -40,8 +41,8 @@ def _bf16_backend(backend: str) -> str | None:
         version = torch.cuda.nccl.version() if torch.cuda.is_available() else (0, 0, 0)
         if tuple(version) < (2, 10):
             return f"bf16 all-reduce needs NCCL >= 2.10, this build has NCCL {'.'.join(map(str, version))}"
-        if not torch.cuda.is_bf16_supported():
-            return "this GPU does not support bfloat16 (it needs compute capability 8.0, A100 or later)"
+        if not native_bf16(torch.device("cuda", torch.cuda.current_device())):
+            return "this GPU has no native bfloat16 (it needs compute capability 8.0, A100 or later)"
     return None
 
 
