@@ -320,7 +320,7 @@ def _compress_and_allreduce(
     if config.batched:
         if state._regroup is not None:
             return _regrouped_batched(state, round_, bucket, buffer, names, gradients)
-        _batched_allreduce(state, round_, bucket, buffer, names, gradients)
+        _batched_allreduce(state, round_, bucket, names, gradients)
         return _completed(buffer)
     matrices, keys, others = [], [], []
     for name, gradient in zip(names, gradients, strict=True):
@@ -363,6 +363,11 @@ def _allreduce_exact(
     flat = torch.cat([t.reshape(-1) for t in tensors])
     _allreduce_mean_inplace(state, bucket, flat)
     round_.check([flat])
+    _write_back(flat, tensors)
+
+
+def _write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``flat``'s consecutive slices into ``tensors`` (the tensors it was concatenated from)."""
     offset = 0
     for tensor in tensors:
         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -370,25 +375,10 @@ def _allreduce_exact(
 
 
 def _batched_allreduce(
-    state: PowerSGDState,
-    round_: _Round,
-    bucket: dist.GradBucket,
-    buffer: torch.Tensor,
-    names: list[str],
-    gradients: list[torch.Tensor],
+    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, names: list[str], gradients: list[torch.Tensor]
 ) -> None:
-    """Compress the whole bucket as one square matrix, zero-padded to ``side x side``."""
-    numel = buffer.numel()
-    side = _square_side(numel)
-    if not _worth_compressing(side, side, state.config):
-        _allreduce_mean_inplace(state, bucket, buffer)
-        round_.check([buffer])
-        return
-    square = buffer if side * side == numel else torch.cat([buffer, buffer.new_zeros(side * side - numel)])
-    (error,) = _low_rank_allreduce(state, round_, bucket, [square.view(side, side)], ["|".join(names)])
-    if square is not buffer:
-        buffer.copy_(square[:numel])
-    _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
+    """Compress the whole bucket as one square matrix; the gradients are views into its buffer."""
+    _compress_as_square(state, round_, bucket, bucket.buffer(), names, gradients, in_place=True)
 
 
 def _regrouped_batched(
@@ -415,7 +405,9 @@ def _regrouped_batched(
         if index in regroup.done or not (len(arrived) == len(group) or (last and arrived)):
             continue
         regroup.done.add(index)
-        _compress_group(state, round_, bucket, arrived, [regroup.arrived.pop(name) for name in arrived])
+        group_gradients = [regroup.arrived.pop(name) for name in arrived]
+        flat = torch.cat([g.reshape(-1) for g in group_gradients])
+        _compress_as_square(state, round_, bucket, flat, arrived, group_gradients, in_place=False)
     finished = {name for index in regroup.done for name in regroup.groups[index]}
     still_waiting = []
     for pending_names, pending, pending_buffer in regroup.waiting:
@@ -428,23 +420,33 @@ def _regrouped_batched(
     return future
 
 
-def _compress_group(
-    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, names: list[str], gradients: list[torch.Tensor]
+def _compress_as_square(
+    state: PowerSGDState,
+    round_: _Round,
+    bucket: dist.GradBucket,
+    flat: torch.Tensor,
+    names: list[str],
+    gradients: list[torch.Tensor],
+    in_place: bool,
 ) -> None:
-    """Compress gradients from several buckets as one square matrix, as the bucket they formed before did."""
-    flat = torch.cat([g.reshape(-1) for g in gradients])
+    """Compress ``flat`` (the ``gradients`` of ``names`` end to end) as one zero-padded square matrix.
+
+    Small ones are all-reduced exactly. ``in_place``: the gradients are views into ``flat`` (the bucket's buffer);
+    otherwise ``flat`` is a copy and the result is written back into them.
+    """
     numel = flat.numel()
     side = _square_side(numel)
     if not _worth_compressing(side, side, state.config):
-        _allreduce_exact(state, round_, bucket, gradients)
-        return
-    square = torch.cat([flat, flat.new_zeros(side * side - numel)]) if side * side != numel else flat
-    (error,) = _low_rank_allreduce(state, round_, bucket, [square.view(side, side)], ["|".join(names)])
-    offset = 0
-    for gradient in gradients:
-        gradient.copy_(square[offset : offset + gradient.numel()].view_as(gradient))
-        offset += gradient.numel()
-    _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
+        _allreduce_mean_inplace(state, bucket, flat)
+        round_.check([flat])
+    else:
+        square = flat if side * side == numel else torch.cat([flat, flat.new_zeros(side * side - numel)])
+        (error,) = _low_rank_allreduce(state, round_, bucket, [square.view(side, side)], ["|".join(names)])
+        if square is not flat:
+            flat.copy_(square[:numel])
+        _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
+    if not in_place:
+        _write_back(flat, gradients)
 
 
 def _stage_batched_errors(
