@@ -10,8 +10,9 @@ What ``checkpoint["ddpopt"]`` holds:
 
 The contract: every rank calls ``save_checkpoint`` (Lightning's ``ModelCheckpoint`` and ``Trainer.save_checkpoint``
 do; Lightning's own barrier after saving needs it too). A stateful hook's gather first waits at most
-``timeout_s`` for every rank to arrive; a call on fewer ranks raises a ``RuntimeError`` naming the missing ranks
-instead of hanging until the process-group timeout. Stateless hooks add no collective at all.
+``timeout_s`` for every rank to arrive, rank 0 deciding for all; a call on fewer ranks raises a ``RuntimeError`` on
+every rank that called, naming the missing ranks, instead of hanging until the process-group timeout. Stateless
+hooks add no collective at all.
 
 A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook
 afresh; another world size keeps what is the same on every rank (PowerSGD's step count and Q memories) and
@@ -79,14 +80,16 @@ class SavedRun:
 def gather_hook_states(
     state: dict[str, Any], *, rank: int, world_size: int, timeout_s: float, tag: str
 ) -> list[dict[str, Any]] | None:
-    """Every rank's ``state``, on rank 0 (``None`` on the others). Every rank must call it, with the same ``tag``.
+    """Every rank's ``state``, on rank 0 (``None`` on the others).
+
+    Every rank must call it, with the same ``tag``, unique to this save in this process group's life.
 
     Raises:
         RuntimeError: not every rank arrived within ``timeout_s`` (the message names the missing ranks).
     """
     if world_size == 1:
         return [state]
-    _wait_for_every_rank(rank, world_size, timeout_s, tag)
+    _agree_to_gather(rank, world_size, timeout_s, tag)
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(state, gathered, dst=0)
     return gathered
@@ -119,17 +122,34 @@ def restore_hook_state(
     return None
 
 
-def _wait_for_every_rank(rank: int, world_size: int, timeout_s: float, tag: str) -> None:
-    """Meet the other ranks on the process group's store (not in a collective, so a no-show cannot hang it)."""
+def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> None:
+    """Meet the other ranks on the process group's store (not in a collective, so a no-show cannot hang it).
+
+    Every rank marks its arrival; rank 0 waits up to ``timeout_s`` for all of them and publishes one verdict that
+    every rank follows, so a rank arriving late cannot enter the gather alone. Without rank 0, the others give up
+    after twice ``timeout_s``.
+    """
     store = _get_default_store()
-    keys = [f"ddpopt/checkpoint/{tag}/{other}" for other in range(world_size)]
-    store.set(keys[rank], "1")
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError:
-        missing = [other for other, key in enumerate(keys) if not store.check([key])]
+    arrived = [f"ddpopt/checkpoint/{tag}/arrived/{other}" for other in range(world_size)]
+    verdict_key = f"ddpopt/checkpoint/{tag}/verdict"
+    store.set(arrived[rank], "1")
+    if rank == 0:
+        try:
+            store.wait(arrived, timedelta(seconds=timeout_s))
+            verdict = "ok"
+        except RuntimeError:
+            verdict = ",".join(str(other) for other, key in enumerate(arrived) if not store.check([key]))
+        store.set(verdict_key, verdict)
+    else:
+        try:
+            store.wait([verdict_key], timedelta(seconds=2 * timeout_s))
+            verdict = store.get(verdict_key).decode()
+        except RuntimeError:
+            verdict = "0"
+    if verdict != "ok":
+        missing = [int(other) for other in verdict.split(",")]
         raise RuntimeError(
             f"ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) {missing} did "
             f"not call save_checkpoint within {timeout_s:g} s. Call trainer.save_checkpoint on every rank, as "
             "Lightning's DDP strategies require (ModelCheckpoint does)."
-        ) from None
+        )

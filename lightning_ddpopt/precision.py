@@ -56,7 +56,11 @@ def native_bf16(device: torch.device) -> bool:
 
     ``torch.cuda.is_bf16_supported()`` alone also counts emulation, which runs but slowly; this does not.
     """
-    return device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type != "cuda":
+        return True
+    if torch.version.hip:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def bf16_supported(device: torch.device) -> tuple[bool, str]:

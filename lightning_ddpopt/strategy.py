@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -180,6 +181,8 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._cpu_affinity = validate_cpu_affinity(cpu_affinity)
         self._checkpoint_timeout = require_number("checkpoint_timeout", checkpoint_timeout)
         self._checkpoint_saves = 0
+        self._checkpoint_nonce = ""
+        self._owns_comm_state = False
         self.ledger: CommLedger | None = None
         self.comm_state: object | None = None
         self.comm_hook_name: str | None = None
@@ -215,6 +218,9 @@ class OptimizedDDPStrategy(DDPStrategy):
                 " DDP's static graph mode mis-syncs gradients under no_sync (pytorch#143580). Use static_graph=False."
             )
         super().setup(trainer)
+        if self.world_size > 1:
+            # Names this run's checkpoint meetings on the store, which outlives a Trainer in the same processes.
+            self._checkpoint_nonce = self.broadcast(secrets.token_hex(8))
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -282,7 +288,7 @@ class OptimizedDDPStrategy(DDPStrategy):
                 rank=self.global_rank,
                 world_size=self.world_size,
                 timeout_s=self._checkpoint_timeout,
-                tag=str(self._checkpoint_saves),
+                tag=f"{self._checkpoint_nonce}/{self._checkpoint_saves}",
             )
         if self.is_global_zero:
             checkpoint[CHECKPOINT_KEY] = SavedRun(
@@ -391,7 +397,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         # Nothing of ours may keep the process group alive past Lightning's exit-time destroy_process_group: a
         # gloo group destroyed later, during interpreter shutdown, can abort the process with its threads running.
         # The hook state keeps its figures (for a checkpoint saved after fit) and falls back to the default group.
-        if isinstance(self.comm_state, CommHookState):
+        if self._owns_comm_state and isinstance(self.comm_state, CommHookState):
             self.comm_state.process_group = None
         self._registered_hook = None
         if self.core_binding is not None:
@@ -555,12 +561,14 @@ class OptimizedDDPStrategy(DDPStrategy):
             if reason is not None:
                 raise ValueError(f"comm_hook={self._hook_spec.name!r} cannot run on backend {backend!r}: {reason}")
             self.comm_state = self._hook_spec.build(model.process_group, self.ledger)
+            self._owns_comm_state = True
             self.comm_state.loss_scale = self._loss_scale
             self.comm_state.bind_module(model.module)
             self.comm_hook_name = self._hook_spec.name
             return self._hook_spec.hook
         hook: Callable | None = self._hook_callable
         self.comm_state = self._comm_state_arg
+        self._owns_comm_state = False
         if hook is None and self._ddp_comm_hook is not None:
             hook = self._ddp_comm_hook
             self.comm_state = self._ddp_comm_state

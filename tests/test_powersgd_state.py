@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -288,3 +289,31 @@ def test_checkpoint_saved_on_one_rank_fails_fast_and_clearly(tmp_path):
 def test_bad_checkpoint_timeout():
     with pytest.raises(ValueError, match="checkpoint_timeout=0 must be a positive number"):
         OptimizedDDPStrategy(checkpoint_timeout=0)
+
+
+def test_errors_saved_without_loss_scales_are_added_as_they_are(gloo_group):
+    # Checkpoints of the previous release hold errors but no error_scales: never multiply them by today's scale.
+    from lightning_ddpopt.hooks.powersgd import _add_error_feedback, _Round
+
+    state = PowerSGDState(config=PowerSGDConfig())
+    error = torch.full((4, 4), 0.5)
+    state.load_state_dict(
+        {"config": asdict(PowerSGDConfig()), "iteration": 12, "errors": {"w": error}, "q_memories": {}}
+    )
+    gradient = torch.ones(4, 4)
+    _add_error_feedback(state, _Round(torch.tensor(1024.0)), ["w"], [gradient])
+    assert torch.equal(gradient, torch.full((4, 4), 1.5))
+
+
+def test_batched_q_memories_of_an_old_layout_are_dropped(gloo_group):
+    from lightning_ddpopt.hooks.powersgd import _Round
+
+    state = PowerSGDState(config=PowerSGDConfig(batched=True))
+    state.q_memories = {"a|b": torch.ones(2, 1), "c": torch.ones(2, 1), "d|e": torch.ones(2, 1)}
+    round_ = _Round(None)
+    round_.q_memories["b|c"] = torch.zeros(2, 1)
+    state._sealed = round_
+    round_.seal()
+    state._settle()
+    # a, b and c now live in the new group; d|e is untouched. A resume regroups by these keys alone.
+    assert sorted(state.q_memories) == ["b|c", "d|e"]

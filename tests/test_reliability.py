@@ -69,15 +69,19 @@ def test_a_killed_rank_ends_the_run_with_a_clear_error_and_keeps_the_checkpoint(
     assert [state["iteration"] for state in checkpoint["ddpopt"]["hook_states"]] == [2, 2]
 
 
-def test_teardown_releases_the_process_group(gloo_group):
+@pytest.mark.parametrize("owned", [True, False])
+def test_teardown_releases_the_process_group_it_holds(gloo_group, owned):
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.accelerators import CPUAccelerator
 
     strategy = OptimizedDDPStrategy(CPUAccelerator(), comm_hook="powersgd", cluster_environment=LightningEnvironment())
-    strategy.comm_state = PowerSGDState(config=PowerSGDConfig(), process_group=torch.distributed.group.WORLD)
+    group = torch.distributed.group.WORLD
+    strategy.comm_state = PowerSGDState(config=PowerSGDConfig(), process_group=group)
+    strategy._owns_comm_state = owned  # built from the registry, or a user's own state
     strategy.teardown()
-    # Lightning destroys the group at exit; a reference kept here would leave it to interpreter shutdown.
-    assert strategy.comm_state.process_group is None and strategy.comm_state.iteration == 0
+    # Lightning destroys the group at exit; a reference kept here would leave it to interpreter shutdown. A
+    # user's own state is theirs: it keeps its group for the next fit.
+    assert strategy.comm_state.process_group is (None if owned else group)
 
 
 class DropGradientsOnRank1(pl.Callback):
@@ -118,6 +122,7 @@ def test_bf16_hook_refuses_emulated_bf16_on_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
     assert COMM_HOOKS["bf16"].unsupported_reason("nccl") == (
         "this GPU has no native bfloat16 (it needs compute capability 8.0, A100 or later)"
     )

@@ -201,6 +201,7 @@ class CommProfiler(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
+            self.report_path = report_if_last(trainer, self)
             return
         self._take_records(trainer, self._cursor.ledger, self._cursor.new_records(wait=True))
         if self._step_clock is not None:

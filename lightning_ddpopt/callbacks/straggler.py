@@ -203,6 +203,7 @@ class StragglerDetector(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
+            report_if_last(trainer, self)
             return
         self._records.extend(self._cursor.new_records(wait=True))
         self._resolve(wait=True)

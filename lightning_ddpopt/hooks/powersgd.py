@@ -16,10 +16,12 @@ Under fp16 AMP two things keep the state sound:
 * **Non-finite gradients never enter the state.** A sync round stages its new error feedback and Q memories and
   commits them only if every all-reduced factor of the round was finite. The test is on all-reduced values, the
   same on every rank, so every rank takes the same decision (a non-finite local matrix always makes its P
-  non-finite). A bucket whose factors are not finite is handed back as NaN on every rank, so the GradScaler (or
-  AMPMonitor without one) skips that step everywhere; the next finite step compresses from the state before it.
-  The decision needs no host sync: on CPU it is taken at the round's last bucket, on a GPU the flag is copied
-  without blocking and read at the next round's first bucket. Until then both rounds' error feedback is held.
+  non-finite). A bucket whose factors are not finite is handed back as NaN on every rank, so the GradScaler skips
+  that step everywhere (without one, AMPMonitor reports it on every rank alike); the next finite step compresses
+  from the state before it.
+  On CPU the decision is taken at the round's last bucket; on a GPU the flag is copied without blocking and read
+  at the next round's first bucket, waiting (if at all) only for the previous round's sync to finish on the
+  device. Until then both rounds' error feedback is held.
 * **Error feedback is kept in the units of its loss scale.** Each stored error remembers the loss scale of the
   backward pass that produced it (``CommHookState.loss_scale``) and is rescaled to the current scale before it
   is added, so a GradScaler's growth or backoff does not inject it 2x too large or too small.
@@ -99,6 +101,7 @@ class _Round:
         self.scale = scale
         self.errors: dict[str, torch.Tensor] = {}
         self.q_memories: dict[str, torch.Tensor] = {}
+        self.sent_exactly: set[str] = set()
         self._flags: list[torch.Tensor] = []
         self._finite: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None
@@ -168,6 +171,7 @@ class PowerSGDState(CommHookState):
     _round: _Round | None = field(default=None, repr=False)
     _sealed: _Round | None = field(default=None, repr=False)
     _regroup: _Regroup | None = field(default=None, repr=False)
+    _scale_unknown: set[str] = field(default_factory=set, repr=False)
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
@@ -189,7 +193,7 @@ class PowerSGDState(CommHookState):
             "iteration": self.iteration,
             "skipped_rounds": self.skipped_rounds,
             "errors": {name: error.detach().cpu().clone() for name, error in self.errors.items()},
-            "error_scales": {name: float(scale) for name, scale in self.error_scales.items()},
+            "error_scales": _floats(self.error_scales),
             "q_memories": {key: q.detach().cpu().clone() for key, q in self.q_memories.items()},
         }
 
@@ -217,6 +221,9 @@ class PowerSGDState(CommHookState):
         self.load_shared_state_dict(state)
         self.errors = dict(errors)
         self.error_scales = {name: torch.tensor(scale, dtype=torch.float32) for name, scale in scales.items()}
+        # Saved by a release that did not record loss scales: the errors are in their own step's units, which
+        # are taken to be this run's (added as they are) until the next commit replaces them.
+        self._scale_unknown = set() if "error_scales" in state else set(errors)
         skipped = state.get("skipped_rounds", 0)
         assert isinstance(skipped, int)
         self.skipped_rounds = skipped
@@ -265,12 +272,28 @@ class PowerSGDState(CommHookState):
             self.skipped_rounds += 1
             return
         self.errors.update(round_.errors)
+        for name in round_.sent_exactly:  # no compression error: nothing to feed back any more
+            self.errors.pop(name, None)
+            self.error_scales.pop(name, None)
+        if self.config.batched:
+            # A parameter belongs to one batched matrix: drop keys of groups it was in before (another layout).
+            regrouped = {name for key in round_.q_memories for name in key.split("|")}
+            for key in [k for k in self.q_memories if k not in round_.q_memories]:
+                if regrouped.intersection(key.split("|")):
+                    del self.q_memories[key]
         self.q_memories.update(round_.q_memories)
         for name in round_.errors:
+            self._scale_unknown.discard(name)
             if round_.scale is None:
                 self.error_scales.pop(name, None)
             else:
                 self.error_scales[name] = round_.scale
+
+
+def _floats(scales: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each scale as a float, reading each distinct tensor once (a host sync each on a GPU)."""
+    read: dict[int, float] = {}
+    return {name: read.setdefault(id(scale), float(scale)) for name, scale in scales.items()}
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -322,7 +345,7 @@ def _compress_and_allreduce(
             return _regrouped_batched(state, round_, bucket, buffer, names, gradients)
         _batched_allreduce(state, round_, bucket, names, gradients)
         return _completed(buffer)
-    matrices, keys, others = [], [], []
+    matrices, keys, others, other_names = [], [], [], []
     for name, gradient in zip(names, gradients, strict=True):
         matrix = gradient.view(gradient.shape[0], -1) if gradient.dim() > 1 else None
         if matrix is not None and _worth_compressing(matrix.shape[0], matrix.shape[1], config):
@@ -330,8 +353,9 @@ def _compress_and_allreduce(
             keys.append(name)
         else:
             others.append(gradient)
+            other_names.append(name)
     if others:
-        _allreduce_exact(state, round_, bucket, others)
+        _allreduce_exact(state, round_, bucket, other_names, others)
     if matrices:
         errors = _low_rank_allreduce(state, round_, bucket, matrices, keys)
         if config.error_feedback:
@@ -348,7 +372,7 @@ def _add_error_feedback(state: PowerSGDState, round_: _Round, names: list[str], 
         if error.device != gradient.device:
             error = state.errors[name] = error.to(gradient.device)
         stored = state.error_scales.get(name)
-        if stored is None and round_.scale is None:
+        if stored is None and (round_.scale is None or name in state._scale_unknown):
             gradient.add_(error)
             continue
         current = round_.scale if round_.scale is not None else torch.ones((), device=gradient.device)
@@ -357,12 +381,13 @@ def _add_error_feedback(state: PowerSGDState, round_: _Round, names: list[str], 
 
 
 def _allreduce_exact(
-    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, tensors: list[torch.Tensor]
+    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, names: list[str], tensors: list[torch.Tensor]
 ) -> None:
     """Mean-allreduce ``tensors`` uncompressed (one flat collective) and note whether the result is finite."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     _allreduce_mean_inplace(state, bucket, flat)
     round_.check([flat])
+    round_.sent_exactly.update(names)
     _write_back(flat, tensors)
 
 
@@ -392,9 +417,9 @@ def _regrouped_batched(
     """One bucket of the first round after a resume: see :class:`_Regroup`."""
     regroup = state._regroup
     assert regroup is not None
-    loose = [gradient for name, gradient in zip(names, gradients, strict=True) if name not in regroup.group_of]
+    loose = [(name, gradient) for name, gradient in zip(names, gradients, strict=True) if name not in regroup.group_of]
     if loose:  # in buckets that were sent uncompressed before the checkpoint: exact, whatever the grouping
-        _allreduce_exact(state, round_, bucket, loose)
+        _allreduce_exact(state, round_, bucket, [name for name, _ in loose], [gradient for _, gradient in loose])
     grouped = {name for name in names if name in regroup.group_of}
     regroup.arrived.update((name, g) for name, g in zip(names, gradients, strict=True) if name in grouped)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=_devices(buffer))
@@ -439,6 +464,7 @@ def _compress_as_square(
     if not _worth_compressing(side, side, state.config):
         _allreduce_mean_inplace(state, bucket, flat)
         round_.check([flat])
+        round_.sent_exactly.update(names)
     else:
         square = flat if side * side == numel else torch.cat([flat, flat.new_zeros(side * side - numel)])
         (error,) = _low_rank_allreduce(state, round_, bucket, [square.view(side, side)], ["|".join(names)])
