@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=1, help="busy processes competing for the CPU (default 1)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before a run counts as hung")
     parser.add_argument("--stock", action="store_true", help="Lightning's DDPStrategy instead of ours")
+    parser.add_argument("--hooks", default=",".join(HOOKS), help=f"comma-separated, cycled (default {','.join(HOOKS)})")
+    parser.add_argument("--save-failures", metavar="DIR", help="write each failed run's whole output there")
     parser.add_argument("--worker", metavar="HOOK", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -97,7 +100,8 @@ def main() -> None:
 
     crashes, hangs, started = [], [], time.perf_counter()
     for run in range(args.runs):
-        hook = "stock" if args.stock else HOOKS[run % len(HOOKS)]
+        hooks = args.hooks.split(",")
+        hook = "stock" if args.stock else hooks[run % len(hooks)]
         stop_at = time.time() + args.timeout
         load = [multiprocessing.Process(target=_spin, args=(stop_at,), daemon=True) for _ in range(args.load)]
         for process in load:
@@ -105,10 +109,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, __file__, "--worker", hook, "--out", out, *(["--stock"] if args.stock else [])]
             try:
-                result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+                # Python stacks of every thread on a fatal signal, in each rank, for a crash's post-mortem.
+                env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+                result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
                 output = result.stdout + result.stderr
                 if result.returncode != 0 or "terminate called" in output:
                     tail = " | ".join(output.strip().splitlines()[-3:])
+                    if args.save_failures:
+                        Path(args.save_failures).mkdir(parents=True, exist_ok=True)
+                        (Path(args.save_failures) / f"run{run + 1}-{hook}.log").write_text(output)
                     crashes.append(f"run {run + 1} ({hook}): exit {result.returncode}: {tail}")
                     verdict = "CRASH"
                 else:

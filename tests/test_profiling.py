@@ -191,6 +191,10 @@ def test_single_device_warns_once_and_steps_aside(tmp_path):
         "ddpopt: StragglerDetector needs more than one process; it is off.",
     ]
     assert profiler.last_metrics == {} and detector.last is None
+    # The report is still written, and says why there is no straggler verdict.
+    report = json.loads((tmp_path / "ddpopt_report.json").read_text())
+    findings = {f["area"]: f for f in report["findings"]}
+    assert findings["stragglers"]["evidence"] == "no verdict: one process: no other rank to compare with"
 
 
 def test_plan_matches_the_ring_allreduce_formula(capsys):

@@ -142,6 +142,7 @@ class StragglerDetector(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._active = trainer.world_size > 1
         if not self._active:
+            self.no_verdict = "one process: no other rank to compare with"
             rank_zero_warn("ddpopt: StragglerDetector needs more than one process; it is off.")
 
     @override
