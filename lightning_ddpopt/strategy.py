@@ -399,7 +399,6 @@ class OptimizedDDPStrategy(DDPStrategy):
         # The hook state keeps its figures (for a checkpoint saved after fit) and falls back to the default group.
         if self._owns_comm_state and isinstance(self.comm_state, CommHookState):
             self.comm_state.process_group = None
-        self._registered_hook = None
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None

@@ -87,6 +87,39 @@ def test_one_overflow_skips_one_step_and_leaves_the_state_clean(tmp_path, name, 
     assert bool(ranks[0]["params"].isfinite().all())
 
 
+@pytest.mark.parametrize(
+    ("hook", "devices", "overflow_ranks"),
+    [("allreduce", 2, (1,)), ("fp16", 3, (0,)), ("bf16", 2, (0, 1)), ("powersgd", 3, (0,))],
+)
+def test_every_hook_skips_exactly_the_overflow_step(tmp_path, hook, devices, overflow_ranks):
+    monitor = AMPMonitor()
+    comm_hook = VARIANTS.get(hook, hook)
+    strategy = OptimizedDDPStrategy(comm_hook=comm_hook, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+    ranks = fit_ddp(
+        tmp_path,
+        strategy,
+        devices=devices,
+        model=OverflowModel(overflow_at=(6,), ranks=overflow_ranks, lr=0.01),
+        plugins=[fp16_mixed_precision("cpu", init_scale=2.0**12)],
+        callbacks=[monitor, SkipProbe(monitor, tmp_path)],
+        samples=devices * 8 * 12,
+        max_steps=12,
+    )
+    for rank in range(devices):
+        assert torch.load(tmp_path / f"skips{rank}.pt") == ([6], 2.0**11)
+        torch.testing.assert_close(ranks[rank]["params"], ranks[0]["params"], rtol=0, atol=0)
+    assert bool(ranks[0]["params"].isfinite().all())
+
+
+class SkipProbe(pl.Callback):
+    def __init__(self, monitor: AMPMonitor, out: Path) -> None:
+        self.monitor, self.out = monitor, out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        record = (self.monitor.skipped_step_indices, trainer.precision_plugin.scaler.get_scale())
+        torch.save(record, self.out / f"skips{trainer.global_rank}.pt")
+
+
 def _scaled_steps(scales: list[float], config: PowerSGDConfig) -> tuple[list[torch.Tensor], PowerSGDState]:
     """Run one DDP rank through ``len(scales)`` steps whose loss is multiplied by ``scales[i]``, as a GradScaler
     would; return the gradients divided by the scale again (what the optimizer would see) and the hook state."""
@@ -159,7 +192,7 @@ def test_fp16_factors_are_averaged_before_the_sum(tmp_path):
     torch.testing.assert_close(grad, torch.full_like(grad, scale), rtol=2e-3, atol=0)
 
 
-@pytest.mark.parametrize("name", ["powersgd", "powersgd_fp16", "batched_powersgd"])
+@pytest.mark.parametrize("name", ["powersgd", "powersgd_fp16", "powersgd_bf16", "batched_powersgd"])
 def test_resume_is_bit_exact(tmp_path, name):
     def strategy():
         return OptimizedDDPStrategy(comm_hook=VARIANTS[name], bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")

@@ -343,7 +343,8 @@ def _compress_and_allreduce(
     if config.batched:
         if state._regroup is not None:
             return _regrouped_batched(state, round_, bucket, buffer, names, gradients)
-        _batched_allreduce(state, round_, bucket, names, gradients)
+        # The gradients are views into the bucket's buffer: compress it as it lies.
+        _compress_as_square(state, round_, bucket, buffer, names, gradients, in_place=True)
         return _completed(buffer)
     matrices, keys, others, other_names = [], [], [], []
     for name, gradient in zip(names, gradients, strict=True):
@@ -397,13 +398,6 @@ def _write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
-
-
-def _batched_allreduce(
-    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, names: list[str], gradients: list[torch.Tensor]
-) -> None:
-    """Compress the whole bucket as one square matrix; the gradients are views into its buffer."""
-    _compress_as_square(state, round_, bucket, bucket.buffer(), names, gradients, in_place=True)
 
 
 def _regrouped_batched(
