@@ -127,3 +127,56 @@ def test_bf16_hook_refuses_emulated_bf16_on_nccl(monkeypatch):
         "this GPU has no native bfloat16 (it needs compute capability 8.0, A100 or later)"
     )
     assert COMM_HOOKS["bf16"].unsupported_reason("gloo") is None
+
+
+_LATE_CALLBACK_SCRIPT = '''
+import sys, time
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning_ddpopt import OptimizedDDPStrategy
+from tests.helpers import fit_ddp
+
+_KEEP = []
+
+
+class LateCallback(pl.Callback):
+    """At the end of fit, leave a collective in flight whose Python callback runs on a gloo thread later."""
+
+    def on_train_end(self, trainer, pl_module):
+        rank = trainer.global_rank
+        if rank == 1:
+            time.sleep(1.0)  # rank 0 reaches the end of its script before the collective can complete
+
+        def report(future):
+            print(f"late callback ran on rank {rank}", flush=True)
+            return future.value()
+
+        work = dist.all_reduce(torch.ones(8), async_op=True)
+        _KEEP.append(work.get_future().then(report))
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+    strategy = OptimizedDDPStrategy(comm_hook="fp16", start_method="spawn")
+    fit_ddp(Path(sys.argv[1]), strategy, callbacks=[LateCallback()], max_steps=2)
+'''
+
+
+def test_a_collective_still_in_flight_at_exit_completes_before_the_interpreter_shuts_down(tmp_path):
+    """The exit crash: a Python callback of a gloo future that runs during interpreter shutdown aborts the process
+    ("terminate called without an active exception"). The strategy destroys the group at exit, which waits for it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "late_callback.py"
+    script.write_text(_LATE_CALLBACK_SCRIPT)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=120, env=env
+    )
+    output = result.stdout + result.stderr
+    assert "terminate called" not in output, output[-3000:]
+    assert result.returncode == 0, output[-3000:]
+    assert "late callback ran on rank 0" in output and "late callback ran on rank 1" in output
