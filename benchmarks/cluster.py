@@ -32,7 +32,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "cluster_worker.py"
-DEFAULT_VARIANTS = ("compute", "stock", "ours", "fp16", "bf16", "powersgd_r1", "powersgd_r4", "accum4", "auto_hook")
+DEFAULT_VARIANTS = (
+    "compute",
+    "stock",
+    "ours",
+    "fp16",
+    "bf16",
+    "int8",
+    "powersgd_r1",
+    "powersgd_r4",
+    "accum4",
+    "auto_hook",
+)
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
 PREFIX = "ddpopt-"
@@ -235,6 +246,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             "link_fraction": None,
             "bucket_cap_mb": result.get("bucket_cap_mb"),
             "comm_hook": result.get("comm_hook"),
+            "hook_breakdown": result.get("hook_breakdown"),
         }
         if variant == "compute":
             row["samples_per_s"] = rate * hosts  # the physical limit: every host computing without syncing
@@ -267,6 +279,18 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
             f"{_fmt(r['speedup_vs_stock'], '.2f', 'x')} | {_fmt(r['fraction_of_compute_limit'], '.2f')} | "
             f"{_fmt(r['link_fraction'], '.2f')} |"
         )
+    breakdowns = [r for r in rows if r.get("hook_breakdown")]
+    if breakdowns:
+        lines += [
+            "",
+            "Inside the hooks that wait for collectives on the backward thread (host ms per timed step):",
+            "",
+            "| variant | in hook ms | waiting for collectives ms | own work ms |",
+            "|---|---|---|---|",
+        ]
+        for r in breakdowns:
+            ms = {key: f"{seconds * 1e3:.0f}" for key, seconds in r["hook_breakdown"].items()}
+            lines.append(f"| {r['variant']} | {ms['hook_s']} | {ms['hook_wait_s']} | {ms['hook_work_s']} |")
     md.write_text("\n".join(lines) + "\n")
     js = out_dir / f"{name}.json"
     js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

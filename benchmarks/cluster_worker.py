@@ -32,6 +32,7 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "ours_no_view": (lambda: OptimizedDDPStrategy(gradient_as_bucket_view=False), 1),
     "fp16": (lambda: OptimizedDDPStrategy(comm_hook="fp16"), 1),
     "bf16": (lambda: OptimizedDDPStrategy(comm_hook="bf16"), 1),
+    "int8": (lambda: OptimizedDDPStrategy(comm_hook="int8"), 1),
     "powersgd_r1": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, start_iter=2)), 1),
     "powersgd_r4": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=4, start_iter=2)), 1),
     "accum4": (lambda: OptimizedDDPStrategy(), 4),
@@ -62,6 +63,7 @@ class StepTimer(pl.Callback):
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.hook_marks: list[tuple[float, float]] = []  # the comm hook's cumulative host and wait seconds
         self._last: float | None = None
         self._seen = 0
 
@@ -73,6 +75,18 @@ class StepTimer(pl.Callback):
         if self._last is not None:
             self.times.append(now - self._last)
         self._last = now
+        state = getattr(trainer.strategy, "comm_state", None)
+        if state is not None and hasattr(state, "hook_seconds"):
+            self.hook_marks.append((state.hook_seconds, state.wait_seconds))
+
+    def hook_breakdown(self, warmup: int) -> dict[str, float] | None:
+        """Per timed step: seconds inside hooks that block (PowerSGD, int8), and of them waiting for the network."""
+        marks = self.hook_marks[max(warmup - 1, 0) :]
+        if len(marks) < 2 or marks[-1][0] == marks[0][0]:
+            return None
+        steps = len(marks) - 1
+        inside, waiting = (marks[-1][i] - marks[0][i] for i in (0, 1))
+        return {"hook_s": inside / steps, "hook_wait_s": waiting / steps, "hook_work_s": (inside - waiting) / steps}
 
 
 def main() -> None:
@@ -130,6 +144,7 @@ def main() -> None:
         "sync_rounds": statistics.mean(s.sync_rounds for s in steps) if steps else None,
         "bucket_cap_mb": getattr(getattr(trainer.strategy, "bucket_plan", None), "cap_mb", None),
         "comm_hook": getattr(trainer.strategy, "comm_hook_name", None),
+        "hook_breakdown": timer.hook_breakdown(args.warmup),
     }
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.hooks import PowerSGDConfig
 
-HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "powersgd_fp16", "batched_powersgd", "auto")
+HOOKS = ("allreduce", "fp16", "bf16", "int8", "powersgd", "powersgd_fp16", "batched_powersgd", "auto")
 
 
 def _spin(stop_at: float) -> None:

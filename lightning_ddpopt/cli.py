@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_ddpopt.costmodel import LINKS, estimate_hooks, parse_count, resolve_link
+from lightning_ddpopt.costmodel import DEFAULT_PLAN_HOOKS, LINKS, PLAN_HOOKS, estimate_hooks, parse_count, resolve_link
 from lightning_ddpopt.diagnosis import REPORT_NAME, Finding, format_findings
 
 __all__ = ["main"]
@@ -39,16 +39,23 @@ def _parser() -> argparse.ArgumentParser:
         "plan",
         help="bytes per step, ring-allreduce time and scaling efficiency per comm hook",
         description="Ring-allreduce lower bound t = 2(n-1)/n x S/B + 2(n-1) x latency for each comm hook.",
+        # The required arguments first, in the order they are checked; --link or --gbps is required too.
+        usage="ddpopt plan --params COUNT --world-size N (--link PRESET | --gbps GBIT) [options]",
     )
-    plan.add_argument("--params", required=True, help="parameter count, e.g. 100M, 1.3B")
-    plan.add_argument("--world-size", type=int, required=True, help="number of data-parallel processes")
-    plan.add_argument("--link", choices=sorted(LINKS), type=str.lower, help="link preset")
-    plan.add_argument("--gbps", type=float, help="link bandwidth in Gbit/s (instead of --link)")
+    # Required, but checked in _plan so that errors come in the order of the usage line.
+    plan.add_argument("--params", help="parameter count, e.g. 100M, 1.3B (required)")
+    plan.add_argument("--world-size", type=int, help="number of data-parallel processes (required)")
+    plan.add_argument("--link", choices=sorted(LINKS), type=str.lower, help="link preset (or --gbps)")
+    plan.add_argument("--gbps", type=float, help="link bandwidth in Gbit/s (or --link)")
     plan.add_argument("--latency-us", type=float, help="per-message latency in microseconds (default: the preset's)")
-    plan.add_argument("--hook", choices=["allreduce", "fp16", "bf16", "powersgd"], action="append", help="repeatable")
+    plan.add_argument(
+        "--hook", choices=PLAN_HOOKS, action="append", help=f"repeatable (default: {', '.join(DEFAULT_PLAN_HOOKS)})"
+    )
     plan.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
     plan.add_argument("--width", type=int, default=4096, help="typical weight-matrix width for PowerSGD (4096)")
-    plan.add_argument("--step-compute-ms", type=float, default=0.0, help="forward+backward time of one step")
+    plan.add_argument(
+        "--step-compute-ms", type=float, help="forward+backward time of one step (needed for the efficiency)"
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=_plan)
 
@@ -65,36 +72,45 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> int:
     try:
+        if args.params is None:
+            raise ValueError("--params is required: the model's parameter count, e.g. 100M or 1.3B")
         params = parse_count(args.params)
-        link = resolve_link(args.link, args.gbps, args.latency_us)
+        if args.world_size is None:
+            raise ValueError("--world-size is required: the number of data-parallel processes")
         if args.world_size < 1:
             raise ValueError(f"--world-size {args.world_size} must be at least 1")
+        if args.link is not None and args.gbps is not None:
+            raise ValueError(f"give --link or --gbps, not both (--link {args.link}, --gbps {args.gbps:g})")
+        link = resolve_link(args.link, args.gbps, args.latency_us)
         if args.rank < 1 or args.width < 1:
             raise ValueError("--rank and --width must be at least 1")
+        compute_ms = args.step_compute_ms
         estimates = estimate_hooks(
             params,
             args.world_size,
             link,
-            args.step_compute_ms / 1e3,
+            None if compute_ms is None else compute_ms / 1e3,
             powersgd_rank=args.rank,
             matrix_width=args.width,
-            hooks=tuple(args.hook or ("allreduce", "fp16", "powersgd")),
+            hooks=tuple(args.hook or DEFAULT_PLAN_HOOKS),
         )
     except ValueError as error:
         raise CLIError(str(error)) from None
     if args.json:
         print(json.dumps([e.__dict__ for e in estimates], indent=1))
         return 0
+    compute = "compute unknown" if compute_ms is None else f"compute {compute_ms:g} ms/step"
     print(
         f"{params / 1e6:.1f}M fp32 parameters, {args.world_size} ranks, {link.summary} "
-        f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), compute {args.step_compute_ms:g} ms/step"
+        f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), {compute}"
     )
     print(f"{'hook':<10}{'MB/step':>12}{'comm ms':>12}{'eff. no overlap':>18}{'eff. overlap':>15}")
     for e in estimates:
-        print(
-            f"{e.hook:<10}{e.bytes_per_step / 1e6:>12.1f}{e.comm_s * 1e3:>12.1f}"
-            f"{e.efficiency_no_overlap:>18.1%}{e.efficiency_full_overlap:>15.1%}"
-        )
+        no_overlap = "-" if e.efficiency_no_overlap is None else f"{e.efficiency_no_overlap:.1%}"
+        overlap = "-" if e.efficiency_full_overlap is None else f"{e.efficiency_full_overlap:.1%}"
+        print(f"{e.hook:<10}{e.bytes_per_step / 1e6:>12.1f}{e.comm_s * 1e3:>12.1f}{no_overlap:>18}{overlap:>15}")
+    if compute_ms is None:
+        print("efficiency needs --step-compute-ms: one step's forward+backward time without communication")
     return 0
 
 

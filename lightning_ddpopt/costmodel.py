@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "DEFAULT_PLAN_HOOKS",
     "LINKS",
+    "PLAN_HOOKS",
     "HookEstimate",
     "Link",
     "allreduce_seconds",
@@ -51,7 +53,7 @@ def resolve_link(name: str | None, gbps: float | None = None, latency_us: float 
             raise ValueError(f"--gbps {gbps:g} must be positive")
         base = Link(f"{gbps:g}gbit", _gbit(gbps), 50e-6, f"{gbps:g} Gbit/s link")
     elif name is None:
-        raise ValueError(f"give a link preset ({', '.join(LINKS)}) or a bandwidth in Gbit/s")
+        raise ValueError(f"--link or --gbps is required: a link preset ({', '.join(LINKS)}) or a bandwidth in Gbit/s")
     elif name.lower() not in LINKS:
         raise ValueError(f"unknown link preset {name!r}; choose one of {', '.join(LINKS)}, or give --gbps")
     else:
@@ -93,6 +95,12 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+#: The hooks ``ddpopt plan`` compares unless told otherwise.
+DEFAULT_PLAN_HOOKS = ("allreduce", "fp16", "int8", "powersgd")
+#: Every hook the cost model knows.
+PLAN_HOOKS = ("allreduce", "fp16", "bf16", "int8", "powersgd")
+
+
 @dataclass(frozen=True)
 class HookEstimate:
     """What one hook costs per optimizer step under the model."""
@@ -100,42 +108,49 @@ class HookEstimate:
     hook: str
     bytes_per_step: float
     comm_s: float
-    efficiency_no_overlap: float
-    efficiency_full_overlap: float
+    efficiency_no_overlap: float | None
+    efficiency_full_overlap: float | None
 
 
 def estimate_hooks(
     params: int,
     world_size: int,
     link: Link,
-    step_compute_s: float,
+    step_compute_s: float | None,
     *,
     powersgd_rank: int = 4,
     matrix_width: int = 4096,
-    hooks: tuple[str, ...] = ("allreduce", "fp16", "powersgd"),
+    int8_block: int = 1024,
+    hooks: tuple[str, ...] = DEFAULT_PLAN_HOOKS,
 ) -> list[HookEstimate]:
     """Bytes, ring-allreduce time and scaling efficiency per hook for ``params`` fp32 gradients.
 
     PowerSGD's bytes assume the parameters are square ``matrix_width`` matrices: ``2 w r`` elements instead of
-    ``w^2`` each. Efficiency is ``compute / (compute + comm)`` without overlap and ``compute / max(compute, comm)``
-    with perfect overlap of communication and backward.
+    ``w^2`` each. int8 sends one byte per element plus a 4-byte scale per ``int8_block`` elements, with a ring
+    all-reduce's traffic (a reduce-scatter then an all-gather). Efficiency is ``compute / (compute + comm)``
+    without overlap and ``compute / max(compute, comm)`` with perfect overlap of communication and backward;
+    ``None`` when ``step_compute_s`` is unknown.
     """
     if world_size < 1:
         raise ValueError(f"--world-size {world_size} must be at least 1")
-    if step_compute_s < 0:
-        raise ValueError("--step-compute-ms must not be negative")
+    if step_compute_s is not None and step_compute_s <= 0:
+        raise ValueError("--step-compute-ms must be positive")
     bytes_fp32 = params * 4.0
     per_hook = {
         "allreduce": bytes_fp32,
         "fp16": bytes_fp32 / 2,
         "bf16": bytes_fp32 / 2,
+        "int8": params * (1.0 + 4.0 / int8_block),
         "powersgd": bytes_fp32 * min(1.0, 2 * powersgd_rank / matrix_width),
     }
     estimates = []
     for hook in hooks:
         nbytes = per_hook[hook]
         comm = allreduce_seconds(nbytes, world_size, link)
-        no_overlap = step_compute_s / (step_compute_s + comm) if step_compute_s + comm > 0 else 1.0
-        overlap = step_compute_s / max(step_compute_s, comm) if max(step_compute_s, comm) > 0 else 1.0
+        if step_compute_s is None:
+            estimates.append(HookEstimate(hook, nbytes, comm, None, None))
+            continue
+        no_overlap = step_compute_s / (step_compute_s + comm)
+        overlap = step_compute_s / max(step_compute_s, comm)
         estimates.append(HookEstimate(hook, nbytes, comm, no_overlap, overlap))
     return estimates

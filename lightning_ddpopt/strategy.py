@@ -43,11 +43,13 @@ from lightning_ddpopt.buckets import (
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, SavedRun, gather_hook_states, restore_hook_state
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
     HookSpec,
     get_hook_spec,
+    int8_spec,
     powersgd_spec,
     validate_hook_callable,
 )
@@ -97,11 +99,12 @@ class OptimizedDDPStrategy(DDPStrategy):
         timeout: process-group timeout.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         comm_hook: a registry name (see :data:`lightning_ddpopt.hooks.COMM_HOOKS`), a
-            :class:`~lightning_ddpopt.hooks.PowerSGDConfig`, a torch-style hook
-            ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None`` for DDP's built-in
-            allreduce with nothing recorded; ``"auto"`` measures the link and the model at setup and picks
-            ``allreduce``, ``fp16`` or ``powersgd`` (see :mod:`lightning_ddpopt.hooks.auto`). The hook's state is
-            saved in checkpoints (see :mod:`lightning_ddpopt.checkpoint`) and restored.
+            :class:`~lightning_ddpopt.hooks.PowerSGDConfig` or :class:`~lightning_ddpopt.hooks.Int8Config`, a
+            torch-style hook ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None``
+            for DDP's built-in allreduce with nothing recorded; ``"auto"`` measures the link and the model at
+            setup and picks ``allreduce``, ``fp16``, ``int8`` or ``powersgd`` (see
+            :mod:`lightning_ddpopt.hooks.auto`). The hook's state is saved in checkpoints (see
+            :mod:`lightning_ddpopt.checkpoint`) and restored.
         comm_state: the state passed to a callable ``comm_hook``.
         bucket_cap_mb: DDP's bucket cap in MiB, a positive number, ``"auto"`` or ``"autotune"``.
         gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a gradient-sized copy per step
@@ -135,7 +138,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
-        comm_hook: str | PowerSGDConfig | Callable | None = _DEFAULT_COMM_HOOK,
+        comm_hook: str | PowerSGDConfig | Int8Config | Callable | None = _DEFAULT_COMM_HOOK,
         comm_state: object | None = None,
         bucket_cap_mb: float | Literal["auto", "autotune"] = "auto",
         gradient_as_bucket_view: bool = True,
@@ -632,6 +635,8 @@ def _validate_comm_hook(
         )
     if isinstance(comm_hook, PowerSGDConfig):
         return powersgd_spec(comm_hook), None
+    if isinstance(comm_hook, Int8Config):
+        return int8_spec(comm_hook), None
     if isinstance(comm_hook, str):
         if comm_state is not None:
             raise ValueError(
@@ -647,8 +652,8 @@ def _validate_comm_hook(
         return None, None
     if not callable(comm_hook):
         raise TypeError(
-            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, a callable hook(state, bucket), "
-            "or None"
+            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, an Int8Config, "
+            "a callable hook(state, bucket), or None"
         )
     validate_hook_callable(comm_hook)
     return None, comm_hook

@@ -30,10 +30,11 @@ def test_gain_under_ten_percent_is_not_worth_compressing():
 def test_auto_measures_chooses_the_same_hook_on_every_rank_and_trains(tmp_path):
     ranks = fit_ddp(tmp_path, OptimizedDDPStrategy(comm_hook=AUTO_HOOK, start_method="fork"), max_steps=3)
     names = {record["comm_hook_name"] for record in ranks}
-    assert len(names) == 1 and names <= {"allreduce", "fp16", "powersgd"}
+    assert len(names) == 1 and names <= {"allreduce", "fp16", "int8", "powersgd"}
     assert {record["ddp_comm_hook"] for record in ranks} <= {
         "allreduce_mean_hook",
         "fp16_allreduce_hook",
+        "int8_hook",
         "powersgd_hook",
     }
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)

@@ -79,6 +79,21 @@ def test_reports_are_written(tmp_path):
     assert table[5] == "| ours | - | - | 35.6 | 900 | 981 | 800 | 100.71 | 1.11x | - | 1.01 |"
     assert json.loads((tmp_path / "cluster.json").read_text())["rows"][1]["variant"] == "ours"
     assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Inside the hooks" not in "\n".join(table)  # no hook that waits: no breakdown table
+
+
+def test_hook_breakdown_table(tmp_path):
+    result = recorded("powersgd_r4", 0.5, sync=0.45, sent=440_000)
+    result["hook_breakdown"] = {"hook_s": 0.42, "hook_wait_s": 0.35, "hook_work_s": 0.07}
+    rows = cluster.summarize({"stock": recorded("stock", 1.0), "powersgd_r4": result}, hosts=2, link_bytes_per_s=None)
+    meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x"}
+    cluster.write_reports(rows, meta, tmp_path)
+    table = (tmp_path / "cluster.md").read_text().splitlines()
+    assert table[-3:] == [
+        "| variant | in hook ms | waiting for collectives ms | own work ms |",
+        "|---|---|---|---|",
+        "| powersgd_r4 | 420 | 350 | 70 |",
+    ]
 
 
 def test_bad_arguments_exit_with_a_message(capsys):

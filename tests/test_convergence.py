@@ -1,4 +1,5 @@
-"""Every hook trains the example's digits classifier to within 1 point of plain allreduce's test accuracy."""
+"""Every hook trains the example's digits classifier to within 1 point of plain allreduce's test accuracy (int8:
+half a point), also under fp16 AMP for the hooks that keep state."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def test_hook_converges_like_allreduce(tmp_path, allreduce_accuracy, hook):
     assert allreduce_accuracy > 0.9
     accuracy = _accuracy(tmp_path, hook)
     print(f"convergence: {hook} {accuracy:.4f}, allreduce {allreduce_accuracy:.4f}")
-    assert accuracy >= allreduce_accuracy - 0.01, f"{hook}: {accuracy:.4f} vs allreduce {allreduce_accuracy:.4f}"
+    tolerance = 0.005 if hook == "int8" else 0.01  # int8 promises half a point
+    assert accuracy >= allreduce_accuracy - tolerance, f"{hook}: {accuracy:.4f} vs allreduce {allreduce_accuracy:.4f}"
 
 
 def _fp16_amp() -> dict:
@@ -83,8 +85,8 @@ def allreduce_amp_accuracy(tmp_path_factory):
     return _accuracy(tmp_path_factory.mktemp("allreduce_amp"), "allreduce", **_fp16_amp())
 
 
-@pytest.mark.parametrize("hook", ["powersgd", "batched_powersgd"])
-def test_powersgd_under_fp16_amp_converges_like_allreduce(tmp_path, allreduce_amp_accuracy, hook):
+@pytest.mark.parametrize("hook", ["powersgd", "batched_powersgd", "int8"])
+def test_lossy_hooks_under_fp16_amp_converge_like_allreduce(tmp_path, allreduce_amp_accuracy, hook):
     # Real fp16 autocast with a GradScaler on CPU: overflows, backoffs and growths reach the hook's state.
     accuracy = _accuracy(tmp_path, hook, **_fp16_amp())
     print(f"convergence under fp16 AMP: {hook} {accuracy:.4f}, allreduce {allreduce_amp_accuracy:.4f}")

@@ -115,3 +115,13 @@ def test_straggler_named_from_cuda_events_on_nccl(tmp_path):
     last = torch.load(tmp_path / "detector.pt")
     assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
     assert last["per_rank_ms"]["0"]["wait"] > 150
+
+
+@two_gpus
+def test_int8_on_nccl(tmp_path):
+    strategy = OptimizedDDPStrategy(comm_hook="int8", bucket_cap_mb=0.3, start_method="spawn")
+    ranks = fit_ddp(tmp_path, strategy, accelerator="gpu", max_steps=4)
+    for record in ranks:
+        # Three buckets, each 2 ranks x 65 blocks of 1024 int8 elements plus a 4-byte scale per block.
+        assert [s["wire_bytes"] for s in record["steps"]] == [3 * 2 * 65 * (1024 + 4)] * 4
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)

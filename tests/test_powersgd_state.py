@@ -1,5 +1,5 @@
-"""PowerSGD state under fp16 AMP and across resumes: overflows, loss-scale changes, bit-exact resume, changed
-settings, reused measurements, and the checkpoint gather's contract. Real multi-process CPU (gloo) DDP."""
+"""Lossy hooks' state (PowerSGD, int8) under fp16 AMP and across resumes: overflows, loss-scale changes, bit-exact
+resume, changed settings, reused measurements, and the checkpoint gather's contract. Real multi-process CPU DDP."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_ddpopt.strategy as strategy_module
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
-from lightning_ddpopt.hooks import PowerSGDConfig, PowerSGDState, powersgd_spec
+from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig, PowerSGDState, powersgd_spec
 from lightning_ddpopt.hooks.powersgd import _random_q
 from tests.helpers import OverflowModel, WarningsProbe, fit_ddp, uninterrupted_and_resumed
 
@@ -28,6 +28,7 @@ VARIANTS = {
     "powersgd_fp16": PowerSGDConfig(rank=2, start_iter=2, matrix_dtype="fp16"),
     "powersgd_bf16": PowerSGDConfig(rank=2, start_iter=2, matrix_dtype="bf16"),
     "batched_powersgd": PowerSGDConfig(rank=4, start_iter=2, batched=True),
+    "int8": Int8Config(block_size=256),
 }
 
 
@@ -44,7 +45,7 @@ class AMPProbe(pl.Callback):
             "scale": trainer.precision_plugin.scaler.get_scale(),
             "skipped_rounds": state.skipped_rounds,
             "errors_finite": all(bool(e.isfinite().all()) for e in state.errors.values()),
-            "q_finite": all(bool(q.isfinite().all()) for q in state.q_memories.values()),
+            "q_finite": all(bool(q.isfinite().all()) for q in getattr(state, "q_memories", {}).values()),
             # Error feedback is kept (and so injected) for every compressed weight, in the weight's shape.
             "error_shapes": {name: tuple(e.shape) for name, e in state.errors.items()},
         }
@@ -56,7 +57,7 @@ class AMPProbe(pl.Callback):
 def test_one_overflow_skips_one_step_and_leaves_the_state_clean(tmp_path, name, overflow_ranks):
     # fp16 factors have less headroom than fp16 gradients (an entry of P = M Q sums a row of M): on this model a
     # GradScaler backs off from 2^16 to 2^13 for them before any injected overflow, so they start lower.
-    init_scale = 2.0**12 if VARIANTS[name].matrix_dtype == "fp16" else 2.0**16
+    init_scale = 2.0**12 if getattr(VARIANTS[name], "matrix_dtype", None) == "fp16" else 2.0**16
     monitor = AMPMonitor()
     strategy = OptimizedDDPStrategy(comm_hook=VARIANTS[name], bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
     ranks = fit_ddp(
@@ -71,7 +72,7 @@ def test_one_overflow_skips_one_step_and_leaves_the_state_clean(tmp_path, name, 
     for rank in (0, 1):
         amp = torch.load(tmp_path / f"amp{rank}.pt")
         shapes = amp.pop("error_shapes")
-        # Every weight has error feedback (batched: biases in compressed buckets too), in its parameter's shape.
+        # Every weight has error feedback (batched and int8: biases too), in its parameter's shape.
         assert {f"net.{i}.weight" for i in range(0, 12, 2)} <= shapes.keys()
         assert all(shape == ((256, 256) if name.endswith("weight") else (256,)) for name, shape in shapes.items())
         # Exactly the overflow step is skipped, on every rank; the scale halves once and never again.
@@ -89,7 +90,7 @@ def test_one_overflow_skips_one_step_and_leaves_the_state_clean(tmp_path, name, 
 
 @pytest.mark.parametrize(
     ("hook", "devices", "overflow_ranks"),
-    [("allreduce", 2, (1,)), ("fp16", 3, (0,)), ("bf16", 2, (0, 1)), ("powersgd", 3, (0,))],
+    [("allreduce", 2, (1,)), ("fp16", 3, (0,)), ("bf16", 2, (0, 1)), ("powersgd", 3, (0,)), ("int8", 3, (0,))],
 )
 def test_every_hook_skips_exactly_the_overflow_step(tmp_path, hook, devices, overflow_ranks):
     monitor = AMPMonitor()
@@ -192,20 +193,21 @@ def test_fp16_factors_are_averaged_before_the_sum(tmp_path):
     torch.testing.assert_close(grad, torch.full_like(grad, scale), rtol=2e-3, atol=0)
 
 
-@pytest.mark.parametrize("name", ["powersgd", "powersgd_fp16", "powersgd_bf16", "batched_powersgd"])
+@pytest.mark.parametrize("name", ["powersgd", "powersgd_fp16", "powersgd_bf16", "batched_powersgd", "int8"])
 def test_resume_is_bit_exact(tmp_path, name):
     def strategy():
         return OptimizedDDPStrategy(comm_hook=VARIANTS[name], bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
 
     uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, strategy)
     saved = torch.load(checkpoint, weights_only=True)["ddpopt"]
-    assert saved["world_size"] == 2 and saved["comm_hook"] == "powersgd"
+    assert saved["world_size"] == 2 and saved["comm_hook"] == ("int8" if name == "int8" else "powersgd")
     states = saved["hook_states"]
     assert [s["iteration"] for s in states] == [4, 4]
-    # Error feedback is each rank's own; Q memories are all-reduced, the same on both ranks.
+    # Error feedback is each rank's own, for every weight; Q memories are all-reduced, the same on both ranks.
+    assert {f"net.{i}.weight" for i in range(0, 12, 2)} <= states[0]["errors"].keys()
     assert not torch.equal(*(s["errors"][next(iter(s["errors"]))] for s in states))
-    assert states[0]["q_memories"].keys() == states[1]["q_memories"].keys()
-    for key, q in states[0]["q_memories"].items():
+    assert states[0].get("q_memories", {}).keys() == states[1].get("q_memories", {}).keys()
+    for key, q in states[0].get("q_memories", {}).items():
         assert torch.equal(q, states[1]["q_memories"][key])
     for before, after in zip(uninterrupted, resumed, strict=True):
         torch.testing.assert_close(after["params"], before["params"], rtol=0, atol=0)
@@ -326,7 +328,7 @@ def test_bad_checkpoint_timeout():
 
 def test_errors_saved_without_loss_scales_are_added_as_they_are(gloo_group):
     # Checkpoints of the previous release hold errors but no error_scales: never multiply them by today's scale.
-    from lightning_ddpopt.hooks.powersgd import _add_error_feedback, _Round
+    from lightning_ddpopt.hooks.feedback import SyncRound
 
     state = PowerSGDState(config=PowerSGDConfig())
     error = torch.full((4, 4), 0.5)
@@ -334,16 +336,16 @@ def test_errors_saved_without_loss_scales_are_added_as_they_are(gloo_group):
         {"config": asdict(PowerSGDConfig()), "iteration": 12, "errors": {"w": error}, "q_memories": {}}
     )
     gradient = torch.ones(4, 4)
-    _add_error_feedback(state, _Round(torch.tensor(1024.0)), ["w"], [gradient])
+    state.add_error_feedback(SyncRound(torch.tensor(1024.0)), ["w"], [gradient])
     assert torch.equal(gradient, torch.full((4, 4), 1.5))
 
 
 def test_batched_q_memories_of_an_old_layout_are_dropped(gloo_group):
-    from lightning_ddpopt.hooks.powersgd import _Round
+    from lightning_ddpopt.hooks.feedback import SyncRound
 
     state = PowerSGDState(config=PowerSGDConfig(batched=True))
     state.q_memories = {"a|b": torch.ones(2, 1), "c": torch.ones(2, 1), "d|e": torch.ones(2, 1)}
-    round_ = _Round(None)
+    round_ = SyncRound(None)
     round_.q_memories["b|c"] = torch.zeros(2, 1)
     state._sealed = round_
     round_.seal()

@@ -201,7 +201,12 @@ def test_plan_matches_the_ring_allreduce_formula(capsys):
     assert ddpopt(["plan", "--params", "100M", "--world-size", "16", "--link", "10gbe", "--json"]) == 0
     rows = {row["hook"]: row for row in json.loads(capsys.readouterr().out)}
     n, link = 16, LINKS["10gbe"]
-    for hook, nbytes in (("allreduce", 400e6), ("fp16", 200e6), ("powersgd", 400e6 * 2 * 4 / 4096)):
+    for hook, nbytes in (
+        ("allreduce", 400e6),
+        ("fp16", 200e6),
+        ("int8", 100e6 * (1 + 4 / 1024)),  # a byte per element and a 4-byte scale per block of 1024
+        ("powersgd", 400e6 * 2 * 4 / 4096),
+    ):
         expected = 2 * (n - 1) / n * nbytes / (10e9 / 8) + 2 * (n - 1) * link.latency_s
         assert rows[hook]["bytes_per_step"] == pytest.approx(nbytes)
         assert rows[hook]["comm_s"] == pytest.approx(expected)
@@ -225,14 +230,31 @@ def test_plan_efficiency_and_custom_link(capsys):
         (["plan", "--params", "-5", "--world-size", "2", "--link", "10gbe"], "'-5' must be positive"),
         (["plan", "--params", "lots", "--world-size", "2", "--link", "10gbe"], "'lots' is not a count"),
         (["plan", "--params", "1M", "--world-size", "0", "--link", "10gbe"], "--world-size 0 must be at least 1"),
-        (["plan", "--params", "1M", "--world-size", "2"], "give a link preset"),
+        (["plan", "--params", "1M", "--world-size", "2"], "--link or --gbps is required: a link preset (1gbe, "),
         (["plan", "--params", "1M", "--world-size", "2", "--gbps", "-1"], "--gbps -1 must be positive"),
+        (["plan", "--params", "1M", "--world-size", "2", "--link", "1gbe", "--gbps", "1"], "not both"),
+        # In the order a user reads them: the parameter count first, whatever else is missing.
+        (["plan", "--params", "abc"], "'abc' is not a count"),
+        (["plan"], "--params is required"),
+        (["plan", "--params", "1M", "--link", "1gbe"], "--world-size is required"),
+        (["plan", "--params", "1M", "--world-size", "2", "--link", "1gbe", "--step-compute-ms", "0"], "positive"),
     ],
 )
 def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
     assert ddpopt(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_plan_without_compute_time_shows_no_efficiency_and_says_why(capsys):
+    assert ddpopt(["plan", "--params", "25M", "--world-size", "2", "--gbps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "%" not in out  # no 0.0% that reads like a result
+    assert "compute unknown" in out
+    assert out.rstrip().endswith(
+        "efficiency needs --step-compute-ms: one step's forward+backward time without communication"
+    )
+    assert [line.split()[0] for line in out.splitlines()[2:6]] == ["allreduce", "fp16", "int8", "powersgd"]
 
 
 def test_unknown_link_preset_is_refused_by_the_parser(capsys):

@@ -3,8 +3,9 @@
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
-from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, powersgd_spec
+from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, int8_spec, powersgd_spec
 
 __all__ = [
     "AUTO_HOOK",
@@ -12,6 +13,8 @@ __all__ = [
     "HookChoice",
     "CommHookState",
     "HookSpec",
+    "Int8Config",
+    "Int8State",
     "PowerSGDConfig",
     "PowerSGDState",
     "allreduce_mean_hook",
@@ -19,6 +22,8 @@ __all__ = [
     "choose_hook",
     "fp16_allreduce_hook",
     "get_hook_spec",
+    "int8_hook",
+    "int8_spec",
     "powersgd_hook",
     "powersgd_spec",
 ]

@@ -1,4 +1,4 @@
-"""``comm_hook="auto"``: choose allreduce, fp16 or PowerSGD from measurements of this link and this model."""
+"""``comm_hook="auto"``: choose allreduce, fp16, int8 or PowerSGD from measurements of this link and this model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.hooks.int8 import Int8Config, dequantize_blocks, quantize_blocks
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
 
 __all__ = ["AUTO_HOOK", "HookChoice", "choose_hook", "measure_hook_costs"]
@@ -47,6 +48,8 @@ def measure_hook_costs(
 
     * ``allreduce`` and ``fp16``: time allreduces of a 16 MiB probe (or the gradients, if smaller) in fp32 and
       fp16, scale to the gradient size, and add fp16's cast to and from the wire dtype.
+    * ``int8``: time an allreduce of the probe's packed int8 bytes (its traffic is an allreduce's), plus its
+      quantisation and two dequantisations of the probe, scaled to the gradient size.
     * ``powersgd``: PowerSGD (rank 4) sends almost nothing; its cost is its matrix work, timed on the largest
       weight matrix and scaled to all compressible ones.
 
@@ -59,10 +62,17 @@ def measure_hook_costs(
     fp32 = torch.ones(probe, dtype=torch.float32, device=device)
     fp16 = torch.ones(probe, dtype=torch.float16, device=device)
     gradients = torch.ones(elements, dtype=torch.float32, device=device)
+    block = Int8Config().block_size
+    packed = torch.ones(probe + -(-probe // block) * 4, dtype=torch.uint8, device=device)
     estimates = {
         "allreduce": _time(lambda: dist.all_reduce(fp32, group=process_group), device, repeats) * scale,
         "fp16": _time(lambda: dist.all_reduce(fp16, group=process_group), device, repeats) * scale
         + _time(lambda: gradients.copy_(gradients.to(torch.float16)), device, repeats),
+        "int8": (
+            _time(lambda: dist.all_reduce(packed, group=process_group), device, repeats)
+            + _time(lambda: _int8_work(fp32, block), device, repeats)
+        )
+        * scale,
     }
     matrices = [p for p in params if p.dim() > 1]
     if matrices:
@@ -84,6 +94,14 @@ def _powersgd_work(matrix: torch.Tensor, rank: int) -> None:
     q = (p.t() @ matrix).t()
     torch.addmm(matrix, p, q.t(), alpha=-1)
     torch.matmul(p, q.t())
+
+
+def _int8_work(values: torch.Tensor, block: int) -> None:
+    """The int8 hook's local work on ``values``: quantise, dequantise the contributions, dequantise the result."""
+    rows = values[: values.numel() // block * block].view(-1, block)
+    payload, scales = quantize_blocks(rows)
+    dequantize_blocks(payload, scales)
+    dequantize_blocks(payload, scales)
 
 
 def _time(work: Callable[[], object], device: torch.device, repeats: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,12 +24,19 @@ class CommHookState:
         loss_scale: returns the loss scale the current backward pass runs with (a GradScaler's, as a tensor on
             the device, so reading it never syncs the host), or ``None`` without one. Hooks that keep
             gradient-valued state across steps use it to keep that state in the right units; the strategy sets it.
+
+    Hooks that wait for collectives inside the hook (PowerSGD, int8's first stage) do it through :meth:`wait`,
+    which adds up the host seconds spent waiting in :attr:`wait_seconds`; :attr:`hook_seconds` adds up the host
+    seconds inside those hooks altogether, so ``hook_seconds - wait_seconds`` is their own work (on a GPU: its
+    launch; the waits there only order the stream).
     """
 
     process_group: dist.ProcessGroup | None = None
     ledger: CommLedger | None = None
     loss_scale: Callable[[], torch.Tensor | None] | None = None
     world_size: int = field(init=False)
+    hook_seconds: float = field(default=0.0, init=False, repr=False)
+    wait_seconds: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.world_size = dist.get_world_size(self.process_group)
@@ -37,6 +45,13 @@ class CommHookState:
         """Tell the ledger how many bytes this rank sent for ``bucket``."""
         if self.ledger is not None:
             self.ledger.add_wire_bytes(bucket.index(), nbytes)
+
+    def wait(self, work: dist.Work | None) -> None:
+        """Wait for ``work`` (a collective issued with ``async_op=True``), adding the time to :attr:`wait_seconds`."""
+        assert work is not None
+        start = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - start
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn about the module DDP wraps (its parameter names); stateless hooks need nothing."""

@@ -28,8 +28,8 @@ Under fp16 AMP two things keep the state sound:
 """
 
 import math
+import time
 import zlib
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
-from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, config_mismatch
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 
@@ -94,43 +94,6 @@ class PowerSGDConfig:
             )
 
 
-class _Round:
-    """One sync round's new error feedback and Q memories, committed only if all its reduced factors were finite."""
-
-    def __init__(self, scale: torch.Tensor | None) -> None:
-        self.scale = scale
-        self.errors: dict[str, torch.Tensor] = {}
-        self.q_memories: dict[str, torch.Tensor] = {}
-        self.sent_exactly: set[str] = set()
-        self._flags: list[torch.Tensor] = []
-        self._finite: torch.Tensor | None = None
-        self._ready: torch.cuda.Event | None = None
-
-    def check(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-        """Note whether ``tensors`` (all-reduced: the same on every rank) are finite; return that as a 0-dim flag."""
-        flag = torch.stack([t.isfinite().all() for t in tensors]).all()
-        self._flags.append(flag)
-        return flag
-
-    def seal(self) -> bool:
-        """End the round; return whether its verdict can be read at once (on a GPU it is read a round later)."""
-        finite = torch.stack(self._flags).all() if self._flags else torch.ones((), dtype=torch.bool)
-        if not finite.is_cuda:
-            self._finite = finite
-            return True
-        self._finite = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._finite.copy_(finite, non_blocking=True)
-        self._ready = torch.cuda.Event()
-        self._ready.record()
-        return False
-
-    def finite(self) -> bool:
-        assert self._finite is not None, "seal() first"
-        if self._ready is not None:
-            self._ready.synchronize()
-        return bool(self._finite)
-
-
 class _Regroup:
     """Batched PowerSGD's first round after a resume: compress the groups the saved state was made with.
 
@@ -149,7 +112,7 @@ class _Regroup:
 
 
 @dataclass(kw_only=True)
-class PowerSGDState(CommHookState):
+class PowerSGDState(ErrorFeedbackState):
     """PowerSGD's per-rank state: the step counter, error feedback and warm-start memories.
 
     ``iteration`` advances once per sync round, on the last bucket. Error feedback (kept for compressed matrices
@@ -162,50 +125,26 @@ class PowerSGDState(CommHookState):
     """
 
     config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
-    iteration: int = 0
-    skipped_rounds: int = 0
-    errors: dict[str, torch.Tensor] = field(default_factory=dict)
-    error_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
-    _names: dict[int, str] = field(default_factory=dict, repr=False)
-    _round: _Round | None = field(default=None, repr=False)
-    _sealed: _Round | None = field(default=None, repr=False)
     _regroup: _Regroup | None = field(default=None, repr=False)
-    _scale_unknown: set[str] = field(default_factory=set, repr=False)
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
-        self._names = {id(param): name for name, param in module.named_parameters() if param.requires_grad}
+        super().bind_module(module)
         if self._regroup is not None:
             self._plan_regroup(list(self._regroup.groups))
 
-    def names_in(self, bucket: dist.GradBucket) -> list[str]:
-        """The names of the bucket's parameters, in the order of ``bucket.gradients()``."""
-        if not self._names:
-            raise RuntimeError("PowerSGDState.bind_module(module) must be called before the first step")
-        return [self._names[id(param)] for param in bucket.parameters()]
-
     def state_dict(self) -> dict[str, object]:
         """Iteration, error feedback with its loss scales, and Q memories (tensors on the CPU), plus the config."""
-        self._settle()
         return {
             "config": asdict(self.config),
-            "iteration": self.iteration,
-            "skipped_rounds": self.skipped_rounds,
-            "errors": {name: error.detach().cpu().clone() for name, error in self.errors.items()},
-            "error_scales": _floats(self.error_scales),
+            **self._errors_state_dict(),
             "q_memories": {key: q.detach().cpu().clone() for key, q in self.q_memories.items()},
         }
 
     def mismatch(self, state: dict[str, object]) -> str | None:
         """Name the config fields in which ``state`` differs from this run's, or ``None`` when they agree."""
-        saved, current = state.get("config"), asdict(self.config)
-        if not isinstance(saved, dict):
-            return "the saved PowerSGD state has no config"
-        changed = [
-            f"{key} {saved.get(key)!r} -> {value!r}" for key, value in current.items() if saved.get(key) != value
-        ]
-        return f"the PowerSGD config changed ({', '.join(changed)})" if changed else None
+        return config_mismatch("PowerSGD", state, asdict(self.config))
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict` output; tensors move to the gradients' device on first use.
@@ -216,26 +155,16 @@ class PowerSGDState(CommHookState):
         reason = self.mismatch(state)
         if reason is not None:
             raise ValueError(f"cannot load PowerSGD state: {reason}")
-        errors, scales = state["errors"], state.get("error_scales", {})
-        assert isinstance(errors, dict) and isinstance(scales, dict)
         self.load_shared_state_dict(state)
-        self.errors = dict(errors)
-        self.error_scales = {name: torch.tensor(scale, dtype=torch.float32) for name, scale in scales.items()}
-        # Saved by a release that did not record loss scales: the errors are in their own step's units, which
-        # are taken to be this run's (added as they are) until the next commit replaces them.
-        self._scale_unknown = set() if "error_scales" in state else set(errors)
-        skipped = state.get("skipped_rounds", 0)
-        assert isinstance(skipped, int)
-        self.skipped_rounds = skipped
+        self._load_errors(state)
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
         """Restore the step counter and the Q memories (the same on every rank); error feedback starts afresh."""
         iteration, q_memories = state["iteration"], state["q_memories"]
         assert isinstance(iteration, int) and isinstance(q_memories, dict)
+        self._drop_errors()
         self.iteration = iteration
         self.q_memories = dict(q_memories)
-        self.errors, self.error_scales = {}, {}
-        self._round = self._sealed = None
         if self.config.batched:
             self._plan_regroup([tuple(key.split("|")) for key in self.q_memories])
         return f"the step count ({iteration}) and the warm-start Q memories are kept"
@@ -245,36 +174,12 @@ class PowerSGDState(CommHookState):
         usable = [group for group in groups if not known or set(group) <= known]
         self._regroup = _Regroup(usable) if usable else None
 
-    def _open_round(self) -> _Round:
-        if self._round is None:
-            self._settle()
-            scale = self.loss_scale() if self.loss_scale is not None else None
-            self._round = _Round(scale.detach().clone() if isinstance(scale, torch.Tensor) else None)
-        return self._round
-
-    def _close_round(self) -> None:
-        """The round's last bucket is done: seal its staged state, and commit it now if its verdict is known."""
-        self.iteration += 1
+    def _close_round(self, seal_now: bool = True) -> None:
         self._regroup = None
-        round_, self._round = self._round, None
-        if round_ is not None:
-            self._settle()
-            self._sealed = round_
-            if round_.seal():
-                self._settle()
+        super()._close_round(seal_now)
 
-    def _settle(self) -> None:
-        """Commit the sealed round's state if all its factors were finite; drop it otherwise."""
-        round_, self._sealed = self._sealed, None
-        if round_ is None:
-            return
-        if not round_.finite():
-            self.skipped_rounds += 1
-            return
-        self.errors.update(round_.errors)
-        for name in round_.sent_exactly:  # no compression error: nothing to feed back any more
-            self.errors.pop(name, None)
-            self.error_scales.pop(name, None)
+    def _commit(self, round_: SyncRound) -> None:
+        super()._commit(round_)
         if self.config.batched:
             # A parameter belongs to one batched matrix: drop keys of groups it was in before (another layout).
             regrouped = {name for key in round_.q_memories for name in key.split("|")}
@@ -282,18 +187,6 @@ class PowerSGDState(CommHookState):
                 if regrouped.intersection(key.split("|")):
                     del self.q_memories[key]
         self.q_memories.update(round_.q_memories)
-        for name in round_.errors:
-            self._scale_unknown.discard(name)
-            if round_.scale is None:
-                self.error_scales.pop(name, None)
-            else:
-                self.error_scales[name] = round_.scale
-
-
-def _floats(scales: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each scale as a float, reading each distinct tensor once (a host sync each on a GPU)."""
-    read: dict[int, float] = {}
-    return {name: read.setdefault(id(scale), float(scale)) for name, scale in scales.items()}
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -301,6 +194,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     Before ``start_iter`` it is a plain mean allreduce, bit-for-bit equal to the ``allreduce`` hook.
     """
+    start = time.perf_counter()
     buffer = bucket.buffer()
     if state.iteration < state.config.start_iter:
         _allreduce_mean_inplace(state, bucket, buffer)
@@ -309,6 +203,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         future = _compress_and_allreduce(state, bucket, buffer)
     if bucket.is_last():
         state._close_round()
+    state.hook_seconds += time.perf_counter() - start
     return future
 
 
@@ -327,7 +222,7 @@ def _devices(tensor: torch.Tensor) -> list[int | str | torch.device] | None:
 def _allreduce_mean_inplace(state: PowerSGDState, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
     tensor.div_(state.world_size)
     state.record_wire_bytes(bucket, tensor.numel() * tensor.element_size())
-    _wait(dist.all_reduce(tensor, group=state.process_group, async_op=True))
+    state.wait(dist.all_reduce(tensor, group=state.process_group, async_op=True))
 
 
 def _compress_and_allreduce(
@@ -338,7 +233,7 @@ def _compress_and_allreduce(
     names = state.names_in(bucket)
     gradients = bucket.gradients()
     if config.error_feedback:
-        _add_error_feedback(state, round_, names, gradients)
+        state.add_error_feedback(round_, names, gradients)
 
     if config.batched:
         if state._regroup is not None:
@@ -364,25 +259,8 @@ def _compress_and_allreduce(
     return _completed(buffer)
 
 
-def _add_error_feedback(state: PowerSGDState, round_: _Round, names: list[str], gradients: list[torch.Tensor]) -> None:
-    """Add each gradient's stored error, rescaled from the loss scale it was stored at to this round's."""
-    for name, gradient in zip(names, gradients, strict=True):
-        error = state.errors.get(name)
-        if error is None or error.shape != gradient.shape:
-            continue
-        if error.device != gradient.device:
-            error = state.errors[name] = error.to(gradient.device)
-        stored = state.error_scales.get(name)
-        if stored is None and (round_.scale is None or name in state._scale_unknown):
-            gradient.add_(error)
-            continue
-        current = round_.scale if round_.scale is not None else torch.ones((), device=gradient.device)
-        ratio = current / (stored.to(gradient.device) if stored is not None else 1.0)
-        gradient.addcmul_(error, ratio.to(gradient.dtype))
-
-
 def _allreduce_exact(
-    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, names: list[str], tensors: list[torch.Tensor]
+    state: PowerSGDState, round_: SyncRound, bucket: dist.GradBucket, names: list[str], tensors: list[torch.Tensor]
 ) -> None:
     """Mean-allreduce ``tensors`` uncompressed (one flat collective) and note whether the result is finite."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -402,7 +280,7 @@ def _write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def _regrouped_batched(
     state: PowerSGDState,
-    round_: _Round,
+    round_: SyncRound,
     bucket: dist.GradBucket,
     buffer: torch.Tensor,
     names: list[str],
@@ -441,7 +319,7 @@ def _regrouped_batched(
 
 def _compress_as_square(
     state: PowerSGDState,
-    round_: _Round,
+    round_: SyncRound,
     bucket: dist.GradBucket,
     flat: torch.Tensor,
     names: list[str],
@@ -470,7 +348,7 @@ def _compress_as_square(
 
 
 def _stage_batched_errors(
-    state: PowerSGDState, round_: _Round, error: torch.Tensor, names: list[str], shapes: list[torch.Size]
+    state: PowerSGDState, round_: SyncRound, error: torch.Tensor, names: list[str], shapes: list[torch.Size]
 ) -> None:
     """Split a batched matrix's error into per-parameter views (the parameters lie in it in ``names`` order)."""
     if not state.config.error_feedback:
@@ -492,7 +370,7 @@ def _worth_compressing(rows: int, cols: int, config: PowerSGDConfig) -> bool:
 
 
 def _low_rank_allreduce(
-    state: PowerSGDState, round_: _Round, bucket: dist.GradBucket, matrices: list[torch.Tensor], keys: list[str]
+    state: PowerSGDState, round_: SyncRound, bucket: dist.GradBucket, matrices: list[torch.Tensor], keys: list[str]
 ) -> list[torch.Tensor]:
     """Replace each matrix M with the rank-r approximation P Q^T of its mean over ranks.
 
@@ -549,7 +427,7 @@ def _allreduce_matrices(
 ) -> list[torch.Tensor]:
     flat = torch.cat([m.reshape(-1) for m in matrices]).to(wire_dtype)
     state.record_wire_bytes(bucket, flat.numel() * flat.element_size())
-    _wait(dist.all_reduce(flat, group=state.process_group, async_op=True))
+    state.wait(dist.all_reduce(flat, group=state.process_group, async_op=True))
     flat = flat.to(matrices[0].dtype)
     out, offset = [], 0
     for m in matrices:
@@ -571,8 +449,3 @@ def _orthogonalize(matrix: torch.Tensor, epsilon: float) -> None:
                 rest = work[:, i + 1 :]
                 rest.sub_(column @ (column.t() @ rest))
     matrix.copy_(work)
-
-
-def _wait(work: dist.Work | None) -> None:
-    assert work is not None
-    work.wait()

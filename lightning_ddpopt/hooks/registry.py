@@ -12,11 +12,12 @@ import torch.distributed as dist
 
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.precision import native_bf16
 
-__all__ = ["COMM_HOOKS", "HookSpec", "get_hook_spec", "powersgd_spec", "validate_hook_callable"]
+__all__ = ["COMM_HOOKS", "HookSpec", "get_hook_spec", "int8_spec", "powersgd_spec", "validate_hook_callable"]
 
 #: Backends on which every hook here has been run in tests.
 TESTED_BACKENDS = ("gloo", "nccl")
@@ -34,6 +35,10 @@ def _powersgd_state(
     config: PowerSGDConfig, process_group: dist.ProcessGroup | None, ledger: CommLedger | None
 ) -> PowerSGDState:
     return PowerSGDState(config=config, process_group=process_group, ledger=ledger)
+
+
+def _int8_state(config: Int8Config, process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> Int8State:
+    return Int8State(config=config, process_group=process_group, ledger=ledger)
 
 
 def _bf16_backend(backend: str) -> str | None:
@@ -77,6 +82,13 @@ def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
     return HookSpec(name, summary, powersgd_hook, functools.partial(_powersgd_state, config), reason)
 
 
+def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
+    """A registry entry for the int8 hook with ``config``; pass an ``Int8Config`` as ``comm_hook`` to get one."""
+    feedback = "with" if config.error_feedback else "without"
+    summary = f"block-wise int8 (blocks of {config.block_size}), {feedback} error feedback: a quarter of the bytes"
+    return HookSpec(name, summary, int8_hook, functools.partial(_int8_state, config))
+
+
 _POWERSGD_DEFAULT = PowerSGDConfig()
 
 COMM_HOOKS: dict[str, HookSpec] = {
@@ -90,6 +102,7 @@ COMM_HOOKS: dict[str, HookSpec] = {
             bf16_allreduce_hook,
             unsupported_reason=_bf16_backend,
         ),
+        int8_spec(Int8Config()),
         powersgd_spec(_POWERSGD_DEFAULT),
         powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="fp16"), "powersgd_fp16"),
         powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="bf16"), "powersgd_bf16"),

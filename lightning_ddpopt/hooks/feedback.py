@@ -1,0 +1,197 @@
+"""Error feedback shared by the lossy hooks (PowerSGD, int8): per-parameter state that survives AMP and resumes.
+
+A lossy hook sends an approximation of each gradient and keeps what it lost (the error) to add to the next step's
+gradient. Two things keep that state sound under fp16 AMP:
+
+* **Non-finite gradients never enter it.** A sync round (one optimizer step's buckets) stages its new errors in a
+  :class:`SyncRound` and commits them only if every all-reduced value the round checked was finite. The test is on
+  reduced values, the same on every rank, so every rank takes the same decision.
+* **Errors are kept in the units of their loss scale.** Each stored error remembers the loss scale of the backward
+  pass that produced it (``CommHookState.loss_scale``) and is rescaled to the current scale before it is added,
+  so a GradScaler's growth or backoff does not inject it 2x too large or too small.
+
+Errors are keyed by parameter name (not bucket index), so they survive DDP's bucket rebuild after the first step
+and a resume into another bucket layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpopt.hooks.base import CommHookState
+
+__all__ = ["ErrorFeedbackState", "SyncRound", "config_mismatch"]
+
+
+class SyncRound:
+    """One sync round's staged state, committed only if all the reduced values it checked were finite."""
+
+    def __init__(self, scale: torch.Tensor | None) -> None:
+        self.scale = scale
+        self.errors: dict[str, torch.Tensor] = {}
+        self.q_memories: dict[str, torch.Tensor] = {}
+        self.sent_exactly: set[str] = set()
+        self._flags: list[torch.Tensor] = []
+        self._finite: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+
+    def check(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Note whether ``tensors`` (all-reduced: the same on every rank) are finite; return that as a 0-dim flag."""
+        flag = torch.stack([t.isfinite().all() for t in tensors]).all()
+        self._flags.append(flag)
+        return flag
+
+    def seal(self) -> bool:
+        """End the round; return whether its verdict can be read at once (on a GPU it is read a round later)."""
+        finite = torch.stack(self._flags).all() if self._flags else torch.ones((), dtype=torch.bool)
+        if not finite.is_cuda:
+            self._finite = finite
+            return True
+        self._finite = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._finite.copy_(finite, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+        return False
+
+    def finite(self) -> bool:
+        """The sealed round's verdict (on a GPU: waits for the copy of the flag, if it is still under way)."""
+        assert self._finite is not None, "seal() first"
+        if self._ready is not None:
+            self._ready.synchronize()
+        return bool(self._finite)
+
+
+@dataclass(kw_only=True)
+class ErrorFeedbackState(CommHookState):
+    """Step counter, per-parameter errors with their loss scales, and the staged round; see the module doc.
+
+    ``iteration`` advances once per sync round. ``skipped_rounds`` counts rounds whose reduced values were not
+    finite and left the state untouched. Call :meth:`bind_module` with the wrapped module before the first step.
+    """
+
+    iteration: int = 0
+    skipped_rounds: int = 0
+    errors: dict[str, torch.Tensor] = field(default_factory=dict)
+    error_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    _names: dict[int, str] = field(default_factory=dict, repr=False)
+    _round: SyncRound | None = field(default=None, repr=False)
+    _sealed: SyncRound | None = field(default=None, repr=False)
+    _scale_unknown: set[str] = field(default_factory=set, repr=False)
+
+    def bind_module(self, module: torch.nn.Module) -> None:
+        """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
+        self._names = {id(param): name for name, param in module.named_parameters() if param.requires_grad}
+
+    def names_in(self, bucket: dist.GradBucket) -> list[str]:
+        """The names of the bucket's parameters, in the order of ``bucket.gradients()``."""
+        if not self._names:
+            raise RuntimeError(f"{type(self).__name__}.bind_module(module) must be called before the first step")
+        return [self._names[id(param)] for param in bucket.parameters()]
+
+    def _errors_state_dict(self) -> dict[str, object]:
+        """The step counter, the skipped rounds and the errors with their loss scales (tensors on the CPU)."""
+        self._settle()
+        return {
+            "iteration": self.iteration,
+            "skipped_rounds": self.skipped_rounds,
+            "errors": {name: error.detach().cpu().clone() for name, error in self.errors.items()},
+            "error_scales": _floats(self.error_scales),
+        }
+
+    def _load_errors(self, state: dict[str, object]) -> None:
+        """Restore :meth:`_errors_state_dict` output; tensors move to the gradients' device on first use."""
+        iteration, errors, scales = state["iteration"], state["errors"], state.get("error_scales", {})
+        skipped = state.get("skipped_rounds", 0)
+        assert isinstance(iteration, int) and isinstance(errors, dict) and isinstance(scales, dict)
+        assert isinstance(skipped, int)
+        self.iteration, self.skipped_rounds = iteration, skipped
+        self.errors = dict(errors)
+        self.error_scales = {name: torch.tensor(scale, dtype=torch.float32) for name, scale in scales.items()}
+        # Saved by a release that did not record loss scales: the errors are in their own step's units, which
+        # are taken to be this run's (added as they are) until the next commit replaces them.
+        self._scale_unknown = set() if "error_scales" in state else set(errors)
+        self._round = self._sealed = None
+
+    def _drop_errors(self) -> None:
+        self.errors, self.error_scales, self._scale_unknown = {}, {}, set()
+        self._round = self._sealed = None
+
+    def _open_round(self) -> SyncRound:
+        if self._round is None:
+            self._settle()
+            scale = self.loss_scale() if self.loss_scale is not None else None
+            self._round = SyncRound(scale.detach().clone() if isinstance(scale, torch.Tensor) else None)
+        return self._round
+
+    def _close_round(self, seal_now: bool = True) -> None:
+        """The round's last bucket was handed in: count it, and commit its state if its verdict is known.
+
+        ``seal_now=False`` for hooks whose buckets finish in future callbacks after the hook returns: the round is
+        sealed when the next one opens (DDP has waited for every bucket by then) or when the state is saved.
+        """
+        self.iteration += 1
+        round_, self._round = self._round, None
+        if round_ is not None:
+            self._settle()
+            self._sealed = round_
+            if seal_now and round_.seal():
+                self._settle()
+
+    def _settle(self) -> None:
+        """Commit the sealed round's state if all its checked values were finite; drop it otherwise."""
+        round_, self._sealed = self._sealed, None
+        if round_ is None:
+            return
+        if round_._finite is None:
+            round_.seal()
+        if not round_.finite():
+            self.skipped_rounds += 1
+            return
+        self._commit(round_)
+
+    def _commit(self, round_: SyncRound) -> None:
+        self.errors.update(round_.errors)
+        for name in round_.sent_exactly:  # no compression error: nothing to feed back any more
+            self.errors.pop(name, None)
+            self.error_scales.pop(name, None)
+        for name in round_.errors:
+            self._scale_unknown.discard(name)
+            if round_.scale is None:
+                self.error_scales.pop(name, None)
+            else:
+                self.error_scales[name] = round_.scale
+
+    def add_error_feedback(self, round_: SyncRound, names: list[str], gradients: list[torch.Tensor]) -> None:
+        """Add each gradient's stored error, rescaled from the loss scale it was stored at to this round's."""
+        for name, gradient in zip(names, gradients, strict=True):
+            error = self.errors.get(name)
+            if error is None or error.shape != gradient.shape:
+                continue
+            if error.device != gradient.device:
+                error = self.errors[name] = error.to(gradient.device)
+            stored = self.error_scales.get(name)
+            if stored is None and (round_.scale is None or name in self._scale_unknown):
+                gradient.add_(error)
+                continue
+            current = round_.scale if round_.scale is not None else torch.ones((), device=gradient.device)
+            ratio = current / (stored.to(gradient.device) if stored is not None else 1.0)
+            gradient.addcmul_(error, ratio.to(gradient.dtype))
+
+
+def config_mismatch(hook: str, state: dict[str, object], config: dict[str, object]) -> str | None:
+    """Name the fields in which a saved state's config differs from ``config``, or ``None`` when they agree."""
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        return f"the saved {hook} state has no config"
+    changed = [f"{key} {saved.get(key)!r} -> {value!r}" for key, value in config.items() if saved.get(key) != value]
+    return f"the {hook} config changed ({', '.join(changed)})" if changed else None
+
+
+def _floats(scales: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each scale as a float, reading each distinct tensor once (a host sync each on a GPU)."""
+    read: dict[int, float] = {}
+    return {name: read.setdefault(id(scale), float(scale)) for name, scale in scales.items()}
