@@ -2,9 +2,10 @@
 
 No ``from __future__ import annotations`` here: DDP compares the hook's annotations with the real types.
 
-Each bucket, divided by the world size (plus this rank's error feedback), is cut into blocks of ``block_size``
-elements; each block is quantised to int8 with its own fp32 scale (``max |x| / 127``, rounded to nearest). The sync
-is shaped like a reduce-scatter followed by an all-gather (DeepSpeed ZeRO++'s qgZ, Bagua's ByteGrad):
+Each gradient in the bucket, plus this rank's error feedback and divided by the world size, is cut into blocks of
+``block_size`` elements (every parameter starts a new block, the last one zero-padded); each block is quantised to
+int8 with its own fp32 scale (``max |x| / 127``, rounded to nearest). The sync is shaped like a reduce-scatter
+followed by an all-gather (DeepSpeed ZeRO++'s qgZ, Bagua's ByteGrad):
 
 1. ``all_to_all``: every rank sends each other rank the chunk of the bucket that rank owns, payload and scales
    packed into one byte tensor (one collective);
@@ -16,14 +17,18 @@ bucket, whatever the number of ranks (torch's uint8 hooks all-gather every rank'
 bytes grow with the world size). The ledger counts the packed bytes (payload and scales, padding included) as the
 hook's wire bytes: the size an all-reduce with the same traffic would have.
 
-Error feedback keeps what quantisation lost on this rank, per parameter: the first quantisation's error on the
-whole bucket, plus the re-quantisation's error on the chunk this rank owns (which it alone can add back). A block
-holding an inf or NaN gets a non-finite scale, so it comes back non-finite on every rank and the GradScaler skips
-the step everywhere; that round's errors are never committed (see :mod:`lightning_ddpopt.hooks.feedback`).
+Error feedback keeps what this rank's quantisation lost, per parameter, and adds it to the next step's gradient. The
+owner's re-quantisation of the sum is not fed back, because which rank owns a block depends on DDP's bucket layout;
+everything else is computed per parameter, so the result is the same bits whatever the layout (a resume is
+bit-exact, although DDP's buckets in the first step after it differ from the rebuilt ones before the checkpoint).
+A block holding an inf or NaN gets a non-finite scale, so it comes back non-finite on every rank and the GradScaler
+skips the step everywhere; that round's errors are never committed (see :mod:`lightning_ddpopt.hooks.feedback`).
 
-Ordering: the first stage is waited for inside the hook, so every rank issues the second stage's collective in
-DDP's bucket order (gloo requires the same order on every rank); the all-gather completes in the background while
-the backward pass goes on. On NCCL the wait only orders the CUDA stream.
+Ordering and overlap: a bucket's all-to-all is issued in its hook call and finished (waited for, summed, all-gathered)
+in the next bucket's call, or at once for the last bucket, so every rank issues ``a2a(k), all_gather(k - 1)`` in
+DDP's bucket order (gloo requires the same order on every rank) while the transfers overlap the backward pass and
+the next bucket's quantisation. The all-gather's result is dequantised into the bucket in a future callback. On NCCL
+the waits only order the CUDA stream.
 """
 
 import math
@@ -65,6 +70,7 @@ class Int8State(ErrorFeedbackState):
     """The int8 hook's per-rank state: the step counter and the error feedback with its loss scales."""
 
     config: Int8Config = field(default_factory=Int8Config)
+    _in_flight: "_BucketSync | None" = field(default=None, repr=False)
 
     def state_dict(self) -> dict[str, object]:
         """Iteration, error feedback with its loss scales (tensors on the CPU), plus the config."""
@@ -97,66 +103,111 @@ class Int8State(ErrorFeedbackState):
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group through int8 blocks; see the module doc."""
     start = time.perf_counter()
-    config, world_size, group = state.config, state.world_size, state.process_group
-    buffer = bucket.buffer()
     round_ = state._open_round()
-    names = state.names_in(bucket)
-    gradients = bucket.gradients()
-    if config.error_feedback:
-        state.add_error_feedback(round_, names, gradients)
-
-    numel, block = buffer.numel(), config.block_size
-    blocks_per_rank = max(1, math.ceil(numel / (world_size * block)))
-    chunk = blocks_per_rank * block
-    # Divided by the world size first: the sum of the owners' fp32 dequantised values is then the mean.
-    values = torch.zeros(world_size * chunk, dtype=torch.float32, device=buffer.device)
-    torch.div(buffer, world_size, out=values[:numel])
-    values = values.view(world_size * blocks_per_rank, block)
-    payload, scales = quantize_blocks(values)
-    error = values.sub_(dequantize_blocks(payload, scales)) if config.error_feedback else None
-
-    send = _pack(payload.view(world_size, chunk), scales.view(world_size, blocks_per_rank))
-    received = torch.empty_like(send)
-    state.record_wire_bytes(bucket, send.numel())
-    state.wait(dist.all_to_all_single(received, send, group=group, async_op=True))
-
-    contributions, contribution_scales = _unpack(received, chunk)
-    reduced = dequantize_blocks(contributions.reshape(-1, block), contribution_scales.reshape(-1))
-    reduced = reduced.view(world_size, blocks_per_rank, block).sum(dim=0)
-    own_payload, own_scales = quantize_blocks(reduced)
-    if error is not None:
-        rank = dist.get_rank(group)
-        owned = error.view(world_size, blocks_per_rank, block)[rank]
-        owned.add_(reduced).sub_(dequantize_blocks(own_payload, own_scales))
-        _stage_errors(round_, names, gradients, error.view(-1)[:numel].mul_(world_size))
-
-    own = _pack(own_payload.view(1, chunk), own_scales.view(1, blocks_per_rank)).view(-1)
-    gathered = torch.empty(world_size * own.numel(), dtype=torch.int8, device=buffer.device)
-    work = _all_gather(gathered, own, group)
-
-    def dequantize_into_bucket(_: torch.futures.Future[object]) -> torch.Tensor:
-        payloads, all_scales = _unpack(gathered.view(world_size, -1), chunk)
-        round_.check([all_scales])
-        mean = dequantize_blocks(payloads.reshape(-1, block), all_scales.reshape(-1))
-        buffer.copy_(mean.view(-1)[:numel])
-        return buffer
-
+    bucket_sync = _BucketSync(state, round_, bucket)
+    # Issue this bucket's first stage, then finish the previous bucket's (its all-to-all has had this bucket's
+    # backward to arrive): every rank issues a2a(k), all_gather(k - 1) in DDP's bucket order.
+    previous, state._in_flight = state._in_flight, bucket_sync
+    if previous is not None:
+        previous.finish()
     if bucket.is_last():
+        state._in_flight = None
+        bucket_sync.finish()
         # Judged once DDP has waited for every bucket: when the next round opens, or when the state is saved.
         state._close_round(seal_now=False)
     state.hook_seconds += time.perf_counter() - start
-    return work.get_future().then(dequantize_into_bucket)
+    return bucket_sync.future
+
+
+class _BucketSync:
+    """One bucket's two stages: quantise and all-to-all (issued at once), reduce and all-gather (:meth:`finish`)."""
+
+    def __init__(self, state: Int8State, round_: SyncRound, bucket: dist.GradBucket) -> None:
+        config, world_size = state.config, state.world_size
+        self.state, self.round, self.buffer = state, round_, bucket.buffer()
+        self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[self.buffer.device] if self.buffer.is_cuda else None
+        )
+        names, self.gradients = state.names_in(bucket), bucket.gradients()
+        if config.error_feedback:
+            state.add_error_feedback(round_, names, self.gradients)
+        block = self.block = config.block_size
+        # Every parameter starts a new block: the blocks (and so the rounding) do not depend on how DDP grouped the
+        # parameters into buckets, which differs before its bucket rebuild, e.g. in the first step after a resume.
+        self.offsets, total_blocks = [], 0
+        for gradient in self.gradients:
+            self.offsets.append(total_blocks * block)
+            total_blocks += math.ceil(gradient.numel() / block)
+        self.blocks_per_rank = max(1, math.ceil(total_blocks / world_size))
+        chunk = self.chunk = self.blocks_per_rank * block
+        # Divided by the world size first: the sum of the owners' fp32 dequantised values is then the mean.
+        values = torch.zeros(world_size * chunk, dtype=torch.float32, device=self.buffer.device)
+        for offset, gradient in zip(self.offsets, self.gradients, strict=True):
+            torch.div(gradient.reshape(-1), world_size, out=values[offset : offset + gradient.numel()])
+        send = torch.empty(world_size, chunk + 4 * self.blocks_per_rank, dtype=torch.int8, device=values.device)
+        rows = values.view(-1, block)
+        dequantized = _quantize_into(rows, send, chunk)
+        if config.error_feedback:
+            error = rows.sub_(dequantized).view(-1).mul_(world_size)
+            for name, offset, gradient in zip(names, self.offsets, self.gradients, strict=True):
+                round_.errors[name] = error[offset : offset + gradient.numel()].view_as(gradient)
+        self.received = torch.empty_like(send)
+        state.record_wire_bytes(bucket, send.numel())
+        self.work = dist.all_to_all_single(self.received, send, group=state.process_group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the all-to-all, sum and re-quantise this rank's chunk, and all-gather.
+
+        The bucket's future completes when every chunk is back in the bucket.
+        """
+        state, world_size, chunk, block = self.state, self.state.world_size, self.chunk, self.block
+        state.wait(self.work)
+        contributions, contribution_scales = _unpack(self.received, chunk)
+        reduced = dequantize_blocks(contributions.reshape(-1, block), contribution_scales.reshape(-1))
+        reduced = reduced.view(world_size, self.blocks_per_rank, block).sum(dim=0)
+        own = torch.empty(1, chunk + 4 * self.blocks_per_rank, dtype=torch.int8, device=reduced.device)
+        _quantize_into(reduced, own, chunk)
+        gathered = torch.empty(world_size * own.numel(), dtype=torch.int8, device=own.device)
+        work = _all_gather(gathered, own.view(-1), state.process_group)
+        work.get_future().then(lambda _: self._dequantize_into_bucket(gathered))
+
+    def _dequantize_into_bucket(self, gathered: torch.Tensor) -> None:
+        try:
+            payloads, scales = _unpack(gathered.view(self.state.world_size, -1), self.chunk)
+            self.round.check([scales])
+            mean = dequantize_blocks(payloads.reshape(-1, self.block), scales.reshape(-1)).view(-1)
+            for offset, gradient in zip(self.offsets, self.gradients, strict=True):
+                gradient.copy_(mean[offset : offset + gradient.numel()].view_as(gradient))
+        except Exception as error:  # DDP waits on the future: never leave it pending
+            self.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
+            return
+        self.future.set_result(self.buffer)
 
 
 def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``blocks`` as int8 with its scale ``max |row| / 127``; a non-finite row gets a non-finite scale."""
-    peak = blocks.abs().amax(dim=-1)
+    packed = torch.empty(1, blocks.numel() + 4 * blocks.shape[0], dtype=torch.int8, device=blocks.device)
+    _quantize_into(blocks, packed, blocks.numel())
+    return _unpack(packed, blocks.numel())
+
+
+def _quantize_into(rows: torch.Tensor, packed: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Quantise ``rows`` (blocks) into ``packed``: per rank ``chunk`` payload bytes, then the fp32 scales as bytes.
+
+    Returns the dequantised blocks (for the error), computed in the buffer that held the rounded values.
+    """
+    peak = rows.abs().amax(dim=-1)
     scales = peak / 127
     # An all-zero block quantises to zeros. A block with an inf or NaN keeps it in its scale, which makes the block
     # non-finite wherever it is dequantised; its payload bytes are then meaningless (and the same on every rank).
     inverse = torch.where(peak > 0, 127 / peak, torch.zeros_like(peak))
-    payload = torch.mul(blocks, inverse.unsqueeze(-1)).round_().to(torch.int8)
-    return payload, scales
+    rounded = torch.mul(rows, inverse.unsqueeze(-1)).round_()
+    ranks = packed.shape[0]
+    block = rows.shape[-1]
+    # Exact: the values are integers in [-127, 127].
+    packed[:, :chunk].view(ranks, -1, block).copy_(rounded.view(ranks, -1, block))
+    packed[:, chunk:].copy_(scales.view(ranks, -1).view(torch.int8))
+    return rounded.mul_(scales.unsqueeze(-1))
 
 
 def dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -164,21 +215,9 @@ def dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return payload.to(torch.float32).mul_(scales.unsqueeze(-1))
 
 
-def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Rows of ``[payload | scales as bytes]``: one int8 tensor, so one collective carries both."""
-    return torch.cat([payload, scales.contiguous().view(torch.int8)], dim=1)
-
-
 def _unpack(packed: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed``'s rows split into their payload and their fp32 scales."""
     return packed[:, :chunk], packed[:, chunk:].contiguous().view(torch.float32)
-
-
-def _stage_errors(round_: SyncRound, names: list[str], gradients: list[torch.Tensor], error: torch.Tensor) -> None:
-    """Split the bucket's flat error into per-parameter views (the gradients lie in the bucket in this order)."""
-    offset = 0
-    for name, gradient in zip(names, gradients, strict=True):
-        round_.errors[name] = error[offset : offset + gradient.numel()].view_as(gradient)
-        offset += gradient.numel()
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
