@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -668,7 +669,9 @@ def _destroy_process_group_at_exit() -> None:
     Lightning does this for NCCL only. A gloo group left to interpreter shutdown is destroyed there, and its worker
     threads may still have Python callbacks of our comm hooks' futures to run or release; a thread that asks for the
     GIL during shutdown is ended by Python mid-way and the process aborts ("terminate called without an active
-    exception", about 1 in 80 loaded runs). Destroyed from ``atexit``, the group's threads finish and are joined first.
+    exception", about 1 in 80 loaded runs). Destroyed from ``atexit``, the group's threads finish and are joined
+    first, provided nothing else still holds the group (the strategy's own references are gone after teardown; a
+    user's ``comm_state`` with an explicit group, or a DDP module kept alive, would keep it to shutdown).
     """
     global _EXIT_HANDLER_REGISTERED
     if not _EXIT_HANDLER_REGISTERED:
@@ -678,4 +681,6 @@ def _destroy_process_group_at_exit() -> None:
 
 def _destroy_process_group() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Collect reference cycles first: the group's threads are joined only when its last reference goes.
+        gc.collect()
         torch.distributed.destroy_process_group()

@@ -17,7 +17,7 @@ BATCH = 4
 SAMPLES = 80  # 10 batches of 4 per rank per epoch: not divisible by 3 or 4
 BATCHES_PER_EPOCH = SAMPLES // (2 * BATCH)
 EPOCHS = 2
-HOOKS = {"allreduce": "allreduce", "fp16": "fp16", "powersgd": PowerSGDConfig(start_iter=2)}
+HOOKS = {"allreduce": "allreduce", "fp16": "fp16", "int8": "int8", "powersgd": PowerSGDConfig(start_iter=2)}
 
 
 def groups(every: int) -> list[int]:

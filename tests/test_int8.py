@@ -135,3 +135,29 @@ def test_loading_state_of_another_config_is_refused(gloo_group):
     other = Int8State(config=Int8Config(block_size=1024))
     with pytest.raises(ValueError, match=r"cannot load int8 state: the int8 config changed \(block_size 256 -> 1024\)"):
         other.load_state_dict(state.state_dict())
+
+
+def test_blocks_too_small_for_their_scale_quantise_to_zero_and_stay_finite():
+    from lightning_ddpopt.hooks.int8 import _quantize_into, dequantize_blocks, quantize_blocks
+
+    # 127 / peak overflows float32 below about 3.7e-37: such blocks are sent as zeros, their values stay in the
+    # error (finite), instead of becoming inf and NaN that a finite scale would let into the committed state.
+    rows = torch.tensor([[1e-39, -1e-39, 0.0, 2e-39], [1e-37, 0.0, -1e-37, 5e-38], [0.5, -1.0, 0.25, 0.0]])
+    payload, scales = quantize_blocks(rows)
+    assert payload[:2].eq(0).all() and payload[2].tolist() == [64, -127, 32, 0]
+    packed = torch.empty(1, rows.numel() + 4 * rows.shape[0], dtype=torch.int8)
+    dequantized = _quantize_into(rows.clone(), packed, rows.numel())
+    assert bool(dequantized.isfinite().all()) and dequantized[:2].eq(0).all()
+    assert bool(dequantize_blocks(payload, scales).isfinite().all())
+    # Non-finite blocks keep it in their scale.
+    _, bad = quantize_blocks(torch.tensor([[1.0, float("inf")], [float("nan"), 1.0]]))
+    assert not bool(bad.isfinite().any())
+
+
+def test_auto_skips_int8_for_a_model_smaller_than_one_block(gloo_group):
+    from lightning_ddpopt.hooks.auto import measure_hook_costs
+
+    estimates = measure_hook_costs(nn.Linear(10, 10), None, torch.device("cpu"), repeats=1)
+    assert "int8" not in estimates and {"allreduce", "fp16", "powersgd"} <= estimates.keys()
+    estimates = measure_hook_costs(nn.Linear(64, 64), None, torch.device("cpu"), repeats=1)
+    assert "int8" in estimates

@@ -63,17 +63,17 @@ def measure_hook_costs(
     fp16 = torch.ones(probe, dtype=torch.float16, device=device)
     gradients = torch.ones(elements, dtype=torch.float32, device=device)
     block = Int8Config().block_size
-    packed = torch.ones(probe + -(-probe // block) * 4, dtype=torch.uint8, device=device)
     estimates = {
         "allreduce": _time(lambda: dist.all_reduce(fp32, group=process_group), device, repeats) * scale,
         "fp16": _time(lambda: dist.all_reduce(fp16, group=process_group), device, repeats) * scale
         + _time(lambda: gradients.copy_(gradients.to(torch.float16)), device, repeats),
-        "int8": (
+    }
+    if probe >= block:  # a model smaller than one block has nothing for int8 to save
+        packed = torch.ones(probe + -(-probe // block) * 4, dtype=torch.uint8, device=device)
+        estimates["int8"] = (
             _time(lambda: dist.all_reduce(packed, group=process_group), device, repeats)
             + _time(lambda: _int8_work(fp32, block), device, repeats)
-        )
-        * scale,
-    }
+        ) * scale
     matrices = [p for p in params if p.dim() > 1]
     if matrices:
         largest = max(matrices, key=lambda p: p.numel())

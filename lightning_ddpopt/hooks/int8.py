@@ -43,7 +43,7 @@ from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, confi
 
 __all__ = ["Int8Config", "Int8State", "dequantize_blocks", "int8_hook", "quantize_blocks"]
 
-_SCALE_BYTES = 4  # one fp32 scale per block
+_SMALLEST_PEAK = 127 / torch.finfo(torch.float32).max  # below it, 127 / peak overflows to inf
 
 
 @dataclass(kw_only=True)
@@ -103,6 +103,10 @@ class Int8State(ErrorFeedbackState):
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group through int8 blocks; see the module doc."""
     start = time.perf_counter()
+    if bucket.index() == 0 and state._in_flight is not None:
+        # Left over from a backward pass that raised before its last bucket: never finish it now (this rank alone
+        # would issue its collective), and start this round afresh.
+        state._in_flight = state._round = None
     round_ = state._open_round()
     bucket_sync = _BucketSync(state, round_, bucket)
     # Issue this bucket's first stage, then finish the previous bucket's (its all-to-all has had this bucket's
@@ -113,8 +117,9 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     if bucket.is_last():
         state._in_flight = None
         bucket_sync.finish()
-        # Judged once DDP has waited for every bucket: when the next round opens, or when the state is saved.
-        state._close_round(seal_now=False)
+        # On gloo the buckets finish in future callbacks: the round is judged once DDP has waited for every bucket,
+        # when the next round opens or the state is saved. On CUDA they finish here, in stream order.
+        state._close_round(seal_now=bucket_sync.buffer.is_cuda)
     state.hook_seconds += time.perf_counter() - start
     return bucket_sync.future
 
@@ -169,10 +174,17 @@ class _BucketSync:
         _quantize_into(reduced, own, chunk)
         gathered = torch.empty(world_size * own.numel(), dtype=torch.int8, device=own.device)
         work = _all_gather(gathered, own.view(-1), state.process_group)
-        work.get_future().then(lambda _: self._dequantize_into_bucket(gathered))
+        if gathered.is_cuda:
+            # A callback would run on another stream than the one the buffers were allocated on (the caching
+            # allocator could hand them out again too early); waiting only orders the current stream.
+            work.wait()
+            self._dequantize_into_bucket(work.get_future(), gathered)
+        else:
+            work.get_future().then(lambda done: self._dequantize_into_bucket(done, gathered))
 
-    def _dequantize_into_bucket(self, gathered: torch.Tensor) -> None:
+    def _dequantize_into_bucket(self, done: torch.futures.Future[object], gathered: torch.Tensor) -> None:
         try:
+            done.wait()  # raises the all-gather's error, if it failed
             payloads, scales = _unpack(gathered.view(self.state.world_size, -1), self.chunk)
             self.round.check([scales])
             mean = dequantize_blocks(payloads.reshape(-1, self.block), scales.reshape(-1)).view(-1)
@@ -188,7 +200,8 @@ def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``blocks`` as int8 with its scale ``max |row| / 127``; a non-finite row gets a non-finite scale."""
     packed = torch.empty(1, blocks.numel() + 4 * blocks.shape[0], dtype=torch.int8, device=blocks.device)
     _quantize_into(blocks, packed, blocks.numel())
-    return _unpack(packed, blocks.numel())
+    payload, scales = _unpack(packed, blocks.numel())
+    return payload.view(blocks.shape), scales.view(-1)
 
 
 def _quantize_into(rows: torch.Tensor, packed: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -198,9 +211,10 @@ def _quantize_into(rows: torch.Tensor, packed: torch.Tensor, chunk: int) -> torc
     """
     peak = rows.abs().amax(dim=-1)
     scales = peak / 127
-    # An all-zero block quantises to zeros. A block with an inf or NaN keeps it in its scale, which makes the block
+    # An all-zero block quantises to zeros, and so does a block too small for 127 / peak to be finite (its values
+    # stay in the error feedback). A block with an inf or NaN keeps it in its scale, which makes the block
     # non-finite wherever it is dequantised; its payload bytes are then meaningless (and the same on every rank).
-    inverse = torch.where(peak > 0, 127 / peak, torch.zeros_like(peak))
+    inverse = torch.where(peak > _SMALLEST_PEAK, 127 / peak, torch.zeros_like(peak))
     rounded = torch.mul(rows, inverse.unsqueeze(-1)).round_()
     ranks = packed.shape[0]
     block = rows.shape[-1]
