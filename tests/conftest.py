@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 
@@ -20,3 +22,16 @@ def _no_leftover_process_group():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _restore_omp_num_threads():
+    """An in-process DDP run on CPU makes Lightning set ``OMP_NUM_THREADS`` in this process; ranks forked by a later
+    test then keep this process's OpenMP threads instead of one each, and libgomp, which is not fork-safe, hangs in
+    a child whose parent used its thread pool (seen: a fork after tests/test_validation.py's in-process fit)."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    yield
+    if before is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = before
