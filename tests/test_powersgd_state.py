@@ -243,14 +243,16 @@ def test_resume_with_another_config_warns_and_trains_on(tmp_path):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd"])
+@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd", "int8"])
 def test_resume_on_three_ranks_keeps_what_is_shared(tmp_path, name):
     checkpoint = _first_epoch(tmp_path, VARIANTS[name])
     ranks, warnings = _resume(tmp_path, checkpoint, VARIANTS[name], devices=3)
+    kept = (
+        "the step count (4) is kept" if name == "int8" else "the step count (4) and the warm-start Q memories are kept"
+    )
     assert warnings == [
-        "ddpopt: the checkpoint was saved with world size 2 and this run has 3: the step count (4) and the "
-        "warm-start Q memories are kept; per-rank hook state (error feedback) cannot be mapped to the new ranks "
-        "and starts afresh"
+        f"ddpopt: the checkpoint was saved with world size 2 and this run has 3: {kept}; per-rank hook state "
+        "(error feedback) cannot be mapped to the new ranks and starts afresh"
     ]
     # 64 samples over 3 ranks at batch 8: 3 steps in the resumed epoch, counted on from the saved 4.
     assert [r["hook_iteration"] for r in ranks] == [7, 7, 7]
