@@ -6,12 +6,16 @@ parameters). Each variant trains ``--steps`` steps after ``--warmup`` untimed on
 step 2 in both); a variant with a hook that returns the bucket untouched (no communication at all) is the
 baseline, so ``hook ms`` = step time minus the baseline's: what the hook adds to a step, maths and waiting.
 
+Ours also reports its own work inside the hook (hook time minus waiting) against a memory floor: the time of one
+copy pass over the weight gradients, measured in the same process, times the passes the algorithm needs (``PASSES``).
+
 Run:  .venv/bin/python benchmarks/powersgd_hook.py [--rank 4] [--steps 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -27,6 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt.hooks import PowerSGDConfig, PowerSGDState, powersgd_hook
 
+# PowerSGD with error feedback reads each gradient matrix M four times and its stored error once (add the error,
+# P = M Q, Q = M^T P, new error M - P Q^T) and writes M twice and the new error once: 8 one-way traversals, i.e. the
+# memory traffic of 4 copies of the gradients. The rank-r products add arithmetic, not traffic.
+PASSES = 4
 VARIANTS = ("no_comm", "builtin_allreduce", "torch_powersgd", "ours_powersgd")
 
 
@@ -62,6 +70,19 @@ def _attach(model: DistributedDataParallel, module: nn.Module, variant: str, ran
     return state
 
 
+def _one_pass_seconds(module: nn.Module) -> float:
+    """The best of 5 times one read and one write of every weight matrix's gradient bytes (a copy) takes."""
+    sources = [p.detach().clone() for p in module.parameters() if p.dim() > 1]
+    targets = [torch.empty_like(source) for source in sources]
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        for source, target in zip(sources, targets, strict=True):
+            target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _worker(process: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -77,6 +98,8 @@ def _worker(process: int, port: int, args: argparse.Namespace, out: str) -> None
         data = torch.Generator().manual_seed(process)
         times = []
         for step in range(args.warmup + args.steps):
+            if step == args.warmup and isinstance(state, PowerSGDState):
+                state.hook_seconds = state.wait_seconds = 0.0
             dist.barrier()
             start = time.perf_counter()
             optimizer.zero_grad()
@@ -86,6 +109,11 @@ def _worker(process: int, port: int, args: argparse.Namespace, out: str) -> None
                 times.append(time.perf_counter() - start)
         assert len(seen) <= 1, f"{variant}: {len(seen)} buckets; torch's hook needs one on gloo"
         results[variant] = {"step_s": statistics.median(times)}
+        if isinstance(state, PowerSGDState):
+            results[variant]["own_s"] = (state.hook_seconds - state.wait_seconds) / args.steps
+            results[variant]["wait_s"] = state.wait_seconds / args.steps
+        if variant == "no_comm":
+            results["floor_pass_s"] = _one_pass_seconds(module)
         del model, state  # the reducer must not be the one to destroy the group
     if process == 0:
         torch.save(results, out)
@@ -102,6 +130,7 @@ def main() -> None:
         out = str(Path(tmp) / "results.pt")
         mp.start_processes(_worker, args=(29571, args, out), nprocs=2, start_method="spawn")
         results = torch.load(out)
+    floor_pass = results.pop("floor_pass_s")
     base = results["no_comm"]["step_s"]
     print(f"2 ranks (gloo, loopback, 1 thread each), one bucket, 6 x Linear(2048), PowerSGD rank {args.rank}")
     print(f"{'variant':<20}{'step ms':>10}{'hook ms':>10}")
@@ -109,6 +138,14 @@ def main() -> None:
         print(f"{variant:<20}{result['step_s'] * 1e3:>10.1f}{(result['step_s'] - base) * 1e3:>10.1f}")
     ratio = results["torch_powersgd"]["step_s"] / results["ours_powersgd"]["step_s"]
     print(f"torch's step time / ours: {ratio:.2f}")
+    ours = results["ours_powersgd"]
+    floor = PASSES * floor_pass
+    print(
+        f"ours inside the hook: {ours['own_s'] * 1e3:.1f} ms own work + {ours['wait_s'] * 1e3:.1f} ms waiting "
+        "per step; "
+        f"memory floor {PASSES} x {floor_pass * 1e3:.1f} ms (one copy pass over the weight gradients) = "
+        f"{floor * 1e3:.1f} ms; own work / floor: {ours['own_s'] / floor:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ chain of recent anchors, so that float32 event times keep their resolution), off
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -153,3 +155,18 @@ def timeline_for(device: torch.device) -> Timeline:
     if device.type == "cuda":
         return CudaTimeline(device)
     return HostTimeline()
+
+
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median host seconds of ``work`` (run to completion on ``device``) over ``repeats`` calls after a warm-up call."""
+    work()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch import nn
 
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import AUTO_HOOK, choose_hook
@@ -43,3 +46,44 @@ def test_auto_measures_chooses_the_same_hook_on_every_rank_and_trains(tmp_path):
 def test_auto_cannot_be_combined_with_a_lightning_hook():
     with pytest.raises(ValueError, match="comm_hook='auto' and ddp_comm_hook=.* both given"):
         OptimizedDDPStrategy(comm_hook="auto", ddp_comm_hook=lambda state, bucket: None)
+
+
+def test_auto_times_the_real_hooks_on_a_bounded_probe(gloo_group, monkeypatch):
+    # A model larger than the probe: every candidate's registered hook runs (warm-up + repeats) on at most 4 Mi
+    # gradient values, PowerSGD's on the largest weight cut to the rows that fit, in its own width.
+    from lightning_ddpopt.hooks import auto, registry
+
+    calls: dict[str, int] = {}
+    probes: list[list[tuple[int, ...]]] = []
+    real_spec, real_bucket = registry.get_hook_spec, auto._ProbeBucket
+
+    def counting_spec(name):
+        spec = real_spec(name)
+
+        def hook(state, bucket):
+            calls[name] = calls.get(name, 0) + 1
+            return spec.hook(state, bucket)
+
+        return dataclasses.replace(spec, hook=hook)
+
+    def recording_bucket(shapes, device):
+        bucket = real_bucket(shapes, device)
+        probes.append(list(shapes))
+        return bucket
+
+    monkeypatch.setattr(registry, "get_hook_spec", counting_spec)
+    monkeypatch.setattr(auto, "_ProbeBucket", recording_bucket)
+    model = nn.Sequential(nn.Linear(4096, 2048), nn.Linear(2048, 16))  # 8.4M + 32.8k values
+    estimates = auto.measure_hook_costs(model, None, torch.device("cpu"), repeats=2)
+    assert calls == {"allreduce": 3, "fp16": 3, "int8": 3, "powersgd": 3}
+    assert probes == [[(4 * 1024 * 1024,)]] * 3 + [[(1024, 4096)]]
+    assert set(estimates) == {"allreduce", "fp16", "int8", "powersgd"}
+    assert all(seconds > 0 for seconds in estimates.values())
+
+
+def test_auto_probes_as_many_whole_matrices_as_fit():
+    from lightning_ddpopt.hooks.auto import _largest_within
+
+    assert _largest_within([(10, 10), (30, 10), (20, 10)], 500, min_rows=8) == [(30, 10), (20, 10)]
+    assert _largest_within([(100, 10), (5, 5)], 500, min_rows=8) == [(50, 10)]
+    assert _largest_within([(100, 1000)], 500, min_rows=8) == [(8, 1000)]

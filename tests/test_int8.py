@@ -157,7 +157,8 @@ def test_blocks_too_small_for_their_scale_quantise_to_zero_and_stay_finite():
 def test_auto_skips_int8_for_a_model_smaller_than_one_block(gloo_group):
     from lightning_ddpopt.hooks.auto import measure_hook_costs
 
+    # Nor for PowerSGD: a 10 x 10 matrix is not worth compressing at rank 4, so it would be sent exactly.
     estimates = measure_hook_costs(nn.Linear(10, 10), None, torch.device("cpu"), repeats=1)
-    assert "int8" not in estimates and {"allreduce", "fp16", "powersgd"} <= estimates.keys()
+    assert set(estimates) == {"allreduce", "fp16"}
     estimates = measure_hook_costs(nn.Linear(64, 64), None, torch.device("cpu"), repeats=1)
-    assert "int8" in estimates
+    assert set(estimates) == {"allreduce", "fp16", "int8", "powersgd"}

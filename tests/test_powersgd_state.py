@@ -3,6 +3,7 @@ resume, changed settings, reused measurements, and the checkpoint gather's contr
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict
@@ -354,3 +355,37 @@ def test_batched_q_memories_of_an_old_layout_are_dropped(gloo_group):
     state._settle()
     # a, b and c now live in the new group; d|e is untouched. A resume regroups by these keys alone.
     assert sorted(state.q_memories) == ["b|c", "d|e"]
+
+
+def test_error_buffers_alternate_and_a_non_finite_round_leaves_the_committed_errors_alone(gloo_group):
+    # Two buffers per key: the committed errors' and the one the next round writes. A round that is not finite
+    # wrote into the spare one, so the committed errors are untouched; a finite one makes the old buffer spare.
+    from lightning_ddpopt.hooks.feedback import SyncRound
+
+    state = PowerSGDState(config=PowerSGDConfig())
+    like = torch.zeros(3, 3)
+
+    def round_writing(value: float, finite: bool) -> torch.Tensor:
+        round_ = state._open_round()
+        buffer = state.error_buffer(round_, "w", (3, 3), torch.float32, like.device).fill_(value)
+        round_.errors["w"] = buffer
+        round_.check([torch.tensor(1.0 if finite else math.inf)])
+        state._close_round()
+        return buffer
+
+    first = round_writing(1.0, finite=True)
+    second = round_writing(2.0, finite=True)
+    assert second.data_ptr() != first.data_ptr()
+    third = round_writing(3.0, finite=True)
+    assert third.data_ptr() == first.data_ptr()  # reused, not allocated
+    overflow = round_writing(math.nan, finite=False)
+    assert overflow.data_ptr() == second.data_ptr()
+    assert torch.equal(state.errors["w"], torch.full((3, 3), 3.0))  # the committed round's, intact
+    assert state.skipped_rounds == 1
+    after = round_writing(4.0, finite=True)
+    assert after.data_ptr() == second.data_ptr()
+    assert torch.equal(state.errors["w"], torch.full((3, 3), 4.0))
+    # Another shape under the key (a layout change) gets a fresh buffer rather than a wrong-sized spare.
+    round_ = state._open_round()
+    assert state.error_buffer(round_, "w", (2, 2), torch.float32, like.device).shape == (2, 2)
+    assert isinstance(round_, SyncRound)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["CommProfiler"]
 
@@ -277,17 +277,8 @@ class CommProfiler(Callback):
 
     def _probe(self, device: torch.device, world_size: int) -> float:
         tensor = torch.ones(int(self.probe_mb * 1024 * 1024 / 4), dtype=torch.float32, device=device)
-        dist.all_reduce(tensor)
-        times = []
-        for _ in range(self.probe_repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        algbw = tensor.numel() * 4 / statistics.median(times) / 1e9
+        seconds = median_seconds(lambda: dist.all_reduce(tensor), device, self.probe_repeats)
+        algbw = tensor.numel() * 4 / seconds / 1e9
         return bus_bandwidth(algbw, world_size)
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt.hooks.int8 import Int8Config, dequantize_blocks, quantize_blocks
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.int8 import Int8Config
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, _worth_compressing
+from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["AUTO_HOOK", "HookChoice", "choose_hook", "measure_hook_costs"]
 
@@ -46,74 +47,98 @@ def measure_hook_costs(
 ) -> dict[str, float]:
     """Estimate each candidate's sync seconds per step for ``module``'s gradients, agreed across ranks.
 
-    * ``allreduce`` and ``fp16``: time allreduces of a 16 MiB probe (or the gradients, if smaller) in fp32 and
-      fp16, scale to the gradient size, and add fp16's cast to and from the wire dtype.
-    * ``int8``: time an allreduce of the probe's packed int8 bytes (its traffic is an allreduce's), plus its
-      quantisation and two dequantisations of the probe, scaled to the gradient size.
-    * ``powersgd``: PowerSGD (rank 4) sends almost nothing; its cost is its matrix work, timed on the largest
-      weight matrix and scaled to all compressible ones.
+    Each candidate's real hook (the registry's, as ``comm_hook="auto"`` registers it) syncs a probe bucket of at
+    most 16 MiB of fp32 gradients: its work, communication and waits, the median of ``repeats`` after a warm-up
+    round. The probe is scaled to the model's gradient size:
 
+    * ``allreduce``, ``fp16``, ``int8``: one flat probe of ``min(gradient elements, 4 Mi)`` values, scaled by
+      gradient elements / probe elements (int8 only for a model of at least one block).
+    * ``powersgd``: the model's largest compressible weight matrices in their own shapes, as many as fit in the
+      probe (the largest one cut to its first rows if it alone does not), scaled by compressible elements /
+      probed elements.
+
+    Memory stays bounded whatever the model's size: the probe, plus what the hook keeps per probe (error feedback).
     Each figure is the slowest rank's (an all-reduce of the vector), so every rank chooses the same hook.
     """
     params = [p for p in module.parameters() if p.requires_grad]
     elements = sum(p.numel() for p in params)
     probe = min(elements, _PROBE_ELEMENTS)
-    scale = elements / probe
-    fp32 = torch.ones(probe, dtype=torch.float32, device=device)
-    fp16 = torch.ones(probe, dtype=torch.float16, device=device)
-    gradients = torch.ones(elements, dtype=torch.float32, device=device)
-    block = Int8Config().block_size
-    estimates = {
-        "allreduce": _time(lambda: dist.all_reduce(fp32, group=process_group), device, repeats) * scale,
-        "fp16": _time(lambda: dist.all_reduce(fp16, group=process_group), device, repeats) * scale
-        + _time(lambda: gradients.copy_(gradients.to(torch.float16)), device, repeats),
-    }
-    if probe >= block:  # a model smaller than one block has nothing for int8 to save
-        packed = torch.ones(probe + -(-probe // block) * 4, dtype=torch.uint8, device=device)
-        estimates["int8"] = (
-            _time(lambda: dist.all_reduce(packed, group=process_group), device, repeats)
-            + _time(lambda: _int8_work(fp32, block), device, repeats)
-        ) * scale
-    matrices = [p for p in params if p.dim() > 1]
-    if matrices:
-        largest = max(matrices, key=lambda p: p.numel())
-        matrix = torch.randn(largest.shape[0], largest.numel() // largest.shape[0], device=device)
-        per_element = _time(lambda: _powersgd_work(matrix, PowerSGDConfig().rank), device, repeats) / matrix.numel()
-        compressible = sum(p.numel() for p in matrices)
-        estimates["powersgd"] = per_element * compressible
+    estimates = {}
+    for name in ("allreduce", "fp16", "int8"):
+        if name == "int8" and probe < Int8Config().block_size:  # nothing for int8 to save below one block
+            continue
+        estimates[name] = _time_hook(name, [(probe,)], process_group, device, repeats) * elements / probe
+    rank = PowerSGDConfig().rank
+    matrices = [(p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() > 1]
+    compressible = [shape for shape in matrices if _worth_compressing(*shape, PowerSGDConfig())]
+    if compressible:
+        shapes = _largest_within(compressible, _PROBE_ELEMENTS, min_rows=2 * rank)
+        probed = sum(rows * cols for rows, cols in shapes)
+        seconds = _time_hook("powersgd", shapes, process_group, device, repeats)
+        estimates["powersgd"] = seconds * sum(rows * cols for rows, cols in compressible) / probed
     agreed = torch.tensor(list(estimates.values()), dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
     return dict(zip(estimates, agreed.tolist(), strict=True))
 
 
-def _powersgd_work(matrix: torch.Tensor, rank: int) -> None:
-    """The local work of one PowerSGD step on one matrix: error feedback, P, Q, the error and the decompression."""
-    q = torch.randn(matrix.shape[1], rank, device=matrix.device)
-    matrix.add_(0.0)
-    p = torch.linalg.qr(matrix @ q).Q
-    q = (p.t() @ matrix).t()
-    torch.addmm(matrix, p, q.t(), alpha=-1)
-    torch.matmul(p, q.t())
+def _largest_within(shapes: list[tuple[int, int]], budget: int, min_rows: int) -> list[tuple[int, int]]:
+    """The largest ``(rows, cols)`` shapes whose elements fit in ``budget``; the largest cut to fewer rows if needed."""
+    ordered = sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True)
+    rows, cols = ordered[0]
+    if rows * cols > budget:
+        return [(min(rows, max(min_rows, budget // cols)), cols)]
+    taken, used = [], 0
+    for rows, cols in ordered:
+        if used + rows * cols <= budget:
+            taken.append((rows, cols))
+            used += rows * cols
+    return taken
 
 
-def _int8_work(values: torch.Tensor, block: int) -> None:
-    """The int8 hook's local work on ``values``: quantise, dequantise the contributions, dequantise the result."""
-    rows = values[: values.numel() // block * block].view(-1, block)
-    payload, scales = quantize_blocks(rows)
-    dequantize_blocks(payload, scales)
-    dequantize_blocks(payload, scales)
+class _ProbeBucket:
+    """A stand-in for DDP's ``GradBucket``: random gradients of the given shapes, views into one flat buffer."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> None:
+        self._buffer = torch.randn(sum(math.prod(shape) for shape in shapes), device=device)
+        self._gradients, offset = [], 0
+        for shape in shapes:
+            self._gradients.append(self._buffer[offset : offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+        # Only their identities are used: the hooks key their state by the names of the bucket's parameters.
+        self.module = torch.nn.Module()
+        for index in range(len(shapes)):
+            self.module.register_parameter(f"probe{index}", torch.nn.Parameter(torch.empty(0)))
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
 
 
-def _time(work: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``work`` after one warm-up call."""
-    work()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def _time_hook(
+    name: str,
+    shapes: Sequence[tuple[int, ...]],
+    process_group: dist.ProcessGroup | None,
+    device: torch.device,
+    repeats: int,
+) -> float:
+    """Median seconds the registry's hook ``name`` takes to sync a probe bucket of ``shapes``, until its result."""
+    from lightning_ddpopt.hooks.registry import get_hook_spec  # the registry lists "auto": imported late
+
+    spec = get_hook_spec(name)
+    bucket = _ProbeBucket(shapes, device)
+    state = spec.build(process_group, None)
+    state.bind_module(bucket.module)
+    if isinstance(state, PowerSGDState):
+        state.iteration = state.config.start_iter  # compressing, as after the warm-up steps
+    return median_seconds(lambda: spec.hook(state, bucket).wait(), device, repeats)  # type: ignore[arg-type]

@@ -35,6 +35,7 @@ class SyncRound:
         self.errors: dict[str, torch.Tensor] = {}
         self.q_memories: dict[str, torch.Tensor] = {}
         self.sent_exactly: set[str] = set()
+        self.buffers: dict[str, torch.Tensor] = {}
         self._flags: list[torch.Tensor] = []
         self._finite: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None
@@ -81,6 +82,8 @@ class ErrorFeedbackState(CommHookState):
     _round: SyncRound | None = field(default=None, repr=False)
     _sealed: SyncRound | None = field(default=None, repr=False)
     _scale_unknown: set[str] = field(default_factory=set, repr=False)
+    _backing: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _spare: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
@@ -110,6 +113,7 @@ class ErrorFeedbackState(CommHookState):
         assert isinstance(skipped, int)
         self.iteration, self.skipped_rounds = iteration, skipped
         self.errors = dict(errors)
+        self._backing, self._spare = {}, {}
         self.error_scales = {name: torch.tensor(scale, dtype=torch.float32) for name, scale in scales.items()}
         # Saved by a release that did not record loss scales: the errors are in their own step's units, which
         # are taken to be this run's (added as they are) until the next commit replaces them.
@@ -119,6 +123,23 @@ class ErrorFeedbackState(CommHookState):
     def _drop_errors(self) -> None:
         self.errors, self.error_scales, self._scale_unknown = {}, {}, set()
         self._round = self._sealed = None
+        self._backing, self._spare = {}, {}
+
+    def error_buffer(
+        self, round_: SyncRound, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialised buffer for this round's errors under ``key`` (the same key covers the same parameters).
+
+        It is the buffer of the round before the last committed one when that fits: the new errors must not
+        overwrite the committed ones (a non-finite round keeps them), but a fresh gradient-sized allocation every
+        step costs more than the arithmetic (the kernel hands large blocks out zeroed, page by page). So error
+        feedback holds two copies of the compressed gradients, one committed and one being written.
+        """
+        buffer = self._spare.pop(key, None)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+        round_.buffers[key] = buffer
+        return buffer
 
     def _open_round(self) -> SyncRound:
         if self._round is None:
@@ -150,11 +171,19 @@ class ErrorFeedbackState(CommHookState):
             round_.seal()
         if not round_.finite():
             self.skipped_rounds += 1
+            self._spare.update(round_.buffers)
             return
         self._commit(round_)
 
     def _commit(self, round_: SyncRound) -> None:
         self.errors.update(round_.errors)
+        # A key's previous buffer backs no error any more (this round's errors under the key replaced all of them):
+        # it is the next round's to write.
+        for key, buffer in round_.buffers.items():
+            previous = self._backing.get(key)
+            self._backing[key] = buffer
+            if previous is not None:
+                self._spare[key] = previous
         for name in round_.sent_exactly:  # no compression error: nothing to feed back any more
             self.errors.pop(name, None)
             self.error_scales.pop(name, None)

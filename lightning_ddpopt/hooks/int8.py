@@ -145,10 +145,19 @@ class _BucketSync:
             total_blocks += math.ceil(gradient.numel() / block)
         self.blocks_per_rank = max(1, math.ceil(total_blocks / world_size))
         chunk = self.chunk = self.blocks_per_rank * block
-        # Divided by the world size first: the sum of the owners' fp32 dequantised values is then the mean.
-        values = torch.zeros(world_size * chunk, dtype=torch.float32, device=self.buffer.device)
-        for offset, gradient in zip(self.offsets, self.gradients, strict=True):
-            torch.div(gradient.reshape(-1), world_size, out=values[offset : offset + gradient.numel()])
+        # Divided by the world size first: the sum of the owners' fp32 dequantised values is then the mean. With
+        # error feedback the values become the errors, in a buffer kept from the round before the last.
+        shape, device = (world_size * chunk,), self.buffer.device
+        if config.error_feedback:
+            values = state.error_buffer(round_, "|".join(names), shape, torch.float32, device)
+        else:
+            values = torch.empty(shape, dtype=torch.float32, device=device)
+        ends = [offset + gradient.numel() for offset, gradient in zip(self.offsets, self.gradients, strict=True)]
+        for offset, end, gradient, gap_end in zip(
+            self.offsets, ends, self.gradients, self.offsets[1:] + [shape[0]], strict=True
+        ):
+            torch.div(gradient.reshape(-1), world_size, out=values[offset:end])
+            values[end:gap_end].zero_()  # the padding of a parameter's last block, and the tail
         send = torch.empty(world_size, chunk + 4 * self.blocks_per_rank, dtype=torch.int8, device=values.device)
         rows = values.view(-1, block)
         dequantized = _quantize_into(rows, send, chunk)

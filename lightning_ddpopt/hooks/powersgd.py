@@ -42,6 +42,8 @@ from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, confi
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 
 MatrixDtype = Literal["fp32", "fp16", "bf16"]
+# Rows of M handled together by the error-and-decompression pass on a CPU: 32768 fp32 values, 128 KiB.
+_CACHE_BLOCK_ELEMENTS = 32768
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -388,9 +390,10 @@ def _low_rank_allreduce(
             q = _random_q(config, state.iteration, key, shape)
         qs.append(q.to(matrix))
 
-    # P = M Q / world_size, all-reduced: the mean, so that a half-precision sum cannot overflow where the mean
-    # would not (the scale is otherwise irrelevant: P is orthogonalised next).
-    local_ps = [(m @ q).div_(state.world_size) for m, q in zip(matrices, qs, strict=True)]
+    # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
+    # (Q^T M^T)^T rather than M Q, and (P^T M)^T rather than M^T P below: BLAS streams the large matrix about 3x
+    # faster in these forms (measured: 10 ms against 31 ms for 6 x 2048 x 2048 at rank 4 on one CPU thread).
+    local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
     ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
     finite = round_.check(ps)
     for p in ps:
@@ -399,15 +402,17 @@ def _low_rank_allreduce(
         # overflow is seen (and the step skipped) on every rank alike.
         p.masked_fill_(~finite, math.nan)
     # Q = M^T P averaged over ranks, so that M ~ P Q^T.
-    # (P^T M)^T rather than M^T P: BLAS is several times faster with the large matrix untransposed.
     local_qs = [(p.t() @ m).t() for m, p in zip(matrices, ps, strict=True)]
-    errors = []
-    if config.error_feedback:
-        errors = [torch.addmm(m, p, q.t(), alpha=-1) for m, p, q in zip(matrices, ps, local_qs, strict=True)]
-    qs = _allreduce_matrices(state, bucket, [q.div_(state.world_size) for q in local_qs], wire_dtype)
+    qs = _allreduce_matrices(state, bucket, local_qs, wire_dtype)
     round_.check(qs)
-    for m, p, q in zip(matrices, ps, qs, strict=True):
-        torch.matmul(p, q.t(), out=m)
+    errors = []
+    for m, p, q, local_q, key in zip(matrices, ps, qs, local_qs, keys, strict=True):
+        if config.error_feedback:
+            # After the collective, so that the error and the decompression share one pass over M.
+            errors.append(state.error_buffer(round_, key, tuple(m.shape), m.dtype, m.device))
+            _error_and_decompress(m, p, local_q, q, errors[-1])
+        else:
+            torch.matmul(p, q.t(), out=m)
     if config.warm_start:
         round_.q_memories.update(zip(keys, qs, strict=True))
     return errors
@@ -422,10 +427,33 @@ def _random_q(config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int
     return q
 
 
+def _error_and_decompress(
+    m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor
+) -> None:
+    """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``, reading M once.
+
+    On a CPU both are done a block of rows at a time, small enough to stay in the cache between the two: one
+    read of M from memory instead of two (measured: 31 ms against 42 ms for 6 x 2048 x 2048 at rank 4).
+    """
+    rows = m.shape[0] if m.is_cuda else max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
+    q_t, local_q_t = q.t(), local_q.t()
+    for start in range(0, m.shape[0], rows):
+        m_rows, p_rows = m[start : start + rows], p[start : start + rows]
+        error[start : start + rows].copy_(m_rows).addmm_(p_rows, local_q_t, alpha=-1)
+        torch.mm(p_rows, q_t, out=m_rows)
+
+
 def _allreduce_matrices(
-    state: PowerSGDState, bucket: dist.GradBucket, matrices: list[torch.Tensor], wire_dtype: torch.dtype
+    state: PowerSGDState,
+    bucket: dist.GradBucket,
+    matrices: list[torch.Tensor],
+    wire_dtype: torch.dtype,
 ) -> list[torch.Tensor]:
-    flat = torch.cat([m.reshape(-1) for m in matrices]).to(wire_dtype)
+    """Mean-all-reduce ``matrices`` as one flat copy in ``wire_dtype``; return the means, ``matrices`` intact.
+
+    Divided by the world size before the cast, so that a half-precision sum cannot overflow where the mean would not.
+    """
+    flat = torch.cat([m.reshape(-1) for m in matrices]).div_(state.world_size).to(wire_dtype)
     state.record_wire_bytes(bucket, flat.numel() * flat.element_size())
     state.wait(dist.all_reduce(flat, group=state.process_group, async_op=True))
     flat = flat.to(matrices[0].dtype)
