@@ -99,7 +99,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("DDPOPT_BENCH_THREADS", "1")))
+    threads = os.environ.get("DDPOPT_BENCH_THREADS", "1")
+    # Lightning's DDP sets torch's threads to cores / local processes unless OMP_NUM_THREADS says otherwise, which
+    # would give every emulated host all of the machine's cores.
+    os.environ["OMP_NUM_THREADS"] = threads
+    torch.set_num_threads(int(threads))
 
     make_strategy, accumulate = VARIANTS[args.variant]
     num_nodes = 1 if args.variant == "compute" else args.num_nodes

@@ -42,8 +42,6 @@ from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, confi
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 
 MatrixDtype = Literal["fp32", "fp16", "bf16"]
-# Rows of M handled together by the error-and-decompression pass on a CPU: 32768 fp32 values, 128 KiB.
-_CACHE_BLOCK_ELEMENTS = 32768
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -408,7 +406,6 @@ def _low_rank_allreduce(
     errors = []
     for m, p, q, local_q, key in zip(matrices, ps, qs, local_qs, keys, strict=True):
         if config.error_feedback:
-            # After the collective, so that the error and the decompression share one pass over M.
             errors.append(state.error_buffer(round_, key, tuple(m.shape), m.dtype, m.device))
             _error_and_decompress(m, p, local_q, q, errors[-1])
         else:
@@ -430,17 +427,14 @@ def _random_q(config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int
 def _error_and_decompress(
     m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor
 ) -> None:
-    """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``, reading M once.
+    """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``.
 
-    On a CPU both are done a block of rows at a time, small enough to stay in the cache between the two: one
-    read of M from memory instead of two (measured: 31 ms against 42 ms for 6 x 2048 x 2048 at rank 4).
+    Whole-matrix kernels: row blocks small enough to stay in the cache read M once instead of twice on one thread,
+    but their many small kernels cost far more than that under OpenMP with busy cores (measured 5x slower in the
+    cluster benchmark), so this stays two plain passes.
     """
-    rows = m.shape[0] if m.is_cuda else max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
-    q_t, local_q_t = q.t(), local_q.t()
-    for start in range(0, m.shape[0], rows):
-        m_rows, p_rows = m[start : start + rows], p[start : start + rows]
-        error[start : start + rows].copy_(m_rows).addmm_(p_rows, local_q_t, alpha=-1)
-        torch.mm(p_rows, q_t, out=m_rows)
+    error.copy_(m).addmm_(p, local_q.t(), alpha=-1)
+    torch.matmul(p, q.t(), out=m)
 
 
 def _allreduce_matrices(
