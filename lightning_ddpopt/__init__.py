@@ -6,6 +6,7 @@ from lightning_ddpopt.__about__ import __version__
 from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
 from lightning_ddpopt.hooks import COMM_HOOKS
 from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.precision import fp16_mixed_precision
 from lightning_ddpopt.strategy import OptimizedDDPStrategy
 
@@ -14,6 +15,7 @@ __all__ = [
     "AMPMonitor",
     "CommLedger",
     "CommProfiler",
+    "LocalSGDConfig",
     "OptimizedDDPStrategy",
     "StepRecord",
     "StragglerDetector",

@@ -46,6 +46,10 @@ class SavedRun:
         hook_states: every rank's hook state, by global rank; empty for stateless hooks.
         hook_choice: what ``comm_hook="auto"`` chose, ``None`` when it was not used.
         bucket_cap_mb: the cap ``bucket_cap_mb="autotune"`` chose, ``None`` when it was not used or not finished.
+        local_sgd: the local SGD outer loop (counters, anchor, outer momentum; the same on every rank), ``None``
+            without local SGD.
+        local_sgd_ranks: with local SGD, every rank's inner optimizer states (``{"optimizer_states": [...]}``),
+            by global rank.
     """
 
     world_size: int
@@ -53,6 +57,8 @@ class SavedRun:
     hook_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     hook_choice: HookChoice | None = None
     bucket_cap_mb: float | None = None
+    local_sgd: dict[str, Any] | None = None
+    local_sgd_ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_checkpoint(self) -> dict[str, Any]:
         """Plain types only, so that ``torch.load(weights_only=True)`` reads it."""
@@ -68,6 +74,8 @@ class SavedRun:
             hook_states=list(entry.get("hook_states") or []),
             hook_choice=HookChoice(**choice) if choice else None,
             bucket_cap_mb=entry.get("bucket_cap_mb"),
+            local_sgd=entry.get("local_sgd"),
+            local_sgd_ranks=list(entry.get("local_sgd_ranks") or []),
         )
 
     def decision_note(self, world_size: int) -> str | None:

@@ -199,6 +199,14 @@ class CommLedger:
                     return
         raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
 
+    def add_parameter_sync(self, num_elements: int, logical_bytes: int, wire_bytes: int, start: Mark) -> None:
+        """Record a sync of parameters (local SGD's averaging) as one round of one bucket, from ``start`` until now."""
+        entry = _OpenBucket(0, num_elements, logical_bytes, start)
+        entry.wire_bytes = wire_bytes
+        entry.end = self.timeline.mark()
+        with self._lock:
+            self._rounds.append([entry])
+
     def add_micro_batch(self, samples: int | None, first_of_epoch: bool = False) -> None:
         """Count one training batch of the current step; ``samples=None`` when its size is unknown.
 

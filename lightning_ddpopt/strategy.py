@@ -6,7 +6,7 @@ import atexit
 import dataclasses
 import gc
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -55,6 +55,7 @@ from lightning_ddpopt.hooks.registry import (
     validate_hook_callable,
 )
 from lightning_ddpopt.ledger import CommHook, CommLedger
+from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
 from lightning_ddpopt.timing import timeline_for
 
@@ -115,6 +116,10 @@ class OptimizedDDPStrategy(DDPStrategy):
         cpu_affinity: ``True`` splits this process's usable cores evenly among the local ranks; a list gives
             each local rank its cores explicitly; ``False`` (default) leaves affinity alone.
         checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
+        local_sgd: a :class:`~lightning_ddpopt.localsgd.LocalSGDConfig` (e.g. ``LocalSGDConfig.diloco(16)``): after
+            its warm-up, gradients are not synchronised at all and the ranks average their parameter changes every
+            ``sync_every`` optimizer steps (see :mod:`lightning_ddpopt.localsgd`). ``comm_hook`` then applies
+            during the warm-up only.
         **kwargs: forwarded to ``DistributedDataParallel``.
 
     Example::
@@ -147,9 +152,11 @@ class OptimizedDDPStrategy(DDPStrategy):
         static_graph: bool = False,
         cpu_affinity: bool | list[list[int]] = False,
         checkpoint_timeout: float = 30.0,
+        local_sgd: LocalSGDConfig | None = None,
         **kwargs: Any,
     ) -> None:
         check_lightning_version()
+        _validate_local_sgd(local_sgd, comm_hook, ddp_comm_hook, model_averaging_period)
         self._hook_spec, self._hook_callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
         self._auto_hook = comm_hook == AUTO_HOOK
         if ddp_comm_hook is not None:
@@ -196,12 +203,15 @@ class OptimizedDDPStrategy(DDPStrategy):
         self.core_binding: CoreBinding | None = None
         self._saved: SavedRun | None = None
         self._hook_state_pending = False
+        self._local_sgd_pending = False
         self._micro_batch_in_group = 0
         self._warned_extra_syncs = False
         self.autotuner: BucketAutotuner | None = None
         self.hook_choice: HookChoice | None = None
         self._registered_hook: CommHook | None = None
         self._layout_due_step = _LAYOUT_FINAL_AFTER_STEPS
+        self._local_sgd_config = local_sgd
+        self.local_sgd: LocalSGD | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -280,6 +290,9 @@ class OptimizedDDPStrategy(DDPStrategy):
                     f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
                 )
             self._restore_hook_state()
+        if self._local_sgd_config is not None:
+            self.local_sgd = LocalSGD(self._local_sgd_config, model.module, model.process_group)
+            self._restore_local_sgd()
         self._log_plan(backend)
 
     @override
@@ -300,6 +313,16 @@ class OptimizedDDPStrategy(DDPStrategy):
                 timeout_s=self._checkpoint_timeout,
                 tag=f"{self._checkpoint_nonce}/{self._checkpoint_saves}",
             )
+        local_states: list[dict[str, Any]] | None = []
+        if self.local_sgd is not None:  # each rank's inner optimizer state: local, as in DiLoCo
+            self._checkpoint_saves += 1
+            local_states = gather_hook_states(
+                {"optimizer_states": [optimizer.state_dict() for optimizer in self.optimizers]},
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout_s=self._checkpoint_timeout,
+                tag=f"{self._checkpoint_nonce}/{self._checkpoint_saves}",
+            )
         if self.is_global_zero:
             checkpoint[CHECKPOINT_KEY] = SavedRun(
                 world_size=self.world_size,
@@ -307,6 +330,8 @@ class OptimizedDDPStrategy(DDPStrategy):
                 hook_states=states or [],
                 hook_choice=self.hook_choice if self._auto_hook else None,
                 bucket_cap_mb=self._autotuned_cap(),
+                local_sgd=self.local_sgd.state_dict() if self.local_sgd is not None else None,
+                local_sgd_ranks=local_states or [],
             ).to_checkpoint()
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -315,9 +340,23 @@ class OptimizedDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         entry = checkpoint.get(CHECKPOINT_KEY)
         self._saved = SavedRun.from_checkpoint(entry) if entry else None
-        self._hook_state_pending = self._saved is not None
+        self._hook_state_pending = self._local_sgd_pending = self._saved is not None
         self._restore_hook_state()
+        self._restore_local_sgd()
         return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # With local SGD each rank's inner optimizer state is its own: load this rank's, saved beside rank 0's.
+        saved = self._saved
+        if (
+            self.local_sgd is not None
+            and saved is not None
+            and saved.world_size == self.world_size
+            and len(saved.local_sgd_ranks) == self.world_size
+        ):
+            checkpoint = {**checkpoint, "optimizer_states": saved.local_sgd_ranks[self.global_rank]["optimizer_states"]}
+        super().load_optimizer_state_dict(checkpoint)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -327,6 +366,13 @@ class OptimizedDDPStrategy(DDPStrategy):
             except (MisconfigurationException, RecursionError):
                 samples = None
             self.ledger.add_micro_batch(samples, first_of_epoch=batch_idx == 0)
+        if self.local_sgd is not None and isinstance(self.model, DistributedDataParallel):
+            sync = self.local_sgd.before_batch()
+            # DDP reads these in forward: no reducer preparation (so no bucket reaches a hook) and no buffer
+            # broadcast; Lightning's no_sync for accumulation restores what is set here.
+            self.model.require_backward_grad_sync = sync
+            if not sync:
+                self.model.require_forward_param_sync = False
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -337,8 +383,12 @@ class OptimizedDDPStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        scale = self._loss_scale() if self.local_sgd is not None else None
+        scale_before = scale.detach().clone() if scale is not None else None
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         ledger = self.ledger if isinstance(self.model, DistributedDataParallel) else None
+        if self.local_sgd is not None:
+            self._local_sgd_step(scale_before)
         if ledger is None:
             return output
         # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
@@ -490,6 +540,30 @@ class OptimizedDDPStrategy(DDPStrategy):
         self.bucket_plan = dataclasses.replace(replanned, requested=self.bucket_plan.requested)
         self.bucket_layout = None
         self._layout_due_step = (self.ledger.closed_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
+
+    def _local_sgd_step(self, scale_before: torch.Tensor | None) -> None:
+        """Count the optimizer step for local SGD (skipped if the GradScaler backed off) and record its sync."""
+        assert self.local_sgd is not None
+        scale = self._loss_scale()
+        # A GradScaler backs off exactly when it skipped the step (a host read: only with fp16 AMP in local SGD).
+        skipped = scale_before is not None and scale is not None and bool(scale < scale_before)
+        start = self.ledger.timeline.mark() if self.ledger is not None else None
+        sync = self.local_sgd.after_optimizer_step(skipped)
+        if sync is not None and self.ledger is not None and start is not None:
+            self.ledger.add_parameter_sync(sync.num_elements, sync.logical_bytes, sync.wire_bytes, start)
+
+    def _restore_local_sgd(self) -> None:
+        """Load the saved outer loop once both the checkpoint and the local SGD loop exist."""
+        saved = self._saved
+        if saved is None or self.local_sgd is None or not self._local_sgd_pending:
+            return
+        self._local_sgd_pending = False
+        if saved.local_sgd is None:
+            rank_zero_warn("ddpopt: the checkpoint holds no local SGD state; the outer loop starts from the weights")
+            return
+        problem = self.local_sgd.load_state_dict(saved.local_sgd)
+        if problem is not None:
+            rank_zero_warn(f"ddpopt: {problem}")
 
     def _check_syncs_per_step(self, sync_rounds: int, micro_batches: int) -> None:
         """Warn once when a manual-optimization loop synchronised gradients on more than one micro-batch."""
@@ -658,6 +732,34 @@ def _validate_comm_hook(
         )
     validate_hook_callable(comm_hook)
     return None, comm_hook
+
+
+def _validate_local_sgd(
+    local_sgd: object, comm_hook: object, ddp_comm_hook: Callable | None, model_averaging_period: int | None
+) -> None:
+    """Refuse local SGD settings that cannot apply, at construction."""
+    if local_sgd is None:
+        return
+    if not isinstance(local_sgd, LocalSGDConfig):
+        raise TypeError(f"local_sgd={local_sgd!r} must be a LocalSGDConfig (e.g. LocalSGDConfig.diloco(16)) or None")
+    if model_averaging_period is not None:
+        raise ValueError(
+            f"local_sgd and model_averaging_period={model_averaging_period} both given: they are two local SGD "
+            "schemes; use local_sgd=LocalSGDConfig.post_local_sgd(...) for Lightning's post-local SGD"
+        )
+    if comm_hook == AUTO_HOOK:
+        raise ValueError(
+            "comm_hook='auto' with local_sgd: auto picks a gradient hook for every step, but with local SGD gradients "
+            "sync only during the warm-up; name the warm-up's hook (e.g. comm_hook='fp16') or leave the default"
+        )
+    custom_hook = ddp_comm_hook is not None or comm_hook not in (None, _DEFAULT_COMM_HOOK)
+    if custom_hook and local_sgd.warmup_steps == 0:
+        hook = ddp_comm_hook if ddp_comm_hook is not None else comm_hook
+        raise ValueError(
+            f"comm_hook={hook!r} would never run: with local_sgd and warmup_steps=0 no gradient is ever "
+            "synchronised. Set LocalSGDConfig(warmup_steps=N) to run it for the first N steps, or drop it; "
+            f"the parameter syncs are compressed by LocalSGDConfig(compression=...) ({local_sgd.compression!r} now)"
+        )
 
 
 _EXIT_HANDLER_REGISTERED = False

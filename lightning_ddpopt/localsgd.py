@@ -1,0 +1,233 @@
+"""Local SGD and DiLoCo: each rank takes ``H`` optimizer steps on its own, then the ranks average what changed.
+
+When even compressed gradient syncs cost more than the compute, syncing less often is the lever: after
+``warmup_steps`` ordinary synchronous steps, gradients are not all-reduced at all (DDP's backward sync is off, so
+no bucket reaches a hook), and every ``sync_every`` optimizer steps the ranks all-reduce the change of their
+parameters since the last sync (the *outer gradient* ``anchor - params``), take one outer optimizer step on the
+anchor (SGD, optionally with Nesterov momentum: DiLoCo, Douillard et al. 2023) and all continue from the new
+anchor, identical on every rank. With ``outer_lr=1`` and no momentum that is plain parameter averaging (post-local
+SGD, Lin et al. 2020). Floating-point buffers (batch-norm statistics) are averaged at the same point, others
+broadcast from rank 0.
+
+The schedule counts optimizer step *calls*, the same on every rank: under fp16 AMP a rank whose GradScaler skips
+an inner step (in the local phase each rank's scaler sees only its own gradients) still counts it, so every rank
+reaches each sync together; skipped inner steps are counted per sync window.
+
+Inner optimizer state (momentum, Adam moments) stays local to each rank, as in DiLoCo; the strategy saves every
+rank's in the checkpoint, with the anchor and the outer momentum, so a resume at a sync boundary continues
+exactly. A resume between syncs continues from rank 0's parameters on every rank (the checkpoint holds one copy
+of the weights): the ranks' local progress since the last sync is replaced by rank 0's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpopt._validate import require_int
+
+__all__ = ["LocalSGD", "LocalSGDConfig", "ParameterSync"]
+
+Compression = Literal["fp32", "fp16", "bf16"]
+_WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BufferSync = Literal["average", "broadcast"]
+
+
+@dataclass(kw_only=True)
+class LocalSGDConfig:
+    """How often and how the ranks sync their parameters; see the module doc.
+
+    Args:
+        sync_every: ``H``, optimizer steps between two parameter syncs (>= 1; 1 with ``outer_lr=1`` and no momentum
+            is parameter averaging after every step).
+        warmup_steps: ordinary synchronous DDP steps first (gradients all-reduced, through the strategy's hook).
+        outer_lr: the outer optimizer's learning rate (> 0); 1 without momentum is plain averaging.
+        outer_momentum: the outer optimizer's momentum, in [0, 1).
+        nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
+        compression: the dtype the parameter change is all-reduced in: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
+        buffers: ``"average"`` floating-point buffers at each sync, or ``"broadcast"`` rank 0's.
+    """
+
+    sync_every: int = 16
+    warmup_steps: int = 0
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    nesterov: bool = False
+    compression: Compression = "fp32"
+    buffers: BufferSync = "average"
+
+    def __post_init__(self) -> None:
+        require_int("LocalSGDConfig sync_every", self.sync_every, 1, " (optimizer steps between parameter syncs)")
+        require_int("LocalSGDConfig warmup_steps", self.warmup_steps, 0, " (synchronous steps first)")
+        if not _is_number(self.outer_lr) or not math.isfinite(self.outer_lr) or self.outer_lr <= 0:
+            raise ValueError(f"LocalSGDConfig outer_lr={self.outer_lr!r} must be a positive, finite number")
+        if not _is_number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"LocalSGDConfig outer_momentum={self.outer_momentum!r} must be in [0, 1)")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("LocalSGDConfig nesterov=True needs outer_momentum > 0 (0.9 in DiLoCo)")
+        if self.compression not in _WIRE_DTYPES:
+            raise ValueError(
+                f"LocalSGDConfig compression={self.compression!r} is not valid; choose one of {list(_WIRE_DTYPES)}"
+            )
+        if self.buffers not in ("average", "broadcast"):
+            raise ValueError(
+                f"LocalSGDConfig buffers={self.buffers!r} is not valid; choose one of ['average', 'broadcast']"
+            )
+
+    @classmethod
+    def diloco(cls, sync_every: int = 16, **overrides: Any) -> LocalSGDConfig:
+        """DiLoCo's outer optimizer: SGD with Nesterov momentum 0.9 and learning rate 0.7 (Douillard et al.)."""
+        settings: dict[str, Any] = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, **overrides}
+        return cls(sync_every=sync_every, **settings)
+
+    @classmethod
+    def post_local_sgd(cls, sync_every: int = 16, **overrides: Any) -> LocalSGDConfig:
+        """Plain parameter averaging every ``sync_every`` steps (post-local SGD after ``warmup_steps``)."""
+        return cls(sync_every=sync_every, **overrides)
+
+
+@dataclass(frozen=True)
+class ParameterSync:
+    """One parameter sync: what it sent and when (host seconds), for the ledger."""
+
+    num_elements: int
+    logical_bytes: int
+    wire_bytes: int
+    start_s: float
+    end_s: float
+
+
+class LocalSGD:
+    """The outer loop of local SGD / DiLoCo over ``module``'s parameters; the strategy drives it.
+
+    Call :meth:`before_batch` before each training batch's forward (it says whether gradients sync) and
+    :meth:`after_optimizer_step` after each optimizer step call. ``anchor`` (the parameters of the last sync, one
+    flat fp32 tensor) and ``momentum`` are the same on every rank.
+    """
+
+    def __init__(
+        self, config: LocalSGDConfig, module: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.config = config
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.steps = 0
+        self.syncs = 0
+        self.skipped_inner_steps = 0
+        self.anchor: torch.Tensor | None = None
+        self.momentum: torch.Tensor | None = None
+
+    @property
+    def local(self) -> bool:
+        """Whether the warm-up is over: gradients are no longer synchronised."""
+        return self.steps >= self.config.warmup_steps
+
+    def before_batch(self) -> bool:
+        """Anchor the parameters when the local phase begins; return whether this batch's gradients sync."""
+        if not self.local:
+            return True
+        if self.anchor is None:  # identical on every rank: DDP synced them until now (or broadcast them at start)
+            self.anchor = self._flat_parameters()
+        return False
+
+    def after_optimizer_step(self, skipped: bool = False) -> ParameterSync | None:
+        """Count one optimizer step call (``skipped``: the GradScaler skipped it); sync if one is due."""
+        was_local = self.local and self.anchor is not None
+        self.steps += 1
+        if not was_local:
+            return None
+        self.skipped_inner_steps += int(skipped)
+        if (self.steps - self.config.warmup_steps) % self.config.sync_every:
+            return None
+        return self.sync()
+
+    def sync(self) -> ParameterSync:
+        """All-reduce the mean parameter change, take the outer step, and load the new anchor into the model."""
+        assert self.anchor is not None
+        config = self.config
+        start = time.perf_counter()
+        # The outer gradient anchor - params, divided by the world size before a half-precision cast (no overflow
+        # of the sum where the mean would not).
+        delta = torch.sub(self.anchor, self._flat_parameters()).div_(self.world_size)
+        wire = delta.to(_WIRE_DTYPES[config.compression])
+        dist.all_reduce(wire, group=self.process_group)
+        delta = wire.to(torch.float32) if wire is not delta else delta
+        if config.outer_momentum:
+            if self.momentum is None:
+                self.momentum = torch.zeros_like(delta)
+            self.momentum.mul_(config.outer_momentum).add_(delta)
+            step = delta.add_(self.momentum, alpha=config.outer_momentum) if config.nesterov else self.momentum
+        else:
+            step = delta
+        self.anchor.sub_(step, alpha=config.outer_lr)
+        self._load_parameters(self.anchor)
+        buffer_bytes = self._sync_buffers()
+        self.syncs += 1
+        return ParameterSync(
+            num_elements=self.anchor.numel(),
+            logical_bytes=self.anchor.numel() * 4 + buffer_bytes,
+            wire_bytes=wire.numel() * wire.element_size() + buffer_bytes,
+            start_s=start,
+            end_s=time.perf_counter(),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, the anchor and the outer momentum (the same on every rank), plus the config."""
+        return {
+            "config": asdict(self.config),
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "anchor": None if self.anchor is None else self.anchor.detach().cpu().clone(),
+            "momentum": None if self.momentum is None else self.momentum.detach().cpu().clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``."""
+        saved = state.get("config")
+        if not isinstance(saved, dict):
+            return "the saved local SGD state has no config; the outer loop starts afresh from the weights"
+        if saved != asdict(self.config):
+            changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in asdict(self.config).items() if saved.get(k) != v]
+            return f"the local SGD config changed ({', '.join(changed)}); the outer loop starts afresh from the weights"
+        anchor, momentum = state["anchor"], state["momentum"]
+        numel = sum(p.numel() for p in self.params)
+        if anchor is not None and anchor.numel() != numel:
+            return f"the saved anchor has {anchor.numel()} values and the model {numel}; the outer loop starts afresh"
+        device = self.params[0].device
+        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        self.anchor = None if anchor is None else anchor.to(device, torch.float32)
+        self.momentum = None if momentum is None else momentum.to(device, torch.float32)
+        return None
+
+    def _flat_parameters(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def _load_parameters(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _sync_buffers(self) -> int:
+        """Average floating-point buffers (or broadcast them) and broadcast the others; return the bytes sent."""
+        sent = 0
+        for buffer in self.module.buffers():
+            if buffer.is_floating_point() and self.config.buffers == "average":
+                buffer.div_(self.world_size)
+                dist.all_reduce(buffer, group=self.process_group)
+            else:
+                dist.broadcast(buffer, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0)
+            sent += buffer.numel() * buffer.element_size()
+        return sent
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,0 +1,186 @@
+"""Local SGD / DiLoCo: no gradient syncs after the warm-up, identical parameters after every sync, the outer
+step's arithmetic, resume at a sync boundary, fp16 AMP with an overflow on one rank, manual optimization with
+accumulation, and the ledger's account of it. Real multi-process CPU DDP (2 and 3 ranks)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_ddpopt import AMPMonitor, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt.localsgd import LocalSGD
+from tests.helpers import ManualStackModel, OverflowModel, StackModel, fit_ddp, uninterrupted_and_resumed
+
+PARAMETERS = 6 * (256 * 256 + 256)
+
+
+class ParamsPerStep(pl.Callback):
+    """Saves, per rank, the flat parameters after every optimizer step and the ledger's steps."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.params = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.params.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        record = {
+            "params": self.params,
+            "steps": [(s.sync_rounds, s.logical_bytes, s.wire_bytes) for s in strategy.ledger.steps],
+            "local": strategy.local_sgd.state_dict(),
+            "skipped_inner": strategy.local_sgd.skipped_inner_steps,
+        }
+        torch.save(record, self.out / f"local{trainer.global_rank}.pt")
+
+
+def _fit(tmp_path: Path, config: LocalSGDConfig, devices: int = 2, model=None, **kwargs) -> list[dict]:
+    probe = ParamsPerStep(tmp_path)
+    strategy = OptimizedDDPStrategy(local_sgd=config, start_method="fork", **kwargs.pop("strategy_kwargs", {}))
+    callbacks = [probe, *kwargs.pop("callbacks", [])]
+    fit_ddp(tmp_path / "run", strategy, model=model, devices=devices, callbacks=callbacks, **kwargs)
+    return [torch.load(tmp_path / f"local{rank}.pt") for rank in range(devices)]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices):
+    # 64 samples, batch 8: 8 / devices steps per epoch; 12 steps with warm-up 2 and H = 5: syncs at steps 7, 12.
+    config = LocalSGDConfig.diloco(sync_every=5, warmup_steps=2, compression="fp16")
+    steps_per_epoch = math.ceil(64 / 8 / devices)
+    ranks = _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
+    syncs = {7, 12}
+    for step in range(1, 13):
+        same = all(torch.equal(ranks[0]["params"][step - 1], other["params"][step - 1]) for other in ranks[1:])
+        # Synchronous DDP in the warm-up, and at every sync; on their own (different data) in between.
+        assert same == (step <= 2 or step in syncs), f"step {step}: identical={same}"
+    for record in ranks:
+        rounds = [rounds for rounds, _, _ in record["steps"]]
+        assert rounds == [1 if step <= 2 or step in syncs else 0 for step in range(1, 13)]
+        # A sync sends the parameter change in fp16: exactly 2 bytes per parameter (the model has no buffers).
+        for step in syncs:
+            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, PARAMETERS * 2)
+        assert record["local"]["steps"] == 12 and record["local"]["syncs"] == 2
+        assert record["local"]["momentum"] is not None
+
+
+def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    config = LocalSGDConfig.diloco(sync_every=2)
+    local = LocalSGD(config, module)
+    assert local.before_batch() is False  # no warm-up: local from the first batch, anchored now
+    anchor = torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
+    momentum = torch.zeros_like(anchor)
+    for sync in range(3):
+        for _ in range(2):
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+            params = torch.cat([p.detach().flatten() for p in module.parameters()])
+            report = local.after_optimizer_step()
+        assert report is not None and report.num_elements == 8 and report.wire_bytes == 32
+        delta = anchor - params  # one rank: the mean change is its own
+        momentum = 0.9 * momentum + delta
+        anchor = anchor - 0.7 * (delta + 0.9 * momentum)
+        torch.testing.assert_close(torch.cat([p.detach().flatten() for p in module.parameters()]), anchor)
+    assert local.syncs == 3
+
+
+def test_post_local_sgd_moves_every_rank_to_the_anchor_plus_the_mean_change(gloo_group):
+    module = nn.Linear(2, 1)
+    local = LocalSGD(LocalSGDConfig.post_local_sgd(sync_every=1), module)
+    local.before_batch()
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    before = module.weight.detach().clone()
+    local.after_optimizer_step()
+    torch.testing.assert_close(module.weight.detach(), before)  # outer_lr 1, no momentum: the average itself
+
+
+def test_resume_at_a_sync_boundary_is_bit_exact(tmp_path):
+    # 4 steps per epoch, H = 4: the epoch's checkpoint lies on a sync. Adam: the ranks' own inner states matter.
+    def make():
+        return OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(sync_every=4), start_method="fork")
+
+    uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, make)
+    saved = torch.load(checkpoint, weights_only=False)["ddpopt"]
+    assert saved["local_sgd"]["steps"] == 4 and saved["local_sgd"]["syncs"] == 1
+    assert len(saved["local_sgd_ranks"]) == 2
+    # The ranks' Adam moments differ (local steps on different data): each rank gets its own back.
+    moments = [rank["optimizer_states"][0]["state"][0]["exp_avg"] for rank in saved["local_sgd_ranks"]]
+    assert not torch.equal(moments[0], moments[1])
+    for a, b in zip(uninterrupted, resumed, strict=True):
+        torch.testing.assert_close(b["params"], a["params"], rtol=0, atol=0)
+
+
+def test_an_overflow_on_one_rank_skips_its_step_and_the_ranks_still_sync_together(tmp_path):
+    # fp16 AMP, local from the start, H = 4; rank 1 overflows at the second step of each epoch: only its scaler
+    # backs off and skips, yet both ranks reach the syncs at steps 4 and 8 together (the schedule counts calls).
+    monitor = AMPMonitor()
+    ranks = _fit(
+        tmp_path,
+        LocalSGDConfig.diloco(sync_every=4),
+        model=OverflowModel(overflow_at=(2,), ranks=(1,)),
+        max_epochs=2,
+        plugins=[fp16_mixed_precision("cpu")],
+        callbacks=[monitor],
+    )
+    assert [record["skipped_inner"] for record in ranks] == [0, 2]
+    for step in (4, 8):
+        assert torch.equal(ranks[0]["params"][step - 1], ranks[1]["params"][step - 1])
+    assert all(bool(record["params"][-1].isfinite().all()) for record in ranks)
+    assert all(record["local"]["syncs"] == 2 for record in ranks)
+
+
+def test_manual_optimization_with_accumulation(tmp_path):
+    # 4 micro-batches per rank and epoch, accumulate(every=2): 2 optimizer steps per epoch, H = 2.
+    ranks = _fit(tmp_path, LocalSGDConfig.post_local_sgd(sync_every=2), model=ManualStackModel(every=2), max_epochs=2)
+    for record in ranks:
+        assert [rounds for rounds, _, _ in record["steps"]] == [0, 1, 0, 1]
+        assert record["local"]["steps"] == 4
+    assert torch.equal(ranks[0]["params"][-1], ranks[1]["params"][-1])
+    assert not torch.equal(ranks[0]["params"][-2], ranks[1]["params"][-2])  # between syncs: their own
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sync_every": 0}, r"LocalSGDConfig sync_every=0 must be"),
+        ({"outer_lr": 0.0}, r"LocalSGDConfig outer_lr=0.0 must be a positive, finite number"),
+        ({"outer_momentum": 1.0}, r"LocalSGDConfig outer_momentum=1.0 must be in \[0, 1\)"),
+        ({"nesterov": True}, r"nesterov=True needs outer_momentum > 0"),
+        ({"compression": "int4"}, r"compression='int4' is not valid; choose one of \['fp32', 'fp16', 'bf16'\]"),
+        ({"buffers": "sum"}, r"buffers='sum' is not valid"),
+        ({"warmup_steps": -1}, r"LocalSGDConfig warmup_steps=-1 must be"),
+    ],
+)
+def test_bad_config_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LocalSGDConfig(**kwargs)
+
+
+def test_combinations_that_cannot_apply_are_refused():
+    with pytest.raises(ValueError, match=r"comm_hook='fp16' would never run: with local_sgd and warmup_steps=0"):
+        OptimizedDDPStrategy(comm_hook="fp16", local_sgd=LocalSGDConfig())
+    with pytest.raises(ValueError, match=r"comm_hook='auto' with local_sgd"):
+        OptimizedDDPStrategy(comm_hook="auto", local_sgd=LocalSGDConfig(warmup_steps=10))
+    with pytest.raises(ValueError, match=r"local_sgd and model_averaging_period=4 both given"):
+        OptimizedDDPStrategy(model_averaging_period=4, local_sgd=LocalSGDConfig())
+    with pytest.raises(TypeError, match=r"local_sgd=16 must be a LocalSGDConfig"):
+        OptimizedDDPStrategy(local_sgd=16)
+    # A hook for the warm-up is fine.
+    OptimizedDDPStrategy(comm_hook="fp16", local_sgd=LocalSGDConfig(warmup_steps=10))
+
+
+def test_presets():
+    assert LocalSGDConfig.diloco(32) == LocalSGDConfig(sync_every=32, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    assert LocalSGDConfig.post_local_sgd(8, warmup_steps=100) == LocalSGDConfig(sync_every=8, warmup_steps=100)
+
+
+def test_stack_model_has_no_buffers():
+    assert not list(StackModel().buffers())  # the byte counts above rely on it
