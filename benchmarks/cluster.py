@@ -7,8 +7,10 @@ between addresses inside namespaces this script creates, and it deletes them on 
 root or iproute2 it falls back to plain loopback and says so.
 
 Run:  .venv/bin/python benchmarks/cluster.py [--hosts 2] [--rate 1gbit] [--variants stock,ours,fp16,...]
+      .venv/bin/python benchmarks/cluster.py --task digits --name convergence    # accuracy against wall time
 
-Writes ``benchmarks/results/cluster.{md,json,png}``.
+Writes ``benchmarks/results/cluster.{md,json,png}`` (``--name`` changes the stem). ``--task digits`` trains the
+example's digits classifier for ``--epochs`` on every host and plots held-out accuracy against wall time.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ DEFAULT_VARIANTS = (
     "powersgd_r4",
     "accum4",
     "auto_hook",
+    "diloco16",
 )
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
+DIGITS_VARIANTS = ("stock", "fp16", "powersgd_r4", "diloco16")
 PREFIX = "ddpopt-"
 SUBNET = "10.77.0"
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -231,7 +235,11 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
     for variant, result in results.items():
         times = sorted(result["step_times_s"])
         p50, p95 = _percentile(times, 50), _percentile(times, 95)
-        rate = result["samples_per_step"] / p50
+        # Local SGD syncs once every H steps: its rate is over the whole window, syncs included, not the median step.
+        periodic = (
+            (result.get("sync_rounds") or 0) < 1 and variant != "compute" and result.get("sync_rounds") is not None
+        )
+        rate = result["samples_per_step"] / (statistics.fmean(times) if periodic else p50)
         row: dict[str, Any] = {
             "variant": variant,
             "samples_per_s": rate,
@@ -315,6 +323,50 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
     return [*written, png]
 
 
+def write_digits_reports(results: dict[str, dict], meta: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
+    """Accuracy against wall time per variant: a markdown table, JSON, and a PNG of the curves."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stock_time = results["stock"]["curve"][-1][0] if "stock" in results else None
+    lines = [
+        f"Emulated cluster, digits: {meta['hosts']} hosts, link {meta['link']}, {meta['epochs']} epochs, batch "
+        f"{meta['batch_size']}/host; {meta['machine']}",
+        f"Command: `{meta['command']}`",
+        "",
+        "| variant | final accuracy | best accuracy | training s | vs stock (time) |",
+        "|---|---|---|---|---|",
+    ]
+    for variant, result in results.items():
+        seconds, accuracy = result["curve"][-1]
+        best = max(a for _, a in result["curve"])
+        speed = f"{stock_time / seconds:.2f}x" if stock_time else "-"
+        lines.append(f"| {variant} | {accuracy:.4f} | {best:.4f} | {seconds:.1f} | {speed} |")
+    md = out_dir / f"{name}.md"
+    md.write_text("\n".join(lines) + "\n")
+    js = out_dir / f"{name}.json"
+    js.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [md, js]
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for variant, result in results.items():
+        seconds, accuracy = zip(*result["curve"], strict=True)
+        axis.plot(seconds, accuracy, marker="o", markersize=3, label=variant)
+    axis.set_xlabel("training wall time, s")
+    axis.set_ylabel("held-out accuracy")
+    axis.set_title(f"digits on {meta['hosts']} emulated hosts, {meta['link']}: accuracy against wall time")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    png = out_dir / f"{name}.png"
+    figure.savefig(png, dpi=110)
+    plt.close(figure)
+    return [md, js, png]
+
+
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:{spec}}{suffix}"
 
@@ -343,6 +395,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
+    parser.add_argument(
+        "--task",
+        choices=("throughput", "digits"),
+        default="throughput",
+        help="throughput (default): step times on the MLP; digits: accuracy against wall time",
+    )
+    parser.add_argument("--epochs", type=int, default=10, help="--task digits: epochs per variant (default 10)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="cluster", help="report file stem (default cluster)")
     args = parser.parse_args(argv)
@@ -352,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         link_bytes = parse_rate(args.rate)
     except ValueError as error:
         parser.error(str(error))
+    if args.task == "digits" and args.variants == ",".join(DEFAULT_VARIANTS):
+        args.variants = ",".join(DIGITS_VARIANTS)
+    if args.task == "digits" and args.batch_size == 16:
+        args.batch_size = 32  # the example's
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(DEFAULT_VARIANTS) - set(BUCKET_SWEEP) - set(DEFAULTS_CHECK))
     if unknown:
@@ -364,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cluster: cannot emulate hosts ({reason}); falling back to loopback, unshaped", flush=True)
         loopback = True
     worker_args = [
-        f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("steps", "warmup", "batch-size", "width", "layers")
+        f"--{k}={getattr(args, k.replace('-', '_'))}"
+        for k in ("steps", "warmup", "batch-size", "width", "layers", "task", "epochs")
     ]
     results: dict[str, dict] = {}
     with Cluster(args.hosts, args.rate, args.delay_ms, loopback) as cluster:
@@ -377,12 +441,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         for index, variant in enumerate(variants):
             started = time.monotonic()
             results[variant] = run_variant(cluster, variant, 29700 + index, worker_args, args.timeout)
-            times = results[variant]["step_times_s"]
+            if args.task == "digits":
+                seconds, accuracy = results[variant]["curve"][-1]
+                figure = f"accuracy {accuracy:.4f} after {seconds:6.1f} s of training"
+            else:
+                figure = f"step p50 {statistics.median(results[variant]['step_times_s']) * 1e3:7.0f} ms"
             print(
-                f"  [{index + 1}/{len(variants)}] {variant:12s} step p50 {statistics.median(times) * 1e3:7.0f} ms "
-                f"({time.monotonic() - started:.0f} s)",
+                f"  [{index + 1}/{len(variants)}] {variant:12s} {figure} ({time.monotonic() - started:.0f} s)",
                 flush=True,
             )
+    machine = f"{os.cpu_count()} CPU cores, torch threads per host {os.environ.get('DDPOPT_BENCH_THREADS', '1')}"
+    command = "benchmarks/cluster.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.task == "digits":
+        meta = {
+            "hosts": args.hosts,
+            "link": link,
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "machine": machine,
+            "command": command,
+        }
+        for path in write_digits_reports(results, meta, Path(args.out), args.name):
+            print(f"wrote {path}")
+        print((Path(args.out) / f"{args.name}.md").read_text())
+        return 0
     rows = summarize(results, args.hosts, None if loopback else link_bytes)
     meta = {
         "hosts": args.hosts,
@@ -391,8 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.layers * (args.width**2 + args.width) / 1e6:.1f}M parameters",
         "batch_size": args.batch_size,
         "timed_steps": args.steps - args.warmup,
-        "machine": f"{os.cpu_count()} CPU cores, torch threads per host {os.environ.get('DDPOPT_BENCH_THREADS', '1')}",
-        "command": "benchmarks/cluster.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine,
+        "command": command,
     }
     for path in write_reports(rows, meta, Path(args.out), args.name):
         print(f"wrote {path}")

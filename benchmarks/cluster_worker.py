@@ -2,7 +2,9 @@
 
 Started by ``benchmarks/cluster.py`` once per emulated host (inside that host's network namespace); reads the
 rendezvous from MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK and WORLD_SIZE. Global rank 0 prints one line
-``RESULT {json}`` with the per-step times and the ledger's sync figures.
+``RESULT {json}`` with the per-step times and the ledger's sync figures (``--task throughput``), or with the
+held-out accuracy after each epoch against the training wall time (``--task digits``: the example's digits
+classifier).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
 from lightning_ddpopt.buckets import autotune_candidates
 from lightning_ddpopt.hooks import PowerSGDConfig
 
@@ -36,6 +40,7 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "powersgd_r1": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, start_iter=2)), 1),
     "powersgd_r4": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=4, start_iter=2)), 1),
     "accum4": (lambda: OptimizedDDPStrategy(), 4),
+    "diloco16": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16)), 1),
     "compute": (lambda: "auto", 1),
     "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
     "auto_hook": (lambda: OptimizedDDPStrategy(comm_hook="auto"), 1),
@@ -89,6 +94,55 @@ class StepTimer(pl.Callback):
         return {"hook_s": inside / steps, "hook_wait_s": waiting / steps, "hook_work_s": (inside - waiting) / steps}
 
 
+class AccuracyCurve(pl.Callback):
+    """Rank 0: held-out accuracy after every epoch against training wall time (evaluation time left out)."""
+
+    def __init__(self, test: TensorDataset) -> None:
+        self.test = test
+        self.curve: list[tuple[float, float]] = []
+        self._start = 0.0
+        self._evaluating = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        started = time.perf_counter()
+        x, y = self.test.tensors
+        with torch.no_grad():
+            accuracy = (pl_module(x).argmax(dim=1) == y).float().mean().item()
+        self.curve.append((started - self._start - self._evaluating, accuracy))
+        self._evaluating += time.perf_counter() - started
+
+
+def run_digits(args: argparse.Namespace, make_strategy: Any) -> None:
+    """Train the example's digits classifier for ``args.epochs``; rank 0 prints the accuracy curve."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from train_digits import DigitsClassifier, digits_split
+
+    train, test = digits_split()
+    curve = AccuracyCurve(test)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=args.num_nodes,
+        strategy=make_strategy(),
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[curve],
+    )
+    trainer.fit(DigitsClassifier(), DataLoader(train, batch_size=args.batch_size, shuffle=True))
+    if trainer.global_rank == 0:
+        result = {"variant": args.variant, "world_size": trainer.world_size, "curve": curve.curve}
+        print("RESULT " + json.dumps(result), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
@@ -98,6 +152,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--task", choices=("throughput", "digits"), default="throughput")
+    parser.add_argument("--epochs", type=int, default=10, help="--task digits: epochs to train")
     args = parser.parse_args()
     threads = os.environ.get("DDPOPT_BENCH_THREADS", "1")
     # Lightning's DDP sets torch's threads to cores / local processes unless OMP_NUM_THREADS says otherwise, which
@@ -106,11 +162,16 @@ def main() -> None:
     torch.set_num_threads(int(threads))
 
     make_strategy, accumulate = VARIANTS[args.variant]
+    if args.task == "digits":
+        run_digits(args, make_strategy)
+        return
     num_nodes = 1 if args.variant == "compute" else args.num_nodes
     if args.variant == "autotune":
         # Time only the steps after the search: its length depends on the model's candidate caps.
         search = len(autotune_candidates(MLP(args.width, args.layers), num_nodes)) * (2 + 3)
         args.steps, args.warmup = args.steps + search, args.warmup + search
+    if args.variant.startswith("diloco"):
+        args.steps = args.warmup + 2 * 16  # two whole sync windows timed
     samples = (args.steps + 1) * accumulate * args.batch_size * num_nodes
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
@@ -144,7 +205,7 @@ def main() -> None:
         "step_times_s": timed,
         "gradient_bytes": sum(p.numel() * 4 for p in trainer.lightning_module.parameters()),
         "sync_time_s": statistics.median(s.sync_time_s for s in steps) if steps else None,
-        "bytes_sent": statistics.median(s.wire_bytes or 0 for s in steps) if steps else None,
+        "bytes_sent": statistics.fmean(s.wire_bytes or 0 for s in steps) if steps else None,
         "sync_rounds": statistics.mean(s.sync_rounds for s in steps) if steps else None,
         "bucket_cap_mb": getattr(getattr(trainer.strategy, "bucket_plan", None), "cap_mb", None),
         "comm_hook": getattr(trainer.strategy, "comm_hook_name", None),

@@ -4,6 +4,7 @@ a CSV logger; prints what the strategy did, the findings, and the held-out accur
 Run:  python examples/train_digits.py [--hook fp16] [--devices 2] [--epochs 10] [--no-callbacks]
       python examples/train_digits.py --epochs 1 --stall-rank 1    # see the diagnosis find a straggler
       python examples/train_digits.py --epochs 1 --stall-rank 0 --stall-phase backward
+      python examples/train_digits.py --local-sgd 16                 # DiLoCo: parameters synced every 16 steps
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.dataloader import default_collate
 
-from lightning_ddpopt import COMM_HOOKS, AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt import (
+    COMM_HOOKS,
+    AMPMonitor,
+    CommProfiler,
+    LocalSGDConfig,
+    OptimizedDDPStrategy,
+    StragglerDetector,
+)
 from lightning_ddpopt.buckets import format_mb
 
 
@@ -92,7 +100,9 @@ class StalledCollate:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hook", default="fp16", choices=sorted(COMM_HOOKS), help="comm hook (default: fp16)")
+    parser.add_argument(
+        "--hook", choices=sorted(COMM_HOOKS), help="comm hook (default: fp16; allreduce for --local-sgd's warm-up)"
+    )
     parser.add_argument("--bucket-cap-mb", default="auto", help="bucket cap in MiB or 'auto' (default)")
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (default: 2)")
     parser.add_argument("--epochs", type=int, default=10)
@@ -107,12 +117,20 @@ def main() -> None:
         help="where the stalled rank is slow (default: data loading)",
     )
     parser.add_argument("--stall-ms", type=float, default=200.0, help="the stall per batch (default 200 ms)")
+    parser.add_argument(
+        "--local-sgd", type=int, metavar="H", help="DiLoCo: no gradient syncs, parameters synced every H steps"
+    )
+    parser.add_argument("--local-sgd-warmup", type=int, default=0, metavar="N", help="synchronous steps first")
     args = parser.parse_args()
     bucket_cap = args.bucket_cap_mb if args.bucket_cap_mb == "auto" else float(args.bucket_cap_mb)
 
     pl.seed_everything(0, workers=True)
     train, test = digits_split()
-    strategy = OptimizedDDPStrategy(comm_hook=args.hook, bucket_cap_mb=bucket_cap)
+    local_sgd = None
+    if args.local_sgd is not None:
+        local_sgd = LocalSGDConfig.diloco(args.local_sgd, warmup_steps=args.local_sgd_warmup)
+    hook = args.hook or ("allreduce" if local_sgd is not None else "fp16")
+    strategy = OptimizedDDPStrategy(comm_hook=hook, bucket_cap_mb=bucket_cap, local_sgd=local_sgd)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -66,6 +66,14 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
             # "device": times from CUDA events (device work); "host": host clocks.
             "clock": "device" if ledger.timeline.device_clock else "host",
         }
+    local_sgd = getattr(strategy, "local_sgd", None)
+    if local_sgd is not None:
+        summary["local_sgd"] = {
+            "sync_every": local_sgd.config.sync_every,
+            "warmup_steps": local_sgd.config.warmup_steps,
+            "syncs": local_sgd.syncs,
+            "skipped_inner_steps": local_sgd.skipped_inner_steps,
+        }
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         key = getattr(callback, "summary_key", None)
         if key is not None:
@@ -163,6 +171,15 @@ def _accumulation(summary: dict[str, Any]) -> Finding:
     if ledger is None:
         return Finding("accumulation", "unknown", "no sync rounds counted", "train with OptimizedDDPStrategy")
     rounds, micro = ledger["sync_rounds_per_step"], ledger["micro_batches_per_step"]
+    local_sgd = summary.get("local_sgd")
+    if local_sgd is not None:  # few syncs are the point here, not a sign of anything missing
+        return Finding(
+            "accumulation",
+            "ok",
+            f"local SGD: {rounds:.2f} syncs per optimizer step over {micro:.2f} micro-batches (parameters every "
+            f"{local_sgd['sync_every']} steps after {local_sgd['warmup_steps']} synchronous ones, "
+            f"{local_sgd['syncs']} parameter syncs)",
+        )
     evidence = f"{rounds:.2f} gradient syncs per optimizer step over {micro:.2f} micro-batches"
     if ledger["max_sync_rounds"] > 1:
         return Finding(

@@ -106,3 +106,25 @@ def test_bad_arguments_exit_with_a_message(capsys):
     with pytest.raises(SystemExit):
         cluster.main(["--rate", "fast"])
     assert "rate 'fast' is not a tc rate" in capsys.readouterr().err
+
+
+def test_periodic_syncs_are_counted_over_the_whole_window():
+    # Local SGD: one slow sync step in four. The rate is over all steps (mean), not the median step.
+    result = recorded("diloco16", 0.1, sync=0.0, sent=GRAD / 4)
+    result["step_times_s"] = [0.1, 0.1, 0.1, 0.5]
+    result["sync_rounds"] = 0.25
+    rows = {row["variant"]: row for row in cluster.summarize({"diloco16": result}, hosts=2, link_bytes_per_s=None)}
+    assert rows["diloco16"]["samples_per_s"] == pytest.approx(32 / 0.2)
+
+
+def test_digits_report(tmp_path):
+    results = {
+        "stock": {"variant": "stock", "curve": [[5.0, 0.8], [10.0, 0.95]]},
+        "diloco16": {"variant": "diloco16", "curve": [[1.0, 0.7], [2.5, 0.96]]},
+    }
+    meta = {"hosts": 2, "link": "1gbit", "epochs": 2, "batch_size": 32, "machine": "x", "command": "c"}
+    paths = cluster.write_digits_reports(results, meta, tmp_path, "convergence")
+    assert [p.name for p in paths] == ["convergence.md", "convergence.json", "convergence.png"]
+    table = (tmp_path / "convergence.md").read_text().splitlines()
+    assert table[-1] == "| diloco16 | 0.9600 | 0.9600 | 2.5 | 4.00x |"
+    assert table[-2] == "| stock | 0.9500 | 0.9500 | 10.0 | 1.00x |"

@@ -13,7 +13,7 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import COMM_HOOKS, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt import COMM_HOOKS, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
 from tests.helpers import fit_ddp
 
 EPOCHS = 6
@@ -47,12 +47,12 @@ class HeldOutAccuracy(pl.Callback):
             torch.save(accuracy.compute().item(), self.out)
 
 
-def _accuracy(tmp_path: Path, hook: str, **trainer_kwargs) -> float:
+def _accuracy(tmp_path: Path, hook: str, local_sgd: LocalSGDConfig | None = None, **trainer_kwargs) -> float:
     out = tmp_path / f"{hook}.pt"
     pl.seed_everything(0)
     fit_ddp(
         tmp_path / hook,
-        OptimizedDDPStrategy(comm_hook=hook, start_method="fork"),
+        OptimizedDDPStrategy(comm_hook=hook, start_method="fork", local_sgd=local_sgd),
         model=example.DigitsClassifier(),
         loader=DataLoader(TRAIN, batch_size=32, shuffle=True),
         callbacks=[HeldOutAccuracy(str(out))],
@@ -92,3 +92,13 @@ def test_lossy_hooks_under_fp16_amp_converge_like_allreduce(tmp_path, allreduce_
     print(f"convergence under fp16 AMP: {hook} {accuracy:.4f}, allreduce {allreduce_amp_accuracy:.4f}")
     assert allreduce_amp_accuracy > 0.9
     assert accuracy >= allreduce_amp_accuracy - 0.01, f"{hook}: {accuracy:.4f} vs {allreduce_amp_accuracy:.4f}"
+
+
+@pytest.mark.parametrize(
+    "local_sgd", [LocalSGDConfig.diloco(16), LocalSGDConfig.post_local_sgd(16)], ids=["diloco16", "post_local16"]
+)
+def test_local_sgd_every_16_steps_converges_like_allreduce(tmp_path, allreduce_accuracy, local_sgd):
+    # The same samples as synchronous DDP (6 epochs, about 23 steps per epoch and rank: 8 parameter syncs in all).
+    accuracy = _accuracy(tmp_path, "allreduce", local_sgd=local_sgd)
+    print(f"convergence: local SGD {local_sgd} {accuracy:.4f}, allreduce {allreduce_accuracy:.4f}")
+    assert accuracy >= allreduce_accuracy - 0.01, f"{accuracy:.4f} vs allreduce {allreduce_accuracy:.4f}"
