@@ -41,6 +41,8 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "powersgd_r4": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=4, start_iter=2)), 1),
     "accum4": (lambda: OptimizedDDPStrategy(), 4),
     "diloco16": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16)), 1),
+    "diloco16_int8": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, compression="int8")), 1),
+    "diloco32": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(32)), 1),
     "compute": (lambda: "auto", 1),
     "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
     "auto_hook": (lambda: OptimizedDDPStrategy(comm_hook="auto"), 1),
@@ -170,8 +172,12 @@ def main() -> None:
         # Time only the steps after the search: its length depends on the model's candidate caps.
         search = len(autotune_candidates(MLP(args.width, args.layers), num_nodes)) * (2 + 3)
         args.steps, args.warmup = args.steps + search, args.warmup + search
+    if args.variant == "auto_hook":
+        # auto may choose PowerSGD, which compresses from its start_iter on: time only compressed steps.
+        start_iter = PowerSGDConfig().start_iter
+        args.steps, args.warmup = args.steps + start_iter, args.warmup + start_iter
     if args.variant.startswith("diloco"):
-        args.steps = args.warmup + 2 * 16  # two whole sync windows timed
+        args.steps = args.warmup + 64  # two to four whole sync windows timed
     samples = (args.steps + 1) * accumulate * args.batch_size * num_nodes
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(

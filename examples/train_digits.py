@@ -157,6 +157,12 @@ def main() -> None:
             f"{ledger.total_sync_rounds / steps:.2f} sync rounds/step, "
             f"{format_mb(ledger.total_logical_bytes / steps)} of gradients/step, {sent} sent/step, "
             f"{sum(s.sync_time_s for s in ledger.steps) / len(ledger.steps) * 1e3:.2f} ms sync/step (rank 0)"
+            + (
+                f"; local SGD: {strategy.local_sgd.syncs} parameter syncs (every {strategy.local_sgd.config.sync_every}"
+                " steps, and the final average of a run ending between two)"
+                if strategy.local_sgd is not None
+                else ""
+            )
         )
     results = trainer.test(model, DataLoader(test, batch_size=args.batch_size), verbose=False)
     if trainer.is_global_zero:

@@ -449,6 +449,14 @@ class OptimizedDDPStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
             self._log_layout()
+        if self.local_sgd is not None:
+            # Ranks that trained alone since the last sync end with their average: one model on every rank.
+            final = self.local_sgd.finish()
+            if final is not None:
+                rank_zero_info(
+                    f"ddpopt: local SGD averaged the ranks' parameters at the end of training "
+                    f"({self.local_sgd.local_steps_since_sync} steps after the last sync)"
+                )
         super().on_train_end()
 
     @override

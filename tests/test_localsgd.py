@@ -28,10 +28,12 @@ class ParamsPerStep(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.params.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
 
-    def on_train_end(self, trainer, pl_module):
+    def teardown(self, trainer, pl_module, stage):
+        # After the strategy's own on_train_end (its final average), which runs after the callbacks'.
         strategy = trainer.strategy
         record = {
             "params": self.params,
+            "final": torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]),
             "steps": [(s.sync_rounds, s.logical_bytes, s.wire_bytes) for s in strategy.ledger.steps],
             "local": strategy.local_sgd.state_dict(),
             "skipped_inner": strategy.local_sgd.skipped_inner_steps,
@@ -47,10 +49,17 @@ def _fit(tmp_path: Path, config: LocalSGDConfig, devices: int = 2, model=None, *
     return [torch.load(tmp_path / f"local{rank}.pt") for rank in range(devices)]
 
 
+# Bytes one rank sends per sync: fp16, 2 per parameter; int8, a byte per parameter padded to whole 1024-value
+# blocks, plus an fp32 scale per block. The model has no buffers.
+BLOCKS = math.ceil(PARAMETERS / 1024)
+SENT = {"fp16": PARAMETERS * 2, "int8": BLOCKS * 1024 + BLOCKS * 4}
+
+
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
 @pytest.mark.parametrize("devices", [2, 3])
-def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices):
+def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices, compression):
     # 64 samples, batch 8: 8 / devices steps per epoch; 12 steps with warm-up 2 and H = 5: syncs at steps 7, 12.
-    config = LocalSGDConfig.diloco(sync_every=5, warmup_steps=2, compression="fp16")
+    config = LocalSGDConfig.diloco(sync_every=5, warmup_steps=2, compression=compression)
     steps_per_epoch = math.ceil(64 / 8 / devices)
     ranks = _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
     syncs = {7, 12}
@@ -61,9 +70,8 @@ def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices)
     for record in ranks:
         rounds = [rounds for rounds, _, _ in record["steps"]]
         assert rounds == [1 if step <= 2 or step in syncs else 0 for step in range(1, 13)]
-        # A sync sends the parameter change in fp16: exactly 2 bytes per parameter (the model has no buffers).
         for step in syncs:
-            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, PARAMETERS * 2)
+            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, SENT[compression])
         assert record["local"]["steps"] == 12 and record["local"]["syncs"] == 2
         assert record["local"]["momentum"] is not None
 
@@ -71,7 +79,7 @@ def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices)
 def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
-    config = LocalSGDConfig.diloco(sync_every=2)
+    config = LocalSGDConfig.diloco(sync_every=2, compression="fp32")
     local = LocalSGD(config, module)
     assert local.before_batch() is False  # no warm-up: local from the first batch, anchored now
     anchor = torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
@@ -154,7 +162,7 @@ def test_manual_optimization_with_accumulation(tmp_path):
         ({"outer_lr": 0.0}, r"LocalSGDConfig outer_lr=0.0 must be a positive, finite number"),
         ({"outer_momentum": 1.0}, r"LocalSGDConfig outer_momentum=1.0 must be in \[0, 1\)"),
         ({"nesterov": True}, r"nesterov=True needs outer_momentum > 0"),
-        ({"compression": "int4"}, r"compression='int4' is not valid; choose one of \['fp32', 'fp16', 'bf16'\]"),
+        ({"compression": "int4"}, r"compression='int4' is not valid; choose one of \['fp32', 'fp16', 'bf16', 'int8'"),
         ({"buffers": "sum"}, r"buffers='sum' is not valid"),
         ({"warmup_steps": -1}, r"LocalSGDConfig warmup_steps=-1 must be"),
     ],
@@ -178,9 +186,37 @@ def test_combinations_that_cannot_apply_are_refused():
 
 
 def test_presets():
-    assert LocalSGDConfig.diloco(32) == LocalSGDConfig(sync_every=32, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    assert LocalSGDConfig.diloco(32) == LocalSGDConfig(
+        sync_every=32, outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression="fp16"
+    )
     assert LocalSGDConfig.post_local_sgd(8, warmup_steps=100) == LocalSGDConfig(sync_every=8, warmup_steps=100)
 
 
 def test_stack_model_has_no_buffers():
     assert not list(StackModel().buffers())  # the byte counts above rely on it
+
+
+def test_int8_mean_is_within_half_a_quantisation_step(gloo_group):
+    torch.manual_seed(0)
+    module = nn.Linear(100, 30)  # 3030 parameters: 3 blocks, the last one padded
+    local = LocalSGD(LocalSGDConfig(sync_every=1, compression="int8"), module)
+    delta = torch.randn(3030) * torch.linspace(0.01, 10, 3030)
+    local._work = torch.zeros(3 * 1024)
+    mean = local._work[:3030]
+    mean.copy_(delta)
+    sent = local._mean_inplace(mean)
+    assert sent == 3 * 1024 + 3 * 4
+    for block in range(3):
+        part = slice(block * 1024, min((block + 1) * 1024, 3030))
+        step = delta[part].abs().max() / 127
+        assert (mean[part] - delta[part]).abs().max() <= step / 2 + 1e-6
+
+
+def test_a_run_ending_between_syncs_ends_with_the_ranks_average(tmp_path):
+    # 6 steps, H = 4: a sync at step 4, then 2 steps alone; the model after fit is the ranks' plain average.
+    ranks = _fit(tmp_path, LocalSGDConfig.diloco(sync_every=4, compression="fp32"), max_steps=6, max_epochs=2)
+    last = [record["params"][-1] for record in ranks]
+    assert not torch.equal(last[0], last[1])
+    torch.testing.assert_close(ranks[0]["final"], (last[0] + last[1]) / 2, rtol=0, atol=1e-7)
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+    assert all(record["local"]["syncs"] == 2 for record in ranks)  # the window's sync and the final average
