@@ -466,6 +466,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         # gloo group destroyed later, during interpreter shutdown, can abort the process with its threads running.
         # The hook state keeps its figures (for a checkpoint saved after fit) and falls back to the default group.
         if self._owns_comm_state and isinstance(self.comm_state, CommHookState):
+            self.comm_state.close()
             self.comm_state.process_group = None
         if self.core_binding is not None:
             self.core_binding.release()

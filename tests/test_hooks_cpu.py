@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import time
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt import OptimizedDDPStrategy
-from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState, powersgd_spec
+from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState, powersgd_hook, powersgd_spec
 from lightning_ddpopt.ledger import CommLedger
 from tests.helpers import LAYERS, WIDTH, fit_ddp, stack_gradient_bytes
 
@@ -144,3 +146,72 @@ def test_bad_powersgd_configs(kwargs, message):
 
 def test_start_iter_below_two_is_fine_without_state():
     assert PowerSGDConfig(start_iter=0, error_feedback=False, warm_start=False).start_iter == 0
+
+
+def _jitter(delays: random.Random):
+    """A forward hook whose output's gradient waits 0-2 ms (drawn from ``delays``) in the backward pass."""
+
+    def sleep_then(grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(delays.random() * 0.002)
+        return grad
+
+    def forward_hook(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        output.register_hook(sleep_then)
+
+    return forward_hook
+
+
+def _pipelined_worker(rank: int, port: int, world_size: int, steps: int, jitter: bool, out: str) -> None:
+    """PowerSGD on many buckets, with the CPU worker thread and without, the ranks' backward passes jittered."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = {}
+    for pipelined in (True, False):
+        torch.manual_seed(0)
+        layers = [nn.Linear(64, 64) for _ in range(9)]
+        module = nn.Sequential(*[block for layer in layers for block in (layer, nn.Tanh())])
+        delays = random.Random(rank)
+        if jitter:  # each rank sleeps at random points of its backward pass: buckets arrive in any timing
+            for layer in layers:
+                layer.register_forward_hook(_jitter(delays))
+        model = DistributedDataParallel(module, bucket_cap_mb=0.01)  # one bucket per layer: 9 buckets
+        config = PowerSGDConfig(rank=2, start_iter=2)
+        state = PowerSGDState(config=config, pipelined=pipelined)
+        state.bind_module(module)
+        model.register_comm_hook(state, powersgd_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(rank)
+        seen_threads: set[str] = set()
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(4, 64, generator=data)).pow(2).mean().backward()
+            optimizer.step()
+        seen_threads.add(state._worker._thread.name if state._worker is not None else "backward")
+        params = torch.cat([p.detach().flatten() for p in module.parameters()])
+        gathered = [torch.empty_like(params) for _ in range(world_size)]
+        dist.all_gather(gathered, params)
+        results[pipelined] = {
+            "params": params,
+            "identical": all(torch.equal(gathered[0], g) for g in gathered[1:]),
+            "iteration": state.iteration,
+            "threads": seen_threads,
+        }
+        state.close()
+        del model, state  # see test_powersgd_state: the reducer must not destroy the group
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_pipelined_powersgd_keeps_ranks_identical_whatever_the_timing(tmp_path):
+    # 3 ranks, 9 buckets, random per-rank sleeps inside every backward pass, 200 steps: the worker thread issues
+    # every bucket's collectives in DDP's order on every rank, and the result equals the in-hook chain bit for bit.
+    out = str(tmp_path / "results.pt")
+    mp.start_processes(_pipelined_worker, args=(29561, 3, 200, True, out), nprocs=3, start_method="fork")
+    results = torch.load(out)
+    for pipelined in (True, False):
+        assert results[pipelined]["identical"], pipelined
+        assert results[pipelined]["iteration"] == 200
+    assert results[True]["threads"] == {"ddpopt-powersgd"} and results[False]["threads"] == {"backward"}
+    assert torch.equal(results[True]["params"], results[False]["params"])

@@ -141,4 +141,7 @@ def _time_hook(
     state.bind_module(bucket.module)
     if isinstance(state, PowerSGDState):
         state.iteration = state.config.start_iter  # compressing, as after the warm-up steps
-    return median_seconds(lambda: spec.hook(state, bucket).wait(), device, repeats)  # type: ignore[arg-type]
+    try:
+        return median_seconds(lambda: spec.hook(state, bucket).wait(), device, repeats)  # type: ignore[arg-type]
+    finally:
+        state.close()

@@ -4,9 +4,16 @@ No ``from __future__ import annotations`` here: DDP compares the hook's annotati
 
 torch's ``powerSGD_hook`` chains each bucket's P and Q allreduces through future callbacks, which on gloo run on
 whichever thread completes first, so different ranks issue the collectives of different buckets in different
-orders and gloo aborts ("Received data size doesn't match expected size"). Here every collective of a bucket is
-issued and waited for inside the hook, so all ranks issue them in DDP's bucket order. On NCCL a wait only orders
-the CUDA stream, so the host does not block; on gloo the hook blocks the backward thread while it communicates.
+orders and gloo aborts ("Received data size doesn't match expected size"). Here each bucket's whole chain
+(compress, all-reduce P, orthogonalise, all-reduce Q, decompress) runs in one place, bucket after bucket in DDP's
+bucket order, so all ranks issue the same collectives in the same order:
+
+* **On a CPU (gloo)** the hook hands the bucket to one worker thread per hook state and returns at once; the worker
+  runs the buckets first in, first out, and completes each bucket's future. The backward pass goes on computing the
+  next buckets' gradients while a bucket's collectives are on the wire. (``PowerSGDState.pipelined=False`` runs the
+  chain inside the hook instead, on the backward thread: the same results, bit for bit.)
+* **On a GPU (NCCL)** the chain runs inside the hook: a wait there only orders the CUDA stream, the host never
+  blocks on the network.
 
 The random projections are drawn from generators seeded by ``(seed, step, parameter name)``, the same on every
 rank and reproducible after a resume without saving any RNG state.
@@ -28,8 +35,11 @@ Under fp16 AMP two things keep the state sound:
 """
 
 import math
+import queue
+import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -111,6 +121,40 @@ class _Regroup:
         self.waiting: list[tuple[set[str], torch.futures.Future[torch.Tensor], torch.Tensor]] = []
 
 
+class _Worker:
+    """One thread that runs submitted jobs first in, first out: PowerSGD's buckets in DDP's order, on a CPU."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._run, name="ddpopt-powersgd", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._idle:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until every submitted job has run."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+
 @dataclass(kw_only=True)
 class PowerSGDState(ErrorFeedbackState):
     """PowerSGD's per-rank state: the step counter, error feedback and warm-start memories.
@@ -126,7 +170,15 @@ class PowerSGDState(ErrorFeedbackState):
 
     config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
+    pipelined: bool = True
     _regroup: _Regroup | None = field(default=None, repr=False)
+    _worker: _Worker | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Stop the CPU worker thread (after the buckets it holds); a later step starts a new one."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
@@ -136,6 +188,8 @@ class PowerSGDState(ErrorFeedbackState):
 
     def state_dict(self) -> dict[str, object]:
         """Iteration, error feedback with its loss scales, and Q memories (tensors on the CPU), plus the config."""
+        if self._worker is not None:
+            self._worker.drain()
         return {
             "config": asdict(self.config),
             **self._errors_state_dict(),
@@ -194,6 +248,40 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     Before ``start_iter`` it is a plain mean allreduce, bit-for-bit equal to the ``allreduce`` hook.
     """
+    if not state.pipelined or bucket.buffer().is_cuda:
+        return _sync_bucket(state, bucket)
+    if state._worker is None:
+        state._worker = _Worker()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    state._worker.submit(lambda: _forward(_sync_bucket, state, bucket, future))
+    return future
+
+
+def _forward(
+    sync: Callable[[PowerSGDState, dist.GradBucket], torch.futures.Future[torch.Tensor]],
+    state: PowerSGDState,
+    bucket: dist.GradBucket,
+    future: torch.futures.Future[torch.Tensor],
+) -> None:
+    """Run ``sync`` for the bucket and complete ``future`` with its result (or its error) once that is done."""
+
+    def complete(done: torch.futures.Future[torch.Tensor]) -> None:
+        try:
+            future.set_result(done.value())
+        except Exception as error:  # DDP waits on the future: never leave it pending
+            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
+
+    try:
+        inner = sync(state, bucket)
+    except Exception as error:
+        future.set_exception(error)  # type: ignore[arg-type]
+        return
+    # Not waited for here: a regrouped bucket completes when later buckets (behind it in this queue) have run.
+    inner.add_done_callback(complete)
+
+
+def _sync_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The bucket's whole chain, here and now; the returned future is complete (or completes with later buckets)."""
     start = time.perf_counter()
     buffer = bucket.buffer()
     if state.iteration < state.config.start_iter:
