@@ -138,7 +138,6 @@ def main() -> None:
         max_epochs=args.epochs,
         logger=CSVLogger(args.log_dir, name="digits"),
         enable_checkpointing=False,
-        enable_progress_bar=False,
         log_every_n_steps=10,
         callbacks=[] if args.no_callbacks else [CommProfiler(probe_link=True), StragglerDetector(), AMPMonitor()],
     )
@@ -164,12 +163,20 @@ def main() -> None:
                 else ""
             )
         )
-    results = trainer.test(model, DataLoader(test, batch_size=args.batch_size), verbose=False)
-    if trainer.is_global_zero:
-        print(f"test accuracy: {results[0]['test_accuracy']:.4f} ({len(test)} held-out digits)")
-        print(f"metrics: {trainer.logger.log_dir}/metrics.csv")
-        if not args.no_callbacks:
-            print(f"plot the run: .venv/bin/ddpopt report {trainer.logger.log_dir}")
+    # Test on one process, as Lightning recommends: under DDP a DistributedSampler would pad the held-out set so that
+    # every rank gets the same number of batches, and some digits would count twice.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if not trainer.is_global_zero:
+        return
+    tester = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    results = tester.test(model, DataLoader(test, batch_size=args.batch_size), verbose=False)
+    print(f"test accuracy: {results[0]['test_accuracy']:.4f} ({len(test)} held-out digits)")
+    print(f"metrics: {trainer.logger.log_dir}/metrics.csv")
+    if not args.no_callbacks:
+        print(f"plot the run: .venv/bin/ddpopt report {trainer.logger.log_dir}")
 
 
 if __name__ == "__main__":

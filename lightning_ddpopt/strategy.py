@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -45,7 +46,7 @@ from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, SavedRun, gather_hook_st
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
     HookSpec,
@@ -156,7 +157,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_lightning_version()
-        _validate_local_sgd(local_sgd, comm_hook, ddp_comm_hook, model_averaging_period)
+        _validate_local_sgd(local_sgd, comm_hook, ddp_comm_hook, model_averaging_period, bucket_cap_mb)
         self._hook_spec, self._hook_callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
         self._auto_hook = comm_hook == AUTO_HOOK
         if ddp_comm_hook is not None:
@@ -241,6 +242,10 @@ class OptimizedDDPStrategy(DDPStrategy):
         if self.world_size > 1:
             # Names this run's checkpoint meetings on the store, which outlives a Trainer in the same processes.
             self._checkpoint_nonce = self.broadcast(secrets.token_hex(8))
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if self._local_sgd_config is not None and not any(isinstance(c, _FinalAverage) for c in callbacks):
+            # First in line, so that the callbacks' and the module's on_train_end see the averaged model.
+            callbacks.insert(0, _FinalAverage())
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -314,10 +319,12 @@ class OptimizedDDPStrategy(DDPStrategy):
                 tag=f"{self._checkpoint_nonce}/{self._checkpoint_saves}",
             )
         local_states: list[dict[str, Any]] | None = []
-        if self.local_sgd is not None:  # each rank's inner optimizer state: local, as in DiLoCo
+        if self.local_sgd is not None and "optimizer_states" in checkpoint:  # not for weights-only checkpoints
+            # Each rank's inner optimizer state: local, as in DiLoCo. On the CPU, like the hook states, so that rank
+            # 0 does not materialise the other ranks' tensors on their devices.
             self._checkpoint_saves += 1
             local_states = gather_hook_states(
-                {"optimizer_states": [optimizer.state_dict() for optimizer in self.optimizers]},
+                {"optimizer_states": [_to_cpu(optimizer.state_dict()) for optimizer in self.optimizers]},
                 rank=self.global_rank,
                 world_size=self.world_size,
                 timeout_s=self._checkpoint_timeout,
@@ -449,14 +456,6 @@ class OptimizedDDPStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
             self._log_layout()
-        if self.local_sgd is not None:
-            # Ranks that trained alone since the last sync end with their average: one model on every rank.
-            final = self.local_sgd.finish()
-            if final is not None:
-                rank_zero_info(
-                    f"ddpopt: local SGD averaged the ranks' parameters at the end of training "
-                    f"({self.local_sgd.local_steps_since_sync} steps after the last sync)"
-                )
         super().on_train_end()
 
     @override
@@ -549,6 +548,14 @@ class OptimizedDDPStrategy(DDPStrategy):
         self.bucket_plan = dataclasses.replace(replanned, requested=self.bucket_plan.requested)
         self.bucket_layout = None
         self._layout_due_step = (self.ledger.closed_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
+
+    def _finish_local_sgd(self) -> None:
+        """Ranks that trained alone since the last sync end with their average: one model on every rank."""
+        if self.local_sgd is not None and self.local_sgd.finish() is not None:
+            rank_zero_info(
+                f"ddpopt: local SGD averaged the ranks' parameters at the end of training "
+                f"({self.local_sgd.local_steps_since_sync} steps after the last sync)"
+            )
 
     def _local_sgd_step(self, scale_before: torch.Tensor | None) -> None:
         """Count the optimizer step for local SGD (skipped if the GradScaler backed off) and record its sync."""
@@ -657,6 +664,13 @@ class OptimizedDDPStrategy(DDPStrategy):
             self.comm_state.loss_scale = self._loss_scale
             self.comm_state.bind_module(model.module)
             self.comm_hook_name = self._hook_spec.name
+            if isinstance(self.comm_state, PowerSGDState) and self.root_device.type == "cpu":
+                # PowerSGD's chains run on a worker thread beside the backward pass, in a group of their own: the
+                # backward pass may issue collectives on the model's group meanwhile (DDP's unused-parameter map
+                # with find_unused_parameters=True, a loss's all_gather), which must not interleave with them.
+                ranks = torch.distributed.get_process_group_ranks(model.process_group)
+                self.comm_state.process_group = torch.distributed.new_group(ranks=ranks, backend=backend)
+                self.comm_state.pipelined = True
             return self._hook_spec.hook
         hook: Callable | None = self._hook_callable
         self.comm_state = self._comm_state_arg
@@ -692,13 +706,24 @@ class OptimizedDDPStrategy(DDPStrategy):
         ledger = self.ledger
         # The latest record shows the buckets the hooks saw, unless a step closed since is still on the device.
         last = ledger.steps[-1] if ledger is not None and ledger.steps and not ledger.pending_steps else None
+        if self.local_sgd is not None and self.local_sgd.local:
+            last = None  # a parameter sync's round is not a bucket layout
         recorded = last.bucket_bytes if last is not None else ()
         self.bucket_layout = recorded or built_bucket_bytes(self.model)
         sizes = ", ".join(f"{size / MB:.1f}" for size in self.bucket_layout)
-        rank_zero_info(
+        self._say_during_training(
             f"ddpopt: {self._describe_buckets(self.bucket_layout)} on {self._get_process_group_backend()}, "
             f"bucket sizes [{sizes}] MB"
         )
+
+    def _say_during_training(self, message: str) -> None:
+        """Log ``message`` on rank 0; through the progress bar while one is drawn, so the line does not cut it."""
+        module = self.lightning_module
+        bar = module.trainer.progress_bar_callback if module is not None and module._trainer is not None else None
+        if bar is not None and getattr(bar, "is_enabled", True) and self.is_global_zero:
+            bar.print(message)
+        else:
+            rank_zero_info(message)
 
     def _describe_buckets(self, sizes: tuple[int, ...], cap_note: str = "") -> str:
         assert self.bucket_plan is not None
@@ -744,7 +769,11 @@ def _validate_comm_hook(
 
 
 def _validate_local_sgd(
-    local_sgd: object, comm_hook: object, ddp_comm_hook: Callable | None, model_averaging_period: int | None
+    local_sgd: object,
+    comm_hook: object,
+    ddp_comm_hook: Callable | None,
+    model_averaging_period: int | None,
+    bucket_cap_mb: object,
 ) -> None:
     """Refuse local SGD settings that cannot apply, at construction."""
     if local_sgd is None:
@@ -755,6 +784,12 @@ def _validate_local_sgd(
         raise ValueError(
             f"local_sgd and model_averaging_period={model_averaging_period} both given: they are two local SGD "
             "schemes; use local_sgd=LocalSGDConfig.post_local_sgd(...) for Lightning's post-local SGD"
+        )
+    if bucket_cap_mb == "autotune":
+        raise ValueError(
+            "bucket_cap_mb='autotune' with local_sgd: autotune rewraps the model in a new DDP, which broadcasts rank "
+            "0's parameters over the other ranks' local progress, and most local steps do not sync at all; use "
+            "bucket_cap_mb='auto' or a number"
         )
     if comm_hook == AUTO_HOOK:
         raise ValueError(
@@ -769,6 +804,19 @@ def _validate_local_sgd(
             "synchronised. Set LocalSGDConfig(warmup_steps=N) to run it for the first N steps, or drop it; "
             f"the parameter syncs are compressed by LocalSGDConfig(compression=...) ({local_sgd.compression!r} now)"
         )
+
+
+class _FinalAverage(pl.Callback):
+    """Local SGD's end-of-training average, run before the other callbacks' ``on_train_end``."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, OptimizedDDPStrategy):
+            strategy._finish_local_sgd()
+
+
+def _to_cpu(state: Any) -> Any:
+    return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.detach().cpu())
 
 
 _EXIT_HANDLER_REGISTERED = False

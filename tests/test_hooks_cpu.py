@@ -6,7 +6,9 @@ import math
 import os
 import random
 import time
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState, powersgd_hook, powersgd_spec
 from lightning_ddpopt.ledger import CommLedger
-from tests.helpers import LAYERS, WIDTH, fit_ddp, stack_gradient_bytes
+from tests.helpers import LAYERS, WIDTH, StackModel, fit_ddp, stack_gradient_bytes
 
 PSGD_VARIANTS = {
     "powersgd": PowerSGDConfig(start_iter=2),
@@ -215,3 +217,36 @@ def test_pipelined_powersgd_keeps_ranks_identical_whatever_the_timing(tmp_path):
         assert results[pipelined]["iteration"] == 200
     assert results[True]["threads"] == {"ddpopt-powersgd"} and results[False]["threads"] == {"backward"}
     assert torch.equal(results[True]["params"], results[False]["params"])
+
+
+class _WorkerProbe(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.comm_state
+        record = {
+            "pipelined": state.pipelined,
+            "own_group": state.process_group is not None and state.process_group != dist.group.WORLD,
+            "worker": state._worker is not None and state._worker.alive(),
+            "iteration": state.iteration,
+        }
+        torch.save(record, self.out / f"worker{trainer.global_rank}.pt")
+
+
+def test_strategy_runs_powersgd_on_a_worker_in_a_group_of_its_own(tmp_path):
+    # With find_unused_parameters=True DDP all-reduces its unused-parameter map (every step, unused parameters or
+    # not) on the backward thread right after the last bucket's hook, while the worker still communicates: on one
+    # group the two would interleave differently per rank (measured: gloo aborts the process). The strategy gives
+    # the worker a group of its own.
+    strategy = OptimizedDDPStrategy(
+        comm_hook=PowerSGDConfig(rank=2, start_iter=2),
+        find_unused_parameters=True,
+        bucket_cap_mb=0.3,
+        start_method="fork",
+    )
+    ranks = fit_ddp(tmp_path, strategy, model=StackModel(), max_epochs=3, callbacks=[_WorkerProbe(tmp_path)])
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+    for rank in range(2):
+        record = torch.load(tmp_path / f"worker{rank}.pt")
+        assert record == {"pipelined": True, "own_group": True, "worker": True, "iteration": 12}

@@ -389,3 +389,10 @@ def test_error_buffers_alternate_and_a_non_finite_round_leaves_the_committed_err
     round_ = state._open_round()
     assert state.error_buffer(round_, "w", (2, 2), torch.float32, like.device).shape == (2, 2)
     assert isinstance(round_, SyncRound)
+    # A round under other keys (another bucket layout) commits: the old key's buffers are let go.
+    state._round = None
+    round_ = state._open_round()
+    round_.errors["v"] = state.error_buffer(round_, "v", (3, 3), torch.float32, like.device).fill_(5.0)
+    round_.check([torch.tensor(1.0)])
+    state._close_round()
+    assert set(state._backing) == {"v"} and not state._spare

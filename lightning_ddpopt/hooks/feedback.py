@@ -178,12 +178,12 @@ class ErrorFeedbackState(CommHookState):
     def _commit(self, round_: SyncRound) -> None:
         self.errors.update(round_.errors)
         # A key's previous buffer backs no error any more (this round's errors under the key replaced all of them):
-        # it is the next round's to write.
-        for key, buffer in round_.buffers.items():
-            previous = self._backing.get(key)
-            self._backing[key] = buffer
-            if previous is not None:
-                self._spare[key] = previous
+        # it is the next round's to write. Keys this round did not use (an earlier bucket layout) are forgotten, so
+        # their buffers are freed once no error refers to them.
+        previous, self._backing = self._backing, dict(round_.buffers)
+        self._spare = {
+            key: previous[key] for key in round_.buffers if key in previous and previous[key] is not round_.buffers[key]
+        }
         for name in round_.sent_exactly:  # no compression error: nothing to feed back any more
             self.errors.pop(name, None)
             self.error_scales.pop(name, None)

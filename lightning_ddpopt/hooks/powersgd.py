@@ -8,10 +8,13 @@ orders and gloo aborts ("Received data size doesn't match expected size"). Here 
 (compress, all-reduce P, orthogonalise, all-reduce Q, decompress) runs in one place, bucket after bucket in DDP's
 bucket order, so all ranks issue the same collectives in the same order:
 
-* **On a CPU (gloo)** the hook hands the bucket to one worker thread per hook state and returns at once; the worker
-  runs the buckets first in, first out, and completes each bucket's future. The backward pass goes on computing the
-  next buckets' gradients while a bucket's collectives are on the wire. (``PowerSGDState.pipelined=False`` runs the
-  chain inside the hook instead, on the backward thread: the same results, bit for bit.)
+* **On a CPU with** ``PowerSGDState(pipelined=True)`` (what ``OptimizedDDPStrategy`` sets, with a process group of
+  the hook's own) the hook hands the bucket to one worker thread per hook state and returns at once; the worker runs
+  the buckets first in, first out, and completes each bucket's future. The backward pass goes on computing the next
+  buckets' gradients while a bucket's collectives are on the wire: the same results, bit for bit. The group must be
+  one that nothing else uses during the backward pass (DDP's unused-parameter all-reduce, a loss's collectives run
+  on the backward thread meanwhile, and gloo needs every rank to issue a group's collectives in one order).
+  Without ``pipelined`` (the default) the chain runs inside the hook, on the backward thread.
 * **On a GPU (NCCL)** the chain runs inside the hook: a wait there only orders the CUDA stream, the host never
   blocks on the network.
 
@@ -35,6 +38,7 @@ Under fp16 AMP two things keep the state sound:
 """
 
 import math
+import os
 import queue
 import threading
 import time
@@ -52,6 +56,10 @@ from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, confi
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 
 MatrixDtype = Literal["fp32", "fp16", "bf16"]
+# Seconds teardown waits for the worker thread to finish the buckets it holds.
+_STOP_TIMEOUT_S = 60.0
+# Values of M per row block of the one-thread error-and-decompression pass: 32768 fp32 values, 128 KiB.
+_CACHE_BLOCK_ELEMENTS = 32768
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -128,8 +136,14 @@ class _Worker:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
+        self._pid = os.getpid()
+        self.failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ddpopt-powersgd", daemon=True)
         self._thread.start()
+
+    def alive(self) -> bool:
+        """False in a process forked after the thread started (the child has no such thread)."""
+        return self._pid == os.getpid() and self._thread.is_alive()
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._idle:
@@ -142,8 +156,9 @@ class _Worker:
             self._idle.wait_for(lambda: self._pending == 0)
 
     def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        if self.alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=_STOP_TIMEOUT_S)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -170,7 +185,7 @@ class PowerSGDState(ErrorFeedbackState):
 
     config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
-    pipelined: bool = True
+    pipelined: bool = False
     _regroup: _Regroup | None = field(default=None, repr=False)
     _worker: _Worker | None = field(default=None, repr=False)
 
@@ -248,9 +263,9 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     Before ``start_iter`` it is a plain mean allreduce, bit-for-bit equal to the ``allreduce`` hook.
     """
-    if not state.pipelined or bucket.buffer().is_cuda:
+    if not state.pipelined or bucket.buffer().device.type != "cpu":
         return _sync_bucket(state, bucket)
-    if state._worker is None:
+    if state._worker is None or not state._worker.alive():
         state._worker = _Worker()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     state._worker.submit(lambda: _forward(_sync_bucket, state, bucket, future))
@@ -263,7 +278,15 @@ def _forward(
     bucket: dist.GradBucket,
     future: torch.futures.Future[torch.Tensor],
 ) -> None:
-    """Run ``sync`` for the bucket and complete ``future`` with its result (or its error) once that is done."""
+    """Run ``sync`` for the bucket and complete ``future`` with its result (or its error) once that is done.
+
+    After a failure the worker runs nothing more: each later bucket fails at once, without a collective (this rank
+    would issue them out of step with the others), and buckets waiting for a regrouped round fail too.
+    """
+    worker = state._worker
+    if worker is not None and worker.failed is not None:
+        future.set_exception(RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {worker.failed!r}"))  # type: ignore[arg-type]
+        return
 
     def complete(done: torch.futures.Future[torch.Tensor]) -> None:
         try:
@@ -274,7 +297,13 @@ def _forward(
     try:
         inner = sync(state, bucket)
     except Exception as error:
+        if worker is not None:
+            worker.failed = error
         future.set_exception(error)  # type: ignore[arg-type]
+        regroup, state._regroup = state._regroup, None
+        for _, pending, _ in regroup.waiting if regroup is not None else ():
+            if not pending.done():
+                pending.set_exception(error)  # type: ignore[arg-type]
         return
     # Not waited for here: a regrouped bucket completes when later buckets (behind it in this queue) have run.
     inner.add_done_callback(complete)
@@ -517,12 +546,21 @@ def _error_and_decompress(
 ) -> None:
     """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``.
 
-    Whole-matrix kernels: row blocks small enough to stay in the cache read M once instead of twice on one thread,
-    but their many small kernels cost far more than that under OpenMP with busy cores (measured 5x slower in the
-    cluster benchmark), so this stays two plain passes.
+    With one CPU thread both are done a block of rows at a time, small enough to stay in the cache between the two:
+    M is read from memory once instead of twice (31 against 42 ms for 6 x 2048 x 2048 at rank 4). With more threads
+    the whole-matrix kernels run instead: small blocks would cost an OpenMP fork and join each (5x slower measured
+    with two threads on two busy cores).
     """
-    error.copy_(m).addmm_(p, local_q.t(), alpha=-1)
-    torch.matmul(p, q.t(), out=m)
+    q_t, local_q_t = q.t(), local_q.t()
+    if m.is_cuda or torch.get_num_threads() > 1:
+        error.copy_(m).addmm_(p, local_q_t, alpha=-1)
+        torch.matmul(p, q_t, out=m)
+        return
+    rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
+    for start in range(0, m.shape[0], rows):
+        m_rows, p_rows = m[start : start + rows], p[start : start + rows]
+        error[start : start + rows].copy_(m_rows).addmm_(p_rows, local_q_t, alpha=-1)
+        torch.mm(p_rows, q_t, out=m_rows)
 
 
 def _allreduce_matrices(
