@@ -172,31 +172,9 @@ class LocalSGD:
 
     def sync(self) -> ParameterSync:
         """All-reduce the mean parameter change, take the outer step, and load the new anchor into the model."""
-        assert self.anchor is not None
-        config, anchor = self.config, self.anchor
-        start = time.perf_counter()
-        # The outer gradient anchor - params.
-        delta = self._flat_parameters(out=self._work_buffer())
-        torch.sub(anchor, delta, out=delta)
-        wire_bytes = self._mean_inplace(delta)
-        if config.outer_momentum:
-            if self.momentum is None:
-                self.momentum = torch.zeros_like(delta)
-            self.momentum.mul_(config.outer_momentum).add_(delta)
-            step = delta.add_(self.momentum, alpha=config.outer_momentum) if config.nesterov else self.momentum
-        else:
-            step = delta
-        anchor.sub_(step, alpha=config.outer_lr)
-        self._load_parameters(anchor)
-        buffer_bytes = self._sync_buffers()
+        report = self._exchange(outer_step=True)
         self.syncs += 1
-        return ParameterSync(
-            num_elements=anchor.numel(),
-            logical_bytes=anchor.numel() * 4 + buffer_bytes,
-            wire_bytes=wire_bytes + buffer_bytes,
-            start_s=start,
-            end_s=time.perf_counter(),
-        )
+        return report
 
     def finish(self) -> ParameterSync | None:
         """At the end of training: average the ranks' parameters if they trained alone since the last sync.
@@ -208,17 +186,35 @@ class LocalSGD:
         """
         if self.anchor is None or not self.local or self.local_steps_since_sync == 0:
             return None
+        report = self._exchange(outer_step=False)
+        self.averaged_at_end = True
+        return report
+
+    def _exchange(self, outer_step: bool) -> ParameterSync:
+        """Average ``anchor - params`` over the ranks and move the anchor by it; load it, sync the buffers.
+
+        ``outer_step``: through the outer optimizer (a sync); otherwise plainly (the final average).
+        """
+        assert self.anchor is not None
+        config, anchor = self.config, self.anchor
         start = time.perf_counter()
         delta = self._flat_parameters(out=self._work_buffer())
-        torch.sub(self.anchor, delta, out=delta)
+        torch.sub(anchor, delta, out=delta)
         wire_bytes = self._mean_inplace(delta)
-        self.anchor.sub_(delta)
-        self._load_parameters(self.anchor)
+        step, lr = delta, 1.0
+        if outer_step:
+            lr = config.outer_lr
+            if config.outer_momentum:
+                if self.momentum is None:
+                    self.momentum = torch.zeros_like(delta)
+                self.momentum.mul_(config.outer_momentum).add_(delta)
+                step = delta.add_(self.momentum, alpha=config.outer_momentum) if config.nesterov else self.momentum
+        anchor.sub_(step, alpha=lr)
+        self._load_parameters(anchor)
         buffer_bytes = self._sync_buffers()
-        self.averaged_at_end = True
         return ParameterSync(
-            num_elements=delta.numel(),
-            logical_bytes=delta.numel() * 4 + buffer_bytes,
+            num_elements=anchor.numel(),
+            logical_bytes=anchor.numel() * 4 + buffer_bytes,
             wire_bytes=wire_bytes + buffer_bytes,
             start_s=start,
             end_s=time.perf_counter(),
