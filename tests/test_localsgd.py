@@ -11,10 +11,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt.localsgd import LocalSGD
-from tests.helpers import ManualStackModel, OverflowModel, StackModel, fit_ddp, uninterrupted_and_resumed
+from tests.helpers import (
+    ManualStackModel,
+    OverflowModel,
+    StackModel,
+    fit_ddp,
+    regression_data,
+    uninterrupted_and_resumed,
+)
 
 PARAMETERS = 6 * (256 * 256 + 256)
 
@@ -228,3 +236,51 @@ def test_a_run_ending_between_syncs_ends_with_the_ranks_average(tmp_path, compre
     assert torch.equal(ranks[0]["final"], ranks[1]["final"])
     assert all(record["local"]["syncs"] == 1 for record in ranks)  # the final average is not an outer step
     assert all(record["averaged_at_end"] for record in ranks)
+
+
+def test_resume_between_syncs_continues_from_rank_0_and_syncs_on_schedule(tmp_path):
+    # H = 3, 4 steps per epoch: the epoch-1 checkpoint lies one step after the sync at step 3. The resume loads
+    # rank 0's weights on every rank (one copy in the checkpoint), restores the anchor, the outer momentum, the step
+    # count and each rank's own optimizer state, syncs at step 6 as scheduled and averages at the end (step 8).
+    def make():
+        return OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(sync_every=3), start_method="fork")
+
+    fit_ddp(tmp_path / "first", make(), model=StackModel(optimizer="adam"), max_epochs=1, save_last_to=tmp_path)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["ddpopt"]
+    assert saved["local_sgd"]["steps"] == 4 and saved["local_sgd"]["syncs"] == 1
+    probe = ParamsPerStep(tmp_path)
+    fit_ddp(
+        tmp_path / "resumed",
+        make(),
+        model=StackModel(optimizer="adam"),
+        max_epochs=2,
+        ckpt_path=str(tmp_path / "last.ckpt"),
+        callbacks=[probe],
+    )
+    ranks = [torch.load(tmp_path / f"local{rank}.pt") for rank in range(2)]
+    for record in ranks:
+        assert record["local"]["steps"] == 8 and record["local"]["syncs"] == 2 and record["averaged_at_end"]
+    # Steps 5-8 of the resumed run: alone at 5, synced at 6, alone at 7 and 8, averaged after fit.
+    params = [record["params"] for record in ranks]
+    assert [torch.equal(params[0][i], params[1][i]) for i in range(4)] == [False, True, False, False]
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+
+
+class _ValidatedStackModel(StackModel):
+    """Validates every epoch, with a loss synced across ranks, while the ranks train alone."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return DataLoader(regression_data(32, seed=1), batch_size=8)
+
+
+def test_validation_between_syncs_runs_and_the_ranks_still_meet(tmp_path):
+    # Validation at each epoch end falls between syncs (H = 3, 4 steps per epoch): its forward passes and synced
+    # logging run on every rank without a gradient sync, and the schedule goes on.
+    ranks = _fit(tmp_path, LocalSGDConfig.diloco(sync_every=3), model=_ValidatedStackModel(), max_epochs=3)
+    for record in ranks:
+        assert record["local"]["steps"] == 12 and record["local"]["syncs"] == 4
+    assert torch.equal(ranks[0]["params"][-1], ranks[1]["params"][-1])  # step 12 is a sync

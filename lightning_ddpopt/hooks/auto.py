@@ -82,7 +82,10 @@ def measure_hook_costs(
 
 
 def _largest_within(shapes: list[tuple[int, int]], budget: int, min_rows: int) -> list[tuple[int, int]]:
-    """The largest ``(rows, cols)`` shapes whose elements fit in ``budget``; the largest cut to fewer rows if needed."""
+    """The largest ``(rows, cols)`` shapes whose elements fit in ``budget``; the largest cut to fewer rows if needed.
+
+    A cut keeps at least ``min_rows`` rows, so a matrix wider than ``budget / min_rows`` is probed above the budget.
+    """
     ordered = sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True)
     rows, cols = ordered[0]
     if rows * cols > budget:
