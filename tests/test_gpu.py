@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt import CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.timing import CudaTimeline, timeline_for
@@ -124,4 +124,16 @@ def test_int8_on_nccl(tmp_path):
     for record in ranks:
         # Three buckets, each 2 ranks x 65 blocks of 1024 int8 elements plus a 4-byte scale per block.
         assert [s["wire_bytes"] for s in record["steps"]] == [3 * 2 * 65 * (1024 + 4)] * 4
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+@two_gpus
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
+def test_local_sgd_on_nccl(tmp_path, compression):
+    # 8 steps, warm-up 2, H = 3: syncs at steps 5 and 8 over NCCL, parameters identical after the last one.
+    config = LocalSGDConfig.diloco(sync_every=3, warmup_steps=2, compression=compression)
+    strategy = OptimizedDDPStrategy(local_sgd=config, start_method="spawn")
+    ranks = fit_ddp(tmp_path, strategy, accelerator="gpu", max_steps=8)
+    for record in ranks:
+        assert [s["sync_rounds"] for s in record["steps"]] == [1, 1, 0, 0, 1, 0, 0, 1]
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
