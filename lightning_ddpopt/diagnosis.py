@@ -121,6 +121,9 @@ def _network(summary: dict[str, Any]) -> Finding:
     sent = comm.get("bytes_sent")
     if sent:
         evidence += f", {format_mb(sent)} sent per step"
+    if comm.get("interval_steps"):
+        # Not the run's mean (a summary over the whole run, warm-up included, can differ): say which figures these are.
+        evidence += f" (means of the last {comm['interval_steps']} steps over all ranks)"
     evidence += f", hook {hook}"
     cv = comm.get("step_time_cv")
     if cv is not None and cv > JITTER_CV:

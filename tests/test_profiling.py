@@ -285,6 +285,7 @@ def test_diagnosis_order_and_recommendations():
             "sync_time_min_rank_ms": 58.0,
             "busbw_gbps": 0.91,
             "link_busbw_gbps": 1.0,
+            "interval_steps": 20,
             "bytes_sent": 4e8,
         },
         "ledger": {"sync_rounds_per_step": 4.0, "max_sync_rounds": 4, "micro_batches_per_step": 4.0},
@@ -316,6 +317,8 @@ def test_diagnosis_order_and_recommendations():
     assert all(f.status == "problem" for f in findings)
     assert findings[0].evidence.startswith("the transfer is 60% of the step")
     assert "0.91 of the measured link" in findings[0].evidence
+    # The findings' figures are the profiler's last interval, not the run's mean: the text says so.
+    assert "(means of the last 20 steps over all ranks)" in findings[0].evidence
     assert findings[0].recommendation.startswith("use comm_hook='fp16' (halves the bytes) or 'powersgd'")
     assert "loss scale 0.5 below 1" in findings[1].evidence
     assert "strategy.accumulate(every=K)" in findings[2].recommendation

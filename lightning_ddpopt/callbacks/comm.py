@@ -222,7 +222,7 @@ class CommProfiler(Callback):
 
     def summary(self) -> dict[str, Any]:
         """The latest aggregated figures, for the diagnosis."""
-        return {**self.last_metrics, "link_busbw_gbps": self.link_busbw_gbps}
+        return {**self.last_metrics, "link_busbw_gbps": self.link_busbw_gbps, "interval_steps": self.every_n_steps}
 
     def _aggregate(self, world_size: int) -> dict[str, float]:
         """Gather the interval's per-rank means and the jitter windows from all ranks; derive the logged figures."""
