@@ -10,6 +10,7 @@ Run:  python examples/train_digits.py [--hook fp16] [--devices 2] [--epochs 10] 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import lightning.pytorch as pl
@@ -158,8 +159,8 @@ def main() -> None:
             f"{sum(s.sync_time_s for s in ledger.steps) / len(ledger.steps) * 1e3:.2f} ms sync/step "
             f"(rank 0's means over all {steps} steps, warm-up included)"
             + (
-                f"; local SGD: {strategy.local_sgd.syncs} parameter syncs (every {strategy.local_sgd.config.sync_every}"
-                " steps, and the final average of a run ending between two)"
+                f"; local SGD: {strategy.local_sgd.syncs} parameter syncs, every {strategy.local_sgd.config.sync_every}"
+                f" steps{', then the final average' if strategy.local_sgd.averaged_at_end else ''}"
                 if strategy.local_sgd is not None
                 else ""
             )
@@ -167,6 +168,7 @@ def main() -> None:
     # Test on one process, as Lightning recommends: under DDP a DistributedSampler would pad the held-out set so that
     # every rank gets the same number of batches, and some digits would count twice.
     if torch.distributed.is_initialized():
+        gc.collect()  # the group's threads are joined when its last reference goes: collect cycles holding it first
         torch.distributed.destroy_process_group()
     if not trainer.is_global_zero:
         return

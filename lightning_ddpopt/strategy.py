@@ -212,6 +212,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._registered_hook: CommHook | None = None
         self._layout_due_step = _LAYOUT_FINAL_AFTER_STEPS
         self._local_sgd_config = local_sgd
+        self._hook_group: torch.distributed.ProcessGroup | None = None
         self.local_sgd: LocalSGD | None = None
 
     @override
@@ -465,8 +466,13 @@ class OptimizedDDPStrategy(DDPStrategy):
         # gloo group destroyed later, during interpreter shutdown, can abort the process with its threads running.
         # The hook state keeps its figures (for a checkpoint saved after fit) and falls back to the default group.
         if self._owns_comm_state and isinstance(self.comm_state, CommHookState):
-            self.comm_state.close()
-            self.comm_state.process_group = None
+            if self.comm_state.close():
+                self.comm_state.process_group = None
+                group, self._hook_group = self._hook_group, None
+                if group is not None and torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group(group)
+            else:
+                rank_zero_warn("ddpopt: PowerSGD's worker thread is still busy after a minute; its group is kept")
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None
@@ -552,7 +558,7 @@ class OptimizedDDPStrategy(DDPStrategy):
     def _finish_local_sgd(self) -> None:
         """Ranks that trained alone since the last sync end with their average: one model on every rank."""
         if self.local_sgd is not None and self.local_sgd.finish() is not None:
-            rank_zero_info(
+            self._say_during_training(
                 f"ddpopt: local SGD averaged the ranks' parameters at the end of training "
                 f"({self.local_sgd.local_steps_since_sync} steps after the last sync)"
             )
@@ -669,8 +675,13 @@ class OptimizedDDPStrategy(DDPStrategy):
                 # backward pass may issue collectives on the model's group meanwhile (DDP's unused-parameter map
                 # with find_unused_parameters=True, a loss's all_gather), which must not interleave with them.
                 ranks = torch.distributed.get_process_group_ranks(model.process_group)
-                self.comm_state.process_group = torch.distributed.new_group(ranks=ranks, backend=backend)
+                group = torch.distributed.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
+                self.comm_state.process_group = self._hook_group = group
                 self.comm_state.pipelined = True
+                # The decompression must give the same bits on every rank: computed the same way everywhere.
+                threads = torch.tensor([torch.get_num_threads()], device=self.root_device)
+                torch.distributed.all_reduce(threads, op=torch.distributed.ReduceOp.MAX, group=model.process_group)
+                self.comm_state.one_thread = int(threads) == 1
             return self._hook_spec.hook
         hook: Callable | None = self._hook_callable
         self.comm_state = self._comm_state_arg
@@ -719,8 +730,18 @@ class OptimizedDDPStrategy(DDPStrategy):
     def _say_during_training(self, message: str) -> None:
         """Log ``message`` on rank 0; through the progress bar while one is drawn, so the line does not cut it."""
         module = self.lightning_module
-        bar = module.trainer.progress_bar_callback if module is not None and module._trainer is not None else None
-        if bar is not None and getattr(bar, "is_enabled", True) and self.is_global_zero:
+        trainer = module._trainer if module is not None else None
+        bar = trainer.progress_bar_callback if trainer is not None and trainer.training else None
+        try:  # Lightning's TQDM bar raises TypeError before its train bar exists; other bars have none
+            train_bar = bar.train_progress_bar if bar is not None else None  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            train_bar = None
+        if (
+            bar is not None
+            and train_bar is not None
+            and not getattr(train_bar, "disable", True)
+            and self.is_global_zero
+        ):
             bar.print(message)
         else:
             rank_zero_info(message)

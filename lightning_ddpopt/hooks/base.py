@@ -56,8 +56,9 @@ class CommHookState:
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn about the module DDP wraps (its parameter names); stateless hooks need nothing."""
 
-    def close(self) -> None:
-        """Release what the hook runs beside training (PowerSGD's worker thread); nothing for most hooks."""
+    def close(self) -> bool:
+        """Release what the hook runs beside training (PowerSGD's worker thread); False if it could not yet."""
+        return True
 
     def state_dict(self) -> dict[str, object]:
         """Everything that must survive a checkpoint (nothing, for stateless hooks)."""

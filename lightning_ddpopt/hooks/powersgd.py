@@ -151,19 +151,25 @@ class _Worker:
         self._jobs.put(job)
 
     def drain(self) -> None:
-        """Wait until every submitted job has run."""
+        """Wait until every submitted job has run (nothing to wait for in a forked child)."""
+        if not self.alive():
+            return
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Finish the jobs held and end the thread; False if it is still running after the timeout."""
         if self.alive():
             self._jobs.put(None)
             self._thread.join(timeout=_STOP_TIMEOUT_S)
+        return not self.alive()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
                 job()
+            except BaseException as error:  # a job failing outside its own handling: fail all that follow
+                self.failed = error
             finally:
                 with self._idle:
                     self._pending -= 1
@@ -186,14 +192,27 @@ class PowerSGDState(ErrorFeedbackState):
     config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
     pipelined: bool = False
+    one_thread: bool | None = None
     _regroup: _Regroup | None = field(default=None, repr=False)
     _worker: _Worker | None = field(default=None, repr=False)
 
-    def close(self) -> None:
-        """Stop the CPU worker thread (after the buckets it holds); a later step starts a new one."""
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.stop()
+    def one_thread_everywhere(self) -> bool:
+        """Whether every rank runs one torch thread (the strategy agrees it across ranks; otherwise this rank's).
+
+        The decompression, whose result must be the same bits on every rank, is computed the same way everywhere.
+        """
+        return self.one_thread if self.one_thread is not None else torch.get_num_threads() == 1
+
+    def close(self) -> bool:
+        """Stop the CPU worker thread (after the buckets it holds); a later step starts a new one.
+
+        Returns False if the thread is still running a bucket after a minute (its group must then stay as it is).
+        """
+        worker = self._worker
+        if worker is not None and not worker.stop():
+            return False
+        self._worker = None
+        return True
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
@@ -266,6 +285,8 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     if not state.pipelined or bucket.buffer().device.type != "cpu":
         return _sync_bucket(state, bucket)
     if state._worker is None or not state._worker.alive():
+        if state._worker is not None and state._worker.failed is not None:
+            raise RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {state._worker.failed!r}")
         state._worker = _Worker()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     state._worker.submit(lambda: _forward(_sync_bucket, state, bucket, future))
@@ -524,7 +545,7 @@ def _low_rank_allreduce(
     for m, p, q, local_q, key in zip(matrices, ps, qs, local_qs, keys, strict=True):
         if config.error_feedback:
             errors.append(state.error_buffer(round_, key, tuple(m.shape), m.dtype, m.device))
-            _error_and_decompress(m, p, local_q, q, errors[-1])
+            _error_and_decompress(m, p, local_q, q, errors[-1], state.one_thread_everywhere())
         else:
             torch.matmul(p, q.t(), out=m)
     if config.warm_start:
@@ -542,7 +563,7 @@ def _random_q(config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int
 
 
 def _error_and_decompress(
-    m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor
+    m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor, one_thread: bool
 ) -> None:
     """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``.
 
@@ -552,7 +573,7 @@ def _error_and_decompress(
     with two threads on two busy cores).
     """
     q_t, local_q_t = q.t(), local_q.t()
-    if m.is_cuda or torch.get_num_threads() > 1:
+    if m.is_cuda or not one_thread:
         error.copy_(m).addmm_(p, local_q_t, alpha=-1)
         torch.matmul(p, q_t, out=m)
         return
