@@ -457,33 +457,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     machine = f"{os.cpu_count()} CPU cores, torch threads per host {os.environ.get('DDPOPT_BENCH_THREADS', '1')}"
     command = "benchmarks/cluster.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    meta: dict[str, Any] = {"hosts": args.hosts, "link": link, "batch_size": args.batch_size}
     if args.task == "digits":
-        meta = {
-            "hosts": args.hosts,
-            "link": link,
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "machine": machine,
-            "command": command,
-        }
-        for path in write_digits_reports(results, meta, Path(args.out), args.name):
-            print(f"wrote {path}")
-        print((Path(args.out) / f"{args.name}.md").read_text())
-        return 0
-    rows = summarize(results, args.hosts, None if loopback else link_bytes)
-    meta = {
-        "hosts": args.hosts,
-        "link": link,
-        "model": f"{args.layers} x Linear({args.width}, {args.width}), "
-        f"{args.layers * (args.width**2 + args.width) / 1e6:.1f}M parameters",
-        "batch_size": args.batch_size,
-        "timed_steps": args.steps - args.warmup,
-        "machine": machine,
-        "command": command,
-    }
-    for path in write_reports(rows, meta, Path(args.out), args.name):
+        meta["epochs"] = args.epochs
+        written = write_digits_reports(results, {**meta, "machine": machine, "command": command}, out, args.name)
+    else:
+        meta["model"] = (
+            f"{args.layers} x Linear({args.width}, {args.width}), "
+            f"{args.layers * (args.width**2 + args.width) / 1e6:.1f}M parameters"
+        )
+        meta["timed_steps"] = args.steps - args.warmup
+        rows = summarize(results, args.hosts, None if loopback else link_bytes)
+        written = write_reports(rows, {**meta, "machine": machine, "command": command}, out, args.name)
+    for path in written:
         print(f"wrote {path}")
-    print((Path(args.out) / f"{args.name}.md").read_text())
+    print((out / f"{args.name}.md").read_text())
     return 0
 
 

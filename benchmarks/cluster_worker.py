@@ -119,6 +119,22 @@ class AccuracyCurve(pl.Callback):
         self._evaluating += time.perf_counter() - started
 
 
+def _quiet_trainer(num_nodes: int, strategy: Any, callbacks: list[pl.Callback], **settings: Any) -> pl.Trainer:
+    """One process per emulated host on the CPU; no logger, checkpoints, progress bar or summary."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **settings,
+    )
+
+
 def run_digits(args: argparse.Namespace, make_strategy: Any) -> None:
     """Train the example's digits classifier for ``args.epochs``; rank 0 prints the accuracy curve."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -127,18 +143,7 @@ def run_digits(args: argparse.Namespace, make_strategy: Any) -> None:
     train, test = digits_split()
     curve = AccuracyCurve(test)
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        num_nodes=args.num_nodes,
-        strategy=make_strategy(),
-        max_epochs=args.epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[curve],
-    )
+    trainer = _quiet_trainer(args.num_nodes, make_strategy(), [curve], max_epochs=args.epochs)
     trainer.fit(DigitsClassifier(), DataLoader(train, batch_size=args.batch_size, shuffle=True))
     if trainer.global_rank == 0:
         result = {"variant": args.variant, "world_size": trainer.world_size, "curve": curve.curve}
@@ -185,18 +190,8 @@ def main() -> None:
     )
     timer = StepTimer()
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        num_nodes=num_nodes,
-        strategy=make_strategy(),
-        max_steps=args.steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
+    trainer = _quiet_trainer(
+        num_nodes, make_strategy(), [timer], max_steps=args.steps, accumulate_grad_batches=accumulate
     )
     trainer.fit(MLP(args.width, args.layers), DataLoader(data, batch_size=args.batch_size))
     if trainer.global_rank != 0:
