@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
+from lightning_ddpopt.hooks.feedback import config_mismatch
 from lightning_ddpopt.hooks.int8 import quantize_blocks
 
 __all__ = ["LocalSGD", "LocalSGDConfig", "ParameterSync"]
@@ -250,12 +251,9 @@ class LocalSGD:
 
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
         """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``."""
-        saved = state.get("config")
-        if not isinstance(saved, dict):
-            return "the saved local SGD state has no config; the outer loop starts afresh from the weights"
-        if saved != asdict(self.config):
-            changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in asdict(self.config).items() if saved.get(k) != v]
-            return f"the local SGD config changed ({', '.join(changed)}); the outer loop starts afresh from the weights"
+        reason = config_mismatch("local SGD", state, asdict(self.config))
+        if reason is not None:
+            return f"{reason}; the outer loop starts afresh from the weights"
         anchor, momentum = state["anchor"], state["momentum"]
         numel = sum(p.numel() for p in self.params)
         if anchor is not None and anchor.numel() != numel:

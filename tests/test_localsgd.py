@@ -135,19 +135,21 @@ def test_resume_at_a_sync_boundary_is_bit_exact(tmp_path):
         torch.testing.assert_close(b["params"], a["params"], rtol=0, atol=0)
 
 
-def test_an_overflow_on_one_rank_skips_its_step_and_the_ranks_still_sync_together(tmp_path):
-    # fp16 AMP, local from the start, H = 4; rank 1 overflows at the second step of each epoch: only its scaler
-    # backs off and skips, yet both ranks reach the syncs at steps 4 and 8 together (the schedule counts calls).
+@pytest.mark.parametrize("overflowing", [0, 1])
+def test_an_overflow_on_one_rank_skips_its_step_and_the_ranks_still_sync_together(tmp_path, overflowing):
+    # fp16 AMP, local from the start, H = 4; one rank (rank 0 as well as another) overflows at the second step of
+    # each epoch: only its scaler backs off and skips, yet both ranks reach the syncs at steps 4 and 8 together
+    # (the schedule counts calls).
     monitor = AMPMonitor()
     ranks = _fit(
         tmp_path,
         LocalSGDConfig.diloco(sync_every=4),
-        model=OverflowModel(overflow_at=(2,), ranks=(1,)),
+        model=OverflowModel(overflow_at=(2,), ranks=(overflowing,)),
         max_epochs=2,
         plugins=[fp16_mixed_precision("cpu")],
         callbacks=[monitor],
     )
-    assert [record["skipped_inner"] for record in ranks] == [0, 2]
+    assert [record["skipped_inner"] for record in ranks] == [2 if rank == overflowing else 0 for rank in range(2)]
     for step in (4, 8):
         assert torch.equal(ranks[0]["params"][step - 1], ranks[1]["params"][step - 1])
     assert all(bool(record["params"][-1].isfinite().all()) for record in ranks)
@@ -284,3 +286,15 @@ def test_validation_between_syncs_runs_and_the_ranks_still_meet(tmp_path):
     for record in ranks:
         assert record["local"]["steps"] == 12 and record["local"]["syncs"] == 4
     assert torch.equal(ranks[0]["params"][-1], ranks[1]["params"][-1])  # step 12 is a sync
+
+
+def test_saved_state_of_another_config_is_refused_with_the_reason(gloo_group):
+    local = LocalSGD(LocalSGDConfig.diloco(16), nn.Linear(2, 2))
+    saved = LocalSGD(LocalSGDConfig.diloco(8), nn.Linear(2, 2)).state_dict()
+    assert local.load_state_dict(saved) == (
+        "the local SGD config changed (sync_every 8 -> 16); the outer loop starts afresh from the weights"
+    )
+    assert local.steps == 0 and local.anchor is None
+    assert local.load_state_dict({}) == (
+        "the saved local SGD state has no config; the outer loop starts afresh from the weights"
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,9 @@ class ErrorFeedbackState(CommHookState):
     finite and left the state untouched. Call :meth:`bind_module` with the wrapped module before the first step.
     """
 
+    #: The hook's name in messages about its saved state.
+    label: ClassVar[str] = "hook"
+
     iteration: int = 0
     skipped_rounds: int = 0
     errors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -94,6 +98,30 @@ class ErrorFeedbackState(CommHookState):
         if not self._names:
             raise RuntimeError(f"{type(self).__name__}.bind_module(module) must be called before the first step")
         return [self._names[id(param)] for param in bucket.parameters()]
+
+    def config_dict(self) -> dict[str, object]:
+        """The hook's config as it is saved and compared (each subclass holds one)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, object]:
+        """The config, the step counter, the skipped rounds and the errors with their loss scales (on the CPU)."""
+        return {"config": self.config_dict(), **self._errors_state_dict()}
+
+    def mismatch(self, state: dict[str, object]) -> str | None:
+        """Name the config fields in which ``state`` differs from this run's, or ``None`` when they agree."""
+        return config_mismatch(self.label, state, self.config_dict())
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict` output; tensors move to the gradients' device on first use.
+
+        Raises:
+            ValueError: ``state`` was saved with another config (see :meth:`mismatch`).
+        """
+        reason = self.mismatch(state)
+        if reason is not None:
+            raise ValueError(f"cannot load {self.label} state: {reason}")
+        self.load_shared_state_dict(state)
+        self._load_errors(state)
 
     def _errors_state_dict(self) -> dict[str, object]:
         """The step counter, the skipped rounds and the errors with their loss scales (tensors on the CPU)."""

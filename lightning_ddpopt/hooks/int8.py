@@ -34,12 +34,13 @@ the waits only order the CUDA stream.
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, config_mismatch
+from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
 
 __all__ = ["Int8Config", "Int8State", "dequantize_blocks", "int8_hook", "quantize_blocks"]
 
@@ -69,27 +70,14 @@ class Int8Config:
 class Int8State(ErrorFeedbackState):
     """The int8 hook's per-rank state: the step counter and the error feedback with its loss scales."""
 
+    label: ClassVar[str] = "int8"
+
     config: Int8Config = field(default_factory=Int8Config)
     _in_flight: "_BucketSync | None" = field(default=None, repr=False)
 
-    def state_dict(self) -> dict[str, object]:
-        """Iteration, error feedback with its loss scales (tensors on the CPU), plus the config."""
-        return {"config": asdict(self.config), **self._errors_state_dict()}
-
-    def mismatch(self, state: dict[str, object]) -> str | None:
-        """Name the config fields in which ``state`` differs from this run's, or ``None`` when they agree."""
-        return config_mismatch("int8", state, asdict(self.config))
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            ValueError: ``state`` was saved with another config (see :meth:`mismatch`).
-        """
-        reason = self.mismatch(state)
-        if reason is not None:
-            raise ValueError(f"cannot load int8 state: {reason}")
-        self._load_errors(state)
+    def config_dict(self) -> dict[str, object]:
+        """The Int8Config as saved."""
+        return asdict(self.config)
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
         """Restore the step counter (the same on every rank); error feedback starts afresh."""

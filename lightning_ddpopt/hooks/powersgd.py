@@ -45,13 +45,13 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, config_mismatch
+from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 
@@ -189,6 +189,8 @@ class PowerSGDState(ErrorFeedbackState):
     module before the first step.
     """
 
+    label: ClassVar[str] = "PowerSGD"
+
     config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
     pipelined: bool = False
@@ -220,31 +222,16 @@ class PowerSGDState(ErrorFeedbackState):
         if self._regroup is not None:
             self._plan_regroup(list(self._regroup.groups))
 
+    def config_dict(self) -> dict[str, object]:
+        """The PowerSGDConfig as saved."""
+        return asdict(self.config)
+
     def state_dict(self) -> dict[str, object]:
         """Iteration, error feedback with its loss scales, and Q memories (tensors on the CPU), plus the config."""
         if self._worker is not None:
             self._worker.drain()
-        return {
-            "config": asdict(self.config),
-            **self._errors_state_dict(),
-            "q_memories": {key: q.detach().cpu().clone() for key, q in self.q_memories.items()},
-        }
-
-    def mismatch(self, state: dict[str, object]) -> str | None:
-        """Name the config fields in which ``state`` differs from this run's, or ``None`` when they agree."""
-        return config_mismatch("PowerSGD", state, asdict(self.config))
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict` output; tensors move to the gradients' device on first use.
-
-        Raises:
-            ValueError: ``state`` was saved with another config (see :meth:`mismatch`).
-        """
-        reason = self.mismatch(state)
-        if reason is not None:
-            raise ValueError(f"cannot load PowerSGD state: {reason}")
-        self.load_shared_state_dict(state)
-        self._load_errors(state)
+        q_memories = {key: q.detach().cpu().clone() for key, q in self.q_memories.items()}
+        return {**super().state_dict(), "q_memories": q_memories}
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
         """Restore the step counter and the Q memories (the same on every rank); error feedback starts afresh."""
