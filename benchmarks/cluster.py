@@ -279,7 +279,7 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
         f"Emulated cluster: {meta['hosts']} hosts, link {meta['link']}, model {meta['model']}, "
         f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps; {meta['machine']}",
         "",
-        "| variant | hook | cap MB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
+        "| variant | hook | cap MiB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
         "| of compute limit | of link |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]

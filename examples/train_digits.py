@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import time
+import warnings
 
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,7 +32,11 @@ from lightning_ddpopt import (
     OptimizedDDPStrategy,
     StragglerDetector,
 )
-from lightning_ddpopt.buckets import format_mb
+from lightning_ddpopt.units import format_bytes
+
+# Lightning 2.6 calls a pytree check that torch 2.13 deprecates; the warning is Lightning's, not actionable here, and
+# every rank printed it.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -132,12 +138,16 @@ def main() -> None:
         local_sgd = LocalSGDConfig.diloco(args.local_sgd, warmup_steps=args.local_sgd_warmup)
     hook = args.hook or ("allreduce" if local_sgd is not None else "fp16")
     strategy = OptimizedDDPStrategy(comm_hook=hook, bucket_cap_mb=bucket_cap, local_sgd=local_sgd)
+    csv = CSVLogger(args.log_dir, name="digits")
+    loggers: list[Logger] = [csv]
+    if importlib.util.find_spec("tensorboard") is not None:  # the same run directory: scalars, layout, findings
+        loggers.append(TensorBoardLogger(args.log_dir, name="digits", version=csv.version, default_hp_metric=False))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_epochs=args.epochs,
-        logger=CSVLogger(args.log_dir, name="digits"),
+        logger=loggers,
         enable_checkpointing=False,
         log_every_n_steps=10,
         callbacks=[] if args.no_callbacks else [CommProfiler(probe_link=True), StragglerDetector(), AMPMonitor()],
@@ -150,12 +160,12 @@ def main() -> None:
     ledger = strategy.ledger
     if trainer.is_global_zero and ledger is not None and ledger.total_steps:
         steps = ledger.total_steps
-        sent = f"{format_mb(ledger.total_wire_bytes / steps)}" if ledger.total_wire_bytes else "not recorded"
+        sent = f"{format_bytes(ledger.total_wire_bytes / steps)}" if ledger.total_wire_bytes else "not recorded"
         print(
             f"ddpopt summary: hook {strategy.comm_hook_name}, buckets "
-            f"{[format_mb(b) for b in strategy.bucket_layout or ()]}, {steps} optimizer steps, "
+            f"[{', '.join(format_bytes(b) for b in strategy.bucket_layout or ())}], {steps} optimizer steps, "
             f"{ledger.total_sync_rounds / steps:.2f} sync rounds/step, "
-            f"{format_mb(ledger.total_logical_bytes / steps)} of gradients/step, {sent} sent/step, "
+            f"{format_bytes(ledger.total_logical_bytes / steps)} of gradients/step, {sent} sent/step, "
             f"{sum(s.sync_time_s for s in ledger.steps) / len(ledger.steps) * 1e3:.2f} ms sync/step "
             f"(rank 0's means over all {steps} steps, warm-up included)"
             + (
@@ -178,6 +188,11 @@ def main() -> None:
     results = tester.test(model, DataLoader(test, batch_size=args.batch_size), verbose=False)
     print(f"test accuracy: {results[0]['test_accuracy']:.4f} ({len(test)} held-out digits)")
     print(f"metrics: {trainer.logger.log_dir}/metrics.csv")
+    if len(loggers) > 1:
+        print(
+            f"TensorBoard (ddpopt charts under Custom Scalars, findings under Text): "
+            f".venv/bin/tensorboard --logdir {args.log_dir}"
+        )
     if not args.no_callbacks:
         print(f"plot the run: .venv/bin/ddpopt report {trainer.logger.log_dir}")
 

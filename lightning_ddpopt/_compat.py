@@ -1,9 +1,8 @@
-"""Version checks for torch and Lightning, in one place."""
-
-import warnings
+"""Version checks for torch and Lightning, in one place; warned on rank 0 only."""
 
 import lightning
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.imports import compare_version
 
 __all__ = ["LIGHTNING_TESTED_RANGE", "check_lightning_version"]
@@ -22,13 +21,15 @@ def check_lightning_version() -> None:
         "lightning", lambda a, b: a >= b, high
     )
     if not in_range:
-        warnings.warn(
+        rank_zero_warn(
             f"lightning_ddpopt is tested with lightning>={low},<{high}; lightning {installed} is installed. "
             "OptimizedDDPStrategy overrides private DDPStrategy methods that may have changed.",
-            RuntimeWarning,
-            stacklevel=3,
+            category=RuntimeWarning,
+            stacklevel=6,
         )
     if not _TORCH_GREATER_EQUAL_2_4:
-        warnings.warn(
-            f"lightning_ddpopt needs torch>=2.4; torch {torch.__version__} is installed.", RuntimeWarning, stacklevel=3
+        rank_zero_warn(
+            f"lightning_ddpopt needs torch>=2.4; torch {torch.__version__} is installed.",
+            category=RuntimeWarning,
+            stacklevel=6,
         )

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddpopt.units import MIB
+
 __all__ = [
     "BUCKET_CAP_CHOICES",
     "BucketAutotuner",
@@ -19,13 +21,11 @@ __all__ = [
     "autotune_candidates",
     "built_bucket_bytes",
     "choose_cap",
-    "format_mb",
     "gradient_bytes",
     "plan_buckets",
     "validate_bucket_cap_mb",
 ]
 
-MB = 1024 * 1024
 BucketCap = float | Literal["auto", "autotune"]
 BUCKET_CAP_CHOICES = ("auto", "autotune")
 #: Caps "autotune" tries besides the "auto" one, in MiB (those giving the same layout are tried once).
@@ -84,8 +84,8 @@ def auto_bucket_cap_mb(grad_bytes: int, world_size: int) -> float:
         return 25.0
     target = grad_bytes / AUTO_TARGET_BUCKETS
     latency_floor = 2 * (world_size - 1) * AUTO_LINK_LATENCY_S * AUTO_LINK_BYTES_PER_S / AUTO_MAX_LATENCY_SHARE
-    cap = min(max(target, latency_floor), AUTO_MAX_CAP_MB * MB, grad_bytes)
-    return round(cap / MB, 3)
+    cap = min(max(target, latency_floor), AUTO_MAX_CAP_MB * MIB, grad_bytes)
+    return round(cap / MIB, 3)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def plan_buckets(module: torch.nn.Module, requested: BucketCap, world_size: int)
     cap_mb = auto_bucket_cap_mb(grad_bytes, world_size) if requested in ("auto", "autotune") else float(requested)
     predicted: tuple[int, ...] = ()
     if params:
-        cap_bytes = int(cap_mb * MB)
+        cap_bytes = int(cap_mb * MIB)
         ordered: list[torch.Tensor] = list(reversed(params))
         assignment, _ = dist._compute_bucket_assignment_by_size(ordered, [cap_bytes], [False] * len(ordered))
         predicted = tuple(gradient_bytes(ordered[i] for i in bucket) for bucket in assignment)
@@ -216,8 +216,3 @@ def built_bucket_bytes(model: DistributedDataParallel) -> tuple[int, ...]:
     """The bucket sizes, in bytes and DDP's order, that DDP's reducer holds now."""
     buckets = model.reducer._get_zeros_like_grad_buckets()
     return tuple(b.buffer().numel() * b.buffer().element_size() for b in buckets)
-
-
-def format_mb(nbytes: float) -> str:
-    """Bytes as MB with one decimal, e.g. ``'103.2 MB'`` (MiB, as DDP's ``bucket_cap_mb`` counts them)."""
-    return f"{nbytes / MB:.1f} MB"

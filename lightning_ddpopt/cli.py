@@ -12,6 +12,7 @@ from typing import Any
 
 from lightning_ddpopt.costmodel import DEFAULT_PLAN_HOOKS, LINKS, PLAN_HOOKS, estimate_hooks, parse_count, resolve_link
 from lightning_ddpopt.diagnosis import REPORT_NAME, Finding, format_findings
+from lightning_ddpopt.units import byte_unit, format_bytes
 
 __all__ = ["main"]
 
@@ -104,11 +105,12 @@ def _plan(args: argparse.Namespace) -> int:
         f"{params / 1e6:.1f}M fp32 parameters, {args.world_size} ranks, {link.summary} "
         f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), {compute}"
     )
-    print(f"{'hook':<10}{'MB/step':>12}{'comm ms':>12}{'eff. no overlap':>18}{'eff. overlap':>15}")
+    print(f"{'hook':<10}{'sent/step':>12}{'comm ms':>12}{'eff. no overlap':>18}{'eff. overlap':>15}")
     for e in estimates:
         no_overlap = "-" if e.efficiency_no_overlap is None else f"{e.efficiency_no_overlap:.1%}"
         overlap = "-" if e.efficiency_full_overlap is None else f"{e.efficiency_full_overlap:.1%}"
-        print(f"{e.hook:<10}{e.bytes_per_step / 1e6:>12.1f}{e.comm_s * 1e3:>12.1f}{no_overlap:>18}{overlap:>15}")
+        sent = format_bytes(e.bytes_per_step)
+        print(f"{e.hook:<10}{sent:>12}{e.comm_s * 1e3:>12.1f}{no_overlap:>18}{overlap:>15}")
     if compute_ms is None:
         print("efficiency needs --step-compute-ms: one step's forward+backward time without communication")
     return 0
@@ -149,12 +151,14 @@ def _plot(series: dict[str, dict[str, list[Any]]], out: Path) -> None:
     except ImportError:
         raise CLIError("plotting needs matplotlib: pip install 'lightning-ddpopt[plot]'") from None
     figure, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
-    panels = (("step_time_ms", "step time (ms)"), ("sync_time_ms", "sync time (ms)"), ("bytes_sent", "MB sent"))
+    sent = [v for data in series.values() for v in data.get("bytes_sent", []) if v is not None]
+    scale, unit = byte_unit(max(sent, default=0.0))
+    panels = (("step_time_ms", "step time (ms)"), ("sync_time_ms", "sync time (ms)"), ("bytes_sent", f"{unit} sent"))
     for axis, (key, label) in zip(axes, panels, strict=True):
         for rank, data in sorted(series.items(), key=lambda item: int(item[0])):
             values = [math.nan if v is None else v for v in data.get(key, [])]
             if key == "bytes_sent":
-                values = [v / 1e6 for v in values]
+                values = [v / scale for v in values]
             steps = data.get("step", [])[: len(values)]
             axis.plot(steps, values, label=f"rank {rank}", linewidth=1)
         axis.set_ylabel(label)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
-from lightning_ddpopt.buckets import format_mb
+from lightning_ddpopt.units import format_bytes
 
 __all__ = ["AREAS", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
 
@@ -120,7 +120,7 @@ def _network(summary: dict[str, Any]) -> Finding:
         evidence += f", {busbw:.3f} GB/s bus bandwidth = {busbw / link:.2f} of the measured link"
     sent = comm.get("bytes_sent")
     if sent:
-        evidence += f", {format_mb(sent)} sent per step"
+        evidence += f", {format_bytes(sent)} sent per step"
     if comm.get("interval_steps"):
         # Not the run's mean (a summary over the whole run, warm-up included, can differ): say which figures these are.
         evidence += f" (means of the last {comm['interval_steps']} steps over all ranks)"

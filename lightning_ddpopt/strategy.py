@@ -33,12 +33,10 @@ from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_step
 from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
 from lightning_ddpopt.buckets import (
-    MB,
     BucketAutotuner,
     BucketPlan,
     autotune_candidates,
     built_bucket_bytes,
-    format_mb,
     plan_buckets,
     validate_bucket_cap_mb,
 )
@@ -59,6 +57,7 @@ from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
 from lightning_ddpopt.timing import timeline_for
+from lightning_ddpopt.units import format_bytes
 
 __all__ = ["OptimizedDDPStrategy"]
 
@@ -254,7 +253,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         if reused is not None:
             replanned = plan_buckets(model, reused, self.world_size)
             self.bucket_plan = dataclasses.replace(replanned, requested="autotune")
-            rank_zero_info(f"ddpopt: bucket_cap_mb='autotune' reuses the checkpoint's cap of {reused:g} MB")
+            rank_zero_info(f"ddpopt: bucket_cap_mb='autotune' reuses the checkpoint's cap of {reused:g} MiB")
         else:
             self.bucket_plan = plan_buckets(model, self._bucket_cap_mb, self.world_size)
             if self._bucket_cap_mb == "autotune" and self.world_size > 1:
@@ -534,7 +533,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         previous = tuner.current
         next_cap = tuner.advance(float(score))
         if tuner.done:
-            scores = ", ".join(f"{cap:g} MB: {t * 1e3:.1f} ms" for cap, t in tuner.scores.items())
+            scores = ", ".join(f"{cap:g} MiB: {t * 1e3:.1f} ms" for cap, t in tuner.scores.items())
             rank_zero_info(
                 f"ddpopt: autotune chose bucket_cap_mb={tuner.best:g} after {tuner.total_steps} steps "
                 f"(median step time per cap: {scores})"
@@ -709,7 +708,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         auto = f", auto for {self.world_size} ranks" if plan.requested == "auto" else ""
         if self.autotuner is not None:
             tried = ", ".join(f"{cap:g}" for cap in self.autotuner.candidates)
-            auto = f", autotune tries [{tried}] MB over {self.autotuner.total_steps} steps"
+            auto = f", autotune tries [{tried}] MiB over {self.autotuner.total_steps} steps"
         rank_zero_info(f"ddpopt: plan {self._describe_buckets(plan.predicted_bucket_bytes, auto)} on {backend}")
 
     def _log_layout(self) -> None:
@@ -721,10 +720,10 @@ class OptimizedDDPStrategy(DDPStrategy):
             last = None  # a parameter sync's round is not a bucket layout
         recorded = last.bucket_bytes if last is not None else ()
         self.bucket_layout = recorded or built_bucket_bytes(self.model)
-        sizes = ", ".join(f"{size / MB:.1f}" for size in self.bucket_layout)
+        sizes = ", ".join(format_bytes(size) for size in self.bucket_layout)
         self._say_during_training(
             f"ddpopt: {self._describe_buckets(self.bucket_layout)} on {self._get_process_group_backend()}, "
-            f"bucket sizes [{sizes}] MB"
+            f"bucket sizes [{sizes}]"
         )
 
     def _say_during_training(self, message: str) -> None:
@@ -750,8 +749,8 @@ class OptimizedDDPStrategy(DDPStrategy):
         assert self.bucket_plan is not None
         count = f"{len(sizes)} bucket" + ("" if len(sizes) == 1 else "s")
         hook = self.comm_hook_name or "none (DDP built-in allreduce)"
-        cap = f"cap {self.bucket_plan.cap_mb:g} MB{cap_note}"
-        return f"{format_mb(sum(sizes))} of gradients in {count} ({cap}), hook {hook}"
+        cap = f"cap {self.bucket_plan.cap_mb:g} MiB{cap_note}"
+        return f"{format_bytes(sum(sizes))} of gradients in {count} ({cap}), hook {hook}"
 
 
 def _validate_comm_hook(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -119,8 +120,15 @@ class ReportProbe(pl.Callback):
     def __init__(self, monitor: AMPMonitor, out: str) -> None:
         self.monitor, self.out = monitor, out
 
+    def on_fit_start(self, trainer, pl_module):
+        self._catcher = warnings.catch_warnings(record=True)
+        self.caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
     def on_train_end(self, trainer, pl_module):
-        record = {"reports": self.monitor.nonfinite_reports, "global_step": trainer.global_step}
+        self._catcher.__exit__(None, None, None)
+        warned = [str(w.message) for w in self.caught if "non-finite gradients" in str(w.message)]
+        record = {"reports": self.monitor.nonfinite_reports, "global_step": trainer.global_step, "warned": warned}
         torch.save(record, Path(self.out) / f"amp{trainer.global_rank}.pt")
 
 
@@ -140,6 +148,12 @@ def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path):
         # All-reduced by DDP, the NaN reaches net.4.weight on both ranks; both stop after that step.
         assert record["reports"] == [{"step": 2, "names": {0: ["net.4.weight"], 1: ["net.4.weight"]}}]
         assert record["global_step"] == 2
+        # The message names every rank's parameters: rank 0 prints it, once.
+        expected = [
+            "ddpopt: non-finite gradients at optimizer step 2 (rank 0 reporting), first offending parameters - "
+            "rank 0: net.4.weight; rank 1: net.4.weight"
+        ]
+        assert record["warned"] == (expected if rank == 0 else [])
 
 
 @pytest.mark.parametrize(

@@ -9,29 +9,28 @@ import torch
 from torch import nn
 
 from lightning_ddpopt.buckets import (
-    MB,
     BucketAutotuner,
     auto_bucket_cap_mb,
     autotune_candidates,
     choose_cap,
-    format_mb,
     gradient_bytes,
     plan_buckets,
 )
+from lightning_ddpopt.units import MIB
 
 
 def test_auto_targets_eight_buckets_between_the_latency_floor_and_the_ceiling():
-    # 400 MB of gradients on 2 ranks: 400 / 8 = 50 MB, between the floor and 100 MB.
-    assert auto_bucket_cap_mb(400 * MB, 2) == 50.0
-    # 4 GB: capped at 100 MB.
-    assert auto_bucket_cap_mb(4096 * MB, 2) == 100.0
-    # 4 MB on 2 ranks: 0.5 MB would be latency-bound; floor = 2 x 1 x 50 us x 1.25 GB/s / 0.1 = 1.25e6 bytes.
-    assert auto_bucket_cap_mb(4 * MB, 2) == round(1.25e6 / MB, 3)
+    # 400 MiB of gradients on 2 ranks: 400 / 8 = 50 MiB, between the floor and 100 MiB.
+    assert auto_bucket_cap_mb(400 * MIB, 2) == 50.0
+    # 4 GiB: capped at 100 MiB.
+    assert auto_bucket_cap_mb(4096 * MIB, 2) == 100.0
+    # 4 MiB on 2 ranks: 0.5 MiB would be latency-bound; floor = 2 x 1 x 50 us x 1.25 GB/s / 0.1 = 1.25e6 bytes.
+    assert auto_bucket_cap_mb(4 * MIB, 2) == round(1.25e6 / MIB, 3)
     # The floor grows with the ring: 8 ranks -> 14 messages -> 8.75e6 bytes.
-    assert auto_bucket_cap_mb(40 * MB, 8) == round(8.75e6 / MB, 3)
+    assert auto_bucket_cap_mb(40 * MIB, 8) == round(8.75e6 / MIB, 3)
     # Never above the gradients themselves; one process needs no buckets of its own size.
-    assert auto_bucket_cap_mb(MB // 2, 8) == 0.5
-    assert auto_bucket_cap_mb(400 * MB, 1) == 25.0
+    assert auto_bucket_cap_mb(MIB // 2, 8) == 0.5
+    assert auto_bucket_cap_mb(400 * MIB, 1) == 25.0
 
 
 def test_plan_predicts_layout_in_reverse_definition_order():
@@ -52,11 +51,6 @@ def test_plan_auto_and_frozen_parameters():
     assert plan.gradient_bytes == gradient_bytes(model[1].parameters()) == (1024 * 1024 + 1024) * 4
     assert plan.cap_mb == auto_bucket_cap_mb(plan.gradient_bytes, 2)
     assert sum(plan.predicted_bucket_bytes) == plan.gradient_bytes
-
-
-@pytest.mark.parametrize(("nbytes", "text"), [(0, "0.0 MB"), (MB, "1.0 MB"), (int(103.24 * MB), "103.2 MB")])
-def test_format_mb(nbytes, text):
-    assert format_mb(nbytes) == text
 
 
 def test_gradient_bytes_counts_dtype_width():
@@ -86,10 +80,10 @@ def test_choose_cap_prefers_the_larger_cap_within_one_percent():
 
 
 def test_autotune_candidates_start_with_auto_and_skip_identical_layouts():
-    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 4.2 MB of gradients
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 4.2 MiB of gradients
     candidates = autotune_candidates(model, world_size=2)
     assert candidates[0] == auto_bucket_cap_mb(gradient_bytes(model.parameters()), 2)
-    # 5, 25 and 100 MB all give one bucket: only the first of them is tried.
+    # 5, 25 and 100 MiB all give one bucket: only the first of them is tried.
     assert candidates == [candidates[0], 1.0, 5.0]
     with pytest.raises(ValueError, match="at least one candidate"):
         BucketAutotuner([])

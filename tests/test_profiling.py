@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 
@@ -93,7 +94,8 @@ def profiled_run(request, tmp_path_factory):
         tmp_path,
         strategy,
         callbacks=callbacks,
-        logger=CSVLogger(tmp_path, name="logs"),
+        # CSV first: it holds the run's log_dir (and so the report); TensorBoard beside it.
+        logger=[CSVLogger(tmp_path, name="logs"), TensorBoardLogger(tmp_path, name="tb")],
         log_every_n_steps=1,
         samples=128,  # 8 steps of 8 samples on each of 2 ranks
     )
@@ -143,6 +145,50 @@ def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
     assert on_demand[0]["status"] != "unknown" and f"hook {hook}" in on_demand[0]["evidence"]
     assert on_demand[2]["evidence"] == "1.00 gradient syncs per optimizer step over 1.00 micro-batches"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_tensorboard_shows_the_scalars_a_layout_and_the_findings(profiled_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    hook, tmp_path = profiled_run
+    (events,) = tmp_path.glob("tb/version_*/events.out.tfevents.*")
+    board = EventAccumulator(str(events), size_guidance={"scalars": 0, "tensors": 0})
+    board.Reload()
+    scalars = set(board.Tags()["scalars"])
+    assert {f"ddpopt/comm/{key}" for key in COMM_KEYS} <= scalars
+    assert {f"ddpopt/straggler/{key}" for key in STRAGGLER_KEYS} <= scalars
+    assert "ddpopt/amp/nonfinite_steps" in scalars
+    width = 4 if hook == "allreduce" else 2
+    # The same exact figures as the CSV logger's, at the same steps (from the 4th of 8 steps on, repeated between).
+    sent = board.Scalars("ddpopt/comm/bytes_sent")
+    assert {event.value for event in sent} == {stack_gradient_bytes() // 4 * width}
+    assert [event.step for event in sent] == [3, 4, 5, 6, 7]
+
+    # The Custom Scalars layout: a section per measuring callback, every chart's regex matching logged tags.
+    (config,) = board.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    sections = {category.title: category for category in layout.category}
+    assert list(sections) == ["ddpopt network", "ddpopt stragglers", "ddpopt AMP"]
+    charts = {chart.title: chart.multiline.tag for category in layout.category for chart in category.chart}
+    sync = [tag for tag in scalars if re.search(charts["step and sync time (ms)"][0], tag)]
+    assert sorted(sync) == [
+        f"ddpopt/comm/{key}" for key in ("step_time_ms", "sync_time_max_ms", "sync_time_min_rank_ms", "sync_time_ms")
+    ]
+    # Every ddpopt scalar of the run is on exactly one chart (AMP's scaler charts stay empty without a scaler).
+    for tag in (tag for tag in scalars if tag.startswith("ddpopt/")):
+        assert sum(bool(re.search(regex, tag)) for (regex,) in charts.values()) == 1, tag
+
+    # The findings at the end of fit, as the Text tab's Markdown table, the same as the report's.
+    (text,) = board.Tensors("ddpopt/findings/text_summary")
+    markdown = text.tensor_proto.string_val[0].decode()
+    (report,) = tmp_path.glob("logs/version_*/ddpopt_report.json")
+    findings = json.loads(report.read_text())["findings"]
+    assert text.step == 8
+    assert markdown.splitlines()[2:4] == ["| area | status | evidence | recommendation |", "|---|---|---|---|"]
+    rows = markdown.splitlines()[4:]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {f['area']}" for f in findings]
+    assert findings[0]["evidence"] in rows[0]
 
 
 def test_straggler_is_named_with_its_phase(tmp_path):
@@ -319,6 +365,7 @@ def test_diagnosis_order_and_recommendations():
     assert "0.91 of the measured link" in findings[0].evidence
     # The findings' figures are the profiler's last interval, not the run's mean: the text says so.
     assert "(means of the last 20 steps over all ranks)" in findings[0].evidence
+    assert ", 400 MB sent per step (means of the last 20 steps" in findings[0].evidence
     assert findings[0].recommendation.startswith("use comm_hook='fp16' (halves the bytes) or 'powersgd'")
     assert "loss scale 0.5 below 1" in findings[1].evidence
     assert "strategy.accumulate(every=K)" in findings[2].recommendation

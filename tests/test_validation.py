@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -127,3 +128,21 @@ def test_static_graph_with_accumulation_is_refused_at_setup(tmp_path):
     )
     with pytest.raises(ValueError, match=r"static_graph=True cannot be combined with accumulate_grad_batches=2"):
         trainer.fit(StackModel(), torch.utils.data.DataLoader(regression_data(8), batch_size=4))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_untested_lightning_is_warned_once_on_rank_zero(rank, monkeypatch):
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from lightning_ddpopt import _compat
+
+    monkeypatch.setattr(_compat, "LIGHTNING_TESTED_RANGE", ("0.1.0", "0.2.0"))
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OptimizedDDPStrategy()
+    ours = [w for w in caught if "is tested with lightning" in str(w.message)]
+    assert len(ours) == (1 if rank == 0 else 0)
+    if rank == 0:
+        assert str(ours[0].message).startswith("lightning_ddpopt is tested with lightning>=0.1.0,<0.2.0; lightning ")
+        assert ours[0].filename == __file__  # points at the user's line, not the package

@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_ddpopt.callbacks._tensorboard import write_findings
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
 
 __all__ = ["report_if_last"]
@@ -19,7 +20,8 @@ def report_if_last(trainer: pl.Trainer, callback: object) -> Path | None:
     """Write the report if ``callback`` is the run's last measuring callback; every rank must call this.
 
     Returns the report's path on rank 0, ``None`` elsewhere or when another callback writes it. A ``CommProfiler``
-    with ``report=False`` turns the report off. The per-rank series come from ``CommProfiler`` when present.
+    with ``report=False`` turns the report off. The per-rank series come from ``CommProfiler`` when present. The
+    findings also go to every TensorBoard logger, as text.
     """
     measuring = [c for c in trainer.callbacks if getattr(c, "summary_key", None) is not None]  # type: ignore[attr-defined]
     if not measuring or measuring[-1] is not callback or any(getattr(c, "report", True) is False for c in measuring):
@@ -30,6 +32,7 @@ def report_if_last(trainer: pl.Trainer, callback: object) -> Path | None:
     summary = summarize(trainer)
     findings = diagnose(summary)
     print(format_findings(findings), flush=True)
+    write_findings(trainer, findings)
     series: dict[str, Any] = next(
         (c.report_series for c in measuring if getattr(c, "report_series", None) is not None), {}
     )

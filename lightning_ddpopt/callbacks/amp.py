@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
+from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -64,6 +65,16 @@ class AMPMonitor(Callback):
     """
 
     summary_key = "amp"
+    tensorboard_charts = charts(
+        "ddpopt AMP",
+        "ddpopt/amp",
+        {
+            "loss scale": ["scale"],
+            "skip rate": ["skip_rate"],
+            "skipped steps and scale changes": ["skipped_steps", "backoff_events", "growth_events"],
+            "steps with non-finite gradients (no scaler)": ["nonfinite_steps"],
+        },
+    )
 
     def __init__(
         self,
@@ -149,6 +160,10 @@ class AMPMonitor(Callback):
 
         pl_module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
         self._patched_module = pl_module
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        write_layout_if_first(trainer, self)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -283,6 +298,7 @@ class AMPMonitor(Callback):
         )
         if self.on_nonfinite == "raise":
             raise FloatingPointError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if trainer.is_global_zero:  # every rank's names are in the message: one copy of it is enough
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         if self.on_nonfinite == "stop":
             trainer.should_stop = True

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
+from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.ledger import CommLedger, StepRecord
 from lightning_ddpopt.timing import median_seconds
@@ -136,6 +137,7 @@ class CommProfiler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        write_layout_if_first(trainer, self)
         if not self._active:
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
@@ -219,6 +221,22 @@ class CommProfiler(Callback):
         self.report_path = report_if_last(trainer, self)
 
     summary_key = "comm"
+    tensorboard_charts = charts(
+        "ddpopt network",
+        "ddpopt/comm",
+        {
+            "step and sync time (ms)": ["step_time_ms", "sync_time_ms", "sync_time_max_ms", "sync_time_min_rank_ms"],
+            "step time percentiles (ms)": ["step_time_p50_ms", "step_time_p95_ms", "step_time_p99_ms"],
+            "sync time percentiles (ms)": ["sync_time_p50_ms", "sync_time_p95_ms", "sync_time_p99_ms"],
+            "share of the step": ["comm_share", "transfer_share"],
+            "bytes per step": ["bytes_sent", "bytes_uncompressed"],
+            "compression ratio": ["compression_ratio"],
+            "bandwidth (GB/s)": ["algbw_gbps", "busbw_gbps"],
+            "jitter (coefficient of variation)": ["step_time_cv", "sync_time_cv"],
+            "gradient syncs per optimizer step": ["sync_rounds"],
+            "samples per optimizer step, all ranks": ["/ddpopt/effective_batch_size"],
+        },
+    )
 
     def summary(self) -> dict[str, Any]:
         """The latest aggregated figures, for the diagnosis."""

@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
+from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.ledger import StepRecord
 from lightning_ddpopt.timing import Mark, Timeline
 
@@ -108,6 +109,16 @@ class StragglerDetector(Callback):
     """
 
     summary_key = "stragglers"
+    tensorboard_charts = charts(
+        "ddpopt stragglers",
+        "ddpopt/straggler",
+        {
+            "slowest rank's time per step (ms)": ["data_ms", "compute_ms", "optimizer_ms", "wait_ms"],
+            "excess over the median rank (ms)": ["excess_ms"],
+            "slowest rank": ["slowest_rank"],
+            "straggler named (1) or not (0)": ["is_straggler"],
+        },
+    )
 
     def __init__(self, every_n_steps: int = 20, min_excess_ms: float = 20.0, min_excess_fraction: float = 0.1) -> None:
         require_int("every_n_steps", every_n_steps, 1)
@@ -147,6 +158,7 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        write_layout_if_first(trainer, self)
         if not self._active:
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
@@ -273,8 +285,11 @@ class StragglerDetector(Callback):
 
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
         # (world, phases + 1): every rank's sums over the steps it has resolved so far.
-        width = len(PHASES) + 1
-        per_rank = trainer.strategy.all_gather(self._totals.to(pl_module.device)).reshape(-1, width).double().cpu()
+        # torch's own collective: the strategy's all_gather goes through a deprecated autograd-aware one that warns.
+        local = self._totals.to(pl_module.device)
+        gathered = [torch.empty_like(local) for _ in range(trainer.world_size)]
+        torch.distributed.all_gather(gathered, local)
+        per_rank = torch.stack(gathered).double().cpu()
         self._steps_in_window = 0
         if bool((per_rank[:, -1] == 0).any()):
             # A rank's device has not finished a step yet: keep the sums, decide at the next window (or the end).

@@ -1,0 +1,38 @@
+"""How the package writes sizes: bytes in decimal units, bucket caps in MiB.
+
+Every size the package prints (gradients, bytes sent, report plots, ``ddpopt plan``, the benchmarks) is in decimal
+units, B, kB, MB and GB of 10^3, 10^6 and 10^9 bytes, as Lightning's model summary and bandwidths in GB/s count them.
+The one exception is arguments named ``*_mb`` (``bucket_cap_mb``, ``probe_mb``): they count MiB (2^20 bytes), as DDP's
+``bucket_cap_mb`` does, and are written "MiB".
+"""
+
+from __future__ import annotations
+
+__all__ = ["MIB", "byte_unit", "format_bytes"]
+
+#: One MiB, the unit of DDP's ``bucket_cap_mb``.
+MIB = 1024 * 1024
+
+_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
+
+
+def byte_unit(nbytes: float) -> tuple[float, str]:
+    """The largest decimal unit that keeps ``nbytes`` at 1 or more, as (bytes per unit, name): ``(1e6, 'MB')``."""
+    for scale, unit in _UNITS:
+        if abs(nbytes) >= scale:
+            return scale, unit
+    return 1.0, "B"
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes in :func:`byte_unit`'s unit to 3 significant digits.
+
+    ``format_bytes(4_506_000) == '4.51 MB'``, ``format_bytes(2_100) == '2.1 kB'``, ``format_bytes(12) == '12 B'``.
+    """
+    scale, unit = byte_unit(nbytes)
+    return f"{_three_digits(nbytes / scale)} {unit}" if scale > 1 else f"{nbytes:.0f} B"
+
+
+def _three_digits(value: float) -> str:
+    decimals = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
+    return f"{value:.{decimals}f}".rstrip("0").rstrip(".") if decimals else f"{value:.0f}"

@@ -1,0 +1,64 @@
+"""One unit convention: decimal bytes scaled to the figure (B, kB, MB, GB), bucket caps in MiB."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lightning.pytorch.utilities.model_summary import ModelSummary
+from torch import nn
+
+from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt.buckets import plan_buckets
+from lightning_ddpopt.cli import main as ddpopt
+from lightning_ddpopt.units import MIB, byte_unit, format_bytes
+from tests.helpers import StackModel
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (0, "0 B"),
+        (12, "12 B"),
+        (999, "999 B"),
+        (2_100, "2.1 kB"),
+        (150_000, "150 kB"),
+        (4_506_000, "4.51 MB"),
+        (MIB, "1.05 MB"),
+        (25.2e6, "25.2 MB"),
+        (101e6, "101 MB"),
+        (1.5e9, "1.5 GB"),
+    ],
+)
+def test_format_bytes_scales_the_unit(nbytes, text):
+    assert format_bytes(nbytes) == text
+
+
+def test_byte_unit():
+    assert byte_unit(999) == (1.0, "B") and byte_unit(1000) == (1e3, "kB") and byte_unit(3e9) == (1e9, "GB")
+
+
+def test_sizes_agree_with_lightnings_model_summary():
+    model = StackModel()
+    lightning_mb = ModelSummary(model).model_size  # Lightning's "params size (MB)", 10^6 bytes
+    ours = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert format_bytes(ours) == format_bytes(lightning_mb * 1e6)
+    assert format_bytes(ours).endswith(" kB") or format_bytes(ours).endswith(" MB")
+
+
+def test_layout_line_writes_bytes_in_mb_and_the_cap_in_mib():
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 8.4 MB of gradients
+    strategy = OptimizedDDPStrategy(bucket_cap_mb=5)
+    strategy.bucket_plan = plan_buckets(model, 5, world_size=2)
+    line = strategy._describe_buckets(strategy.bucket_plan.predicted_bucket_bytes)
+    assert line == "8.4 MB of gradients in 1 bucket (cap 5 MiB), hook none (DDP built-in allreduce)"
+
+
+def test_plan_table_scales_each_row(capsys):
+    assert ddpopt(["plan", "--params", "1M", "--world-size", "2", "--gbps", "1"]) == 0
+    rows = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()[2:6]}
+    # 4 MB of fp32 gradients; PowerSGD's rank-4 factors of 4096-wide matrices are 7.81 kB, not "0.0 MB".
+    assert rows["allreduce"] == ["4", "MB"] and rows["fp16"] == ["2", "MB"]
+    assert rows["powersgd"] == ["7.81", "kB"]
+    assert ddpopt(["plan", "--params", "1M", "--world-size", "2", "--gbps", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["bytes_per_step"] == 4e6  # JSON stays in bytes
