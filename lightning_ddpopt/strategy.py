@@ -44,7 +44,7 @@ from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, SavedRun, gather_hook_st
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
+from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
     HookSpec,
@@ -677,10 +677,12 @@ class OptimizedDDPStrategy(DDPStrategy):
                 group = torch.distributed.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
                 self.comm_state.process_group = self._hook_group = group
                 self.comm_state.pipelined = True
-                # The decompression must give the same bits on every rank: computed the same way everywhere.
-                threads = torch.tensor([torch.get_num_threads()], device=self.root_device)
-                torch.distributed.all_reduce(threads, op=torch.distributed.ReduceOp.MAX, group=model.process_group)
-                self.comm_state.one_thread = int(threads) == 1
+                # The decompression must give the same bits on every rank: computed the same way everywhere, the
+                # way the least able rank can ("blas" with more threads somewhere, else "blocked" without numba).
+                order: tuple[CPUKernels, ...] = ("numba", "blocked", "blas")
+                kernels = torch.tensor([order.index(local_cpu_kernels())], device=self.root_device)
+                torch.distributed.all_reduce(kernels, op=torch.distributed.ReduceOp.MAX, group=model.process_group)
+                self.comm_state.cpu_kernels = order[int(kernels)]
             return self._hook_spec.hook
         hook: Callable | None = self._hook_callable
         self.comm_state = self._comm_state_arg

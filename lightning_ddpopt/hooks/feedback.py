@@ -225,18 +225,35 @@ class ErrorFeedbackState(CommHookState):
     def add_error_feedback(self, round_: SyncRound, names: list[str], gradients: list[torch.Tensor]) -> None:
         """Add each gradient's stored error, rescaled from the loss scale it was stored at to this round's."""
         for name, gradient in zip(names, gradients, strict=True):
-            error = self.errors.get(name)
-            if error is None or error.shape != gradient.shape:
+            found = self.stored_error(round_, name, gradient)
+            if found is None:
                 continue
-            if error.device != gradient.device:
-                error = self.errors[name] = error.to(gradient.device)
-            stored = self.error_scales.get(name)
-            if stored is None and (round_.scale is None or name in self._scale_unknown):
+            error, ratio = found
+            if ratio is None:
                 gradient.add_(error)
-                continue
-            current = round_.scale if round_.scale is not None else torch.ones((), device=gradient.device)
-            ratio = current / (stored.to(gradient.device) if stored is not None else 1.0)
-            gradient.addcmul_(error, ratio.to(gradient.dtype))
+            else:
+                gradient.addcmul_(error, ratio)
+
+    def stored_error(
+        self, round_: SyncRound, name: str, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The error stored under ``name`` shaped like ``target``, and the factor to this round's loss scale.
+
+        The factor is ``None`` where none is needed; the result is ``None`` when no error of ``target``'s size is
+        stored. Shapes may differ where sizes agree: PowerSGD stores a conv kernel's error as the matrix it compressed.
+        """
+        error = self.errors.get(name)
+        if error is None or error.numel() != target.numel():
+            return None
+        if error.device != target.device:
+            error = self.errors[name] = error.to(target.device)
+        error = error.reshape(target.shape)
+        stored = self.error_scales.get(name)
+        if stored is None and (round_.scale is None or name in self._scale_unknown):
+            return error, None
+        current = round_.scale if round_.scale is not None else torch.ones((), device=target.device)
+        ratio = current / (stored.to(target.device) if stored is not None else 1.0)
+        return error, ratio.to(target.dtype)
 
 
 def config_mismatch(hook: str, state: dict[str, object], config: dict[str, object]) -> str | None:

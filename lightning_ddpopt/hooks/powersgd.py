@@ -51,11 +51,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
+from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 
 MatrixDtype = Literal["fp32", "fp16", "bf16"]
+#: How the CPU computes the passes over M: numba's fused loops or BLAS in row blocks (one thread), whole-matrix BLAS.
+CPUKernels = Literal["numba", "blocked", "blas"]
 # Seconds teardown waits for the worker thread to finish the buckets it holds.
 _STOP_TIMEOUT_S = 60.0
 # Values of M per row block of the one-thread error-and-decompression pass: 32768 fp32 values, 128 KiB.
@@ -194,16 +197,18 @@ class PowerSGDState(ErrorFeedbackState):
     config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
     pipelined: bool = False
-    one_thread: bool | None = None
+    cpu_kernels: CPUKernels | None = None
     _regroup: _Regroup | None = field(default=None, repr=False)
     _worker: _Worker | None = field(default=None, repr=False)
 
-    def one_thread_everywhere(self) -> bool:
-        """Whether every rank runs one torch thread (the strategy agrees it across ranks; otherwise this rank's).
+    def kernels(self) -> CPUKernels:
+        """How this rank computes the passes over M on the CPU (the strategy agrees it across ranks).
 
-        The decompression, whose result must be the same bits on every rank, is computed the same way everywhere.
+        The decompression's result must be the same bits on every rank, so every rank must compute it the same way:
+        ``"numba"`` (:mod:`~lightning_ddpopt.hooks._kernels`) where every rank runs one torch thread and has numba,
+        ``"blocked"`` with one thread and no numba somewhere, ``"blas"`` (whole-matrix kernels) with more threads.
         """
-        return self.one_thread if self.one_thread is not None else torch.get_num_threads() == 1
+        return self.cpu_kernels if self.cpu_kernels is not None else local_cpu_kernels()
 
     def close(self) -> bool:
         """Stop the CPU worker thread (after the buckets it holds); a later step starts a new one.
@@ -262,6 +267,13 @@ class PowerSGDState(ErrorFeedbackState):
                 if regrouped.intersection(key.split("|")):
                     del self.q_memories[key]
         self.q_memories.update(round_.q_memories)
+
+
+def local_cpu_kernels() -> CPUKernels:
+    """This process's choice for :meth:`PowerSGDState.kernels`, before agreeing it with the other ranks."""
+    if torch.get_num_threads() > 1:
+        return "blas"
+    return "numba" if _kernels.available() else "blocked"
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -357,10 +369,9 @@ def _compress_and_allreduce(
     round_ = state._open_round()
     names = state.names_in(bucket)
     gradients = bucket.gradients()
-    if config.error_feedback:
-        state.add_error_feedback(round_, names, gradients)
-
     if config.batched:
+        if config.error_feedback:  # per parameter, before the bucket becomes one matrix
+            state.add_error_feedback(round_, names, gradients)
         if state._regroup is not None:
             return _regrouped_batched(state, round_, bucket, buffer, names, gradients)
         # The gradients are views into the bucket's buffer: compress it as it lies.
@@ -378,7 +389,7 @@ def _compress_and_allreduce(
     if others:
         _allreduce_exact(state, round_, bucket, other_names, others)
     if matrices:
-        errors = _low_rank_allreduce(state, round_, bucket, matrices, keys)
+        errors = _low_rank_allreduce(state, round_, bucket, matrices, keys, add_feedback=config.error_feedback)
         if config.error_feedback:
             round_.errors.update(zip(keys, errors, strict=True))
     return _completed(buffer)
@@ -464,7 +475,8 @@ def _compress_as_square(
         round_.sent_exactly.update(names)
     else:
         square = flat if side * side == numel else torch.cat([flat, flat.new_zeros(side * side - numel)])
-        (error,) = _low_rank_allreduce(state, round_, bucket, [square.view(side, side)], ["|".join(names)])
+        matrix, key = square.view(side, side), "|".join(names)
+        (error,) = _low_rank_allreduce(state, round_, bucket, [matrix], [key], add_feedback=False)
         if square is not flat:
             flat.copy_(square[:numel])
         _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
@@ -495,12 +507,18 @@ def _worth_compressing(rows: int, cols: int, config: PowerSGDConfig) -> bool:
 
 
 def _low_rank_allreduce(
-    state: PowerSGDState, round_: SyncRound, bucket: dist.GradBucket, matrices: list[torch.Tensor], keys: list[str]
+    state: PowerSGDState,
+    round_: SyncRound,
+    bucket: dist.GradBucket,
+    matrices: list[torch.Tensor],
+    keys: list[str],
+    add_feedback: bool,
 ) -> list[torch.Tensor]:
     """Replace each matrix M with the rank-r approximation P Q^T of its mean over ranks.
 
-    Returns this rank's compression errors ``M - P P^T M`` (Vogels et al., Algorithm 2: the local matrix minus its
-    projection with the local Q), empty when error feedback is off. New Q memories go to ``round_``; when a
+    ``add_feedback``: M's stored error is added first (with numba, in the pass that computes M Q). Returns this
+    rank's compression errors ``M - P P^T M`` (Vogels et al., Algorithm 2: the local matrix minus its projection
+    with the local Q), empty when error feedback is off. New Q memories go to ``round_``; when a
     reduced P is not finite, the matrices come back as NaN on every rank.
     """
     config = state.config
@@ -516,7 +534,18 @@ def _low_rank_allreduce(
     # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
     # (Q^T M^T)^T rather than M Q, and (P^T M)^T rather than M^T P below: BLAS streams the large matrix about 3x
     # faster in these forms (measured: 10 ms against 31 ms for 6 x 2048 x 2048 at rank 4 on one CPU thread).
-    local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
+    fused = state.kernels() == "numba" and _kernels.fits(*matrices)
+    feedback = [
+        state.stored_error(round_, key, m) if add_feedback else None for m, key in zip(matrices, keys, strict=True)
+    ]
+    if fused:
+        local_ps = [_kernels.add_and_project(m, q, f) for m, q, f in zip(matrices, qs, feedback, strict=True)]
+    else:
+        for m, found in zip(matrices, feedback, strict=True):
+            if found is not None:
+                error, ratio = found
+                m.add_(error) if ratio is None else m.addcmul_(error, ratio)
+        local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
     ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
     finite = round_.check(ps)
     for p in ps:
@@ -525,14 +554,20 @@ def _low_rank_allreduce(
         # overflow is seen (and the step skipped) on every rank alike.
         p.masked_fill_(~finite, math.nan)
     # Q = M^T P averaged over ranks, so that M ~ P Q^T.
-    local_qs = [(p.t() @ m).t() for m, p in zip(matrices, ps, strict=True)]
+    fused = fused and _kernels.fits(*ps)
+    local_qs = [
+        _kernels.transposed_product(m, p) if fused else (p.t() @ m).t() for m, p in zip(matrices, ps, strict=True)
+    ]
     qs = _allreduce_matrices(state, bucket, local_qs, wire_dtype)
     round_.check(qs)
     errors = []
     for m, p, q, local_q, key in zip(matrices, ps, qs, local_qs, keys, strict=True):
         if config.error_feedback:
             errors.append(state.error_buffer(round_, key, tuple(m.shape), m.dtype, m.device))
-            _error_and_decompress(m, p, local_q, q, errors[-1], state.one_thread_everywhere())
+            if fused and _kernels.fits(errors[-1]):
+                _kernels.error_and_decompress(m, p, local_q, q, errors[-1])
+            else:
+                _error_and_decompress(m, p, local_q, q, errors[-1], blocked=state.kernels() != "blas")
         else:
             torch.matmul(p, q.t(), out=m)
     if config.warm_start:
@@ -550,17 +585,17 @@ def _random_q(config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int
 
 
 def _error_and_decompress(
-    m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor, one_thread: bool
+    m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor, blocked: bool
 ) -> None:
-    """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``.
+    """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``, through torch.
 
-    With one CPU thread both are done a block of rows at a time, small enough to stay in the cache between the two:
-    M is read from memory once instead of twice (31 against 42 ms for 6 x 2048 x 2048 at rank 4). With more threads
-    the whole-matrix kernels run instead: small blocks would cost an OpenMP fork and join each (5x slower measured
-    with two threads on two busy cores).
+    ``blocked`` (one CPU thread): both are done a block of rows at a time, small enough to stay in the cache between
+    the two: M is read from memory once instead of twice (31 against 42 ms for 6 x 2048 x 2048 at rank 4). With more
+    threads the whole-matrix kernels run instead: small blocks would cost an OpenMP fork and join each (5x slower
+    measured with two threads on two busy cores).
     """
     q_t, local_q_t = q.t(), local_q.t()
-    if m.is_cuda or not one_thread:
+    if m.is_cuda or not blocked:
         error.copy_(m).addmm_(p, local_q_t, alpha=-1)
         torch.matmul(p, q_t, out=m)
         return

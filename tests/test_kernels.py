@@ -1,0 +1,111 @@
+"""PowerSGD's CPU passes: numba's fused loops against torch's arithmetic, error feedback on every path, and the
+strategy agreeing one path across ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_ddpopt.hooks._kernels as kernels
+from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt.hooks import PowerSGDConfig, PowerSGDState, powersgd_spec
+from tests.helpers import fit_ddp
+
+pytest.importorskip("numba")
+
+
+def _factors(rows: int, cols: int, rank: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    m = torch.randn(rows, cols, generator=generator)
+    p = torch.linalg.qr(torch.randn(rows, rank, generator=generator)).Q
+    local_q, q = torch.randn(cols, rank, generator=generator), torch.randn(cols, rank, generator=generator)
+    return m, p, local_q, q
+
+
+@pytest.mark.parametrize(("rows", "cols", "rank"), [(64, 96, 4), (67, 33, 1), (130, 70, 3), (9, 2048, 8)])
+def test_the_loops_compute_what_torch_computes(rows, cols, rank):
+    m, p, local_q, q = _factors(rows, cols, rank)
+    error = torch.empty_like(m)
+    # Row counts that are not a multiple of 4 exercise the product's tail; q arrives as a transposed view.
+    torch.testing.assert_close(kernels.transposed_product(m, p), m.t() @ p, rtol=1e-5, atol=1e-5)
+    scale = torch.tensor(0.5)
+    stored = torch.randn(rows, cols)
+    for feedback, added in ((None, m), ((stored, None), m + stored), ((stored, scale), m + 0.5 * stored)):
+        target = m.clone()
+        out = kernels.add_and_project(target, q, feedback)
+        torch.testing.assert_close(target, added, rtol=0, atol=1e-6)  # the error is added in place
+        torch.testing.assert_close(out, added @ q, rtol=1e-5, atol=1e-4)
+    target = m.clone()
+    kernels.error_and_decompress(target, p, local_q, q.t().contiguous().t(), error)
+    torch.testing.assert_close(error, m - p @ local_q.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(target, p @ q.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_values_come_through():
+    m, p, local_q, q = _factors(8, 16, 2)
+    m[3, 5] = float("inf")
+    p[1, 0] = float("nan")
+    error = torch.empty_like(m)
+    assert not kernels.transposed_product(m, p).isfinite().all()
+    kernels.error_and_decompress(m, p, local_q, q, error)
+    assert error[1].isnan().all() and m[1].isnan().all() and m[0].isfinite().all()
+
+
+def test_only_row_major_fp32_cpu_matrices_fit():
+    m = torch.zeros(4, 6)
+    assert kernels.fits(m, m[1:3])
+    assert not kernels.fits(m.t())  # written in place: a copy would lose the result
+    assert not kernels.fits(m.double()) and not kernels.fits(m.half()) and not kernels.fits(m.flatten())
+
+
+@pytest.mark.parametrize("path", ["numba", "blocked", "blas"])
+def test_error_feedback_keeps_every_gradient_on_every_path(gloo_group, path):
+    """Sum of the applied gradients + the last error = the sum of the true gradients, conv kernels included.
+
+    With one rank Q is the local Q, so each step applies P P^T M and keeps M - P P^T M: what is not applied now is
+    applied later. A conv kernel's error, kept as the matrix PowerSGD compressed, must be added back too.
+    """
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(8, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6, 10))
+    model = DistributedDataParallel(module)
+    config = PowerSGDConfig(rank=1, start_iter=2, min_compression_rate=1.0)
+    state = PowerSGDState(config=config, cpu_kernels=path)
+    state.bind_module(module)
+    model.register_comm_hook(state, powersgd_spec(config).hook)
+    x = torch.randn(4, 8, 8, 8, generator=torch.Generator().manual_seed(1))
+    applied = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
+    for step in range(8):
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        if step >= 2:  # compressed from the third step on
+            for name, p in module.named_parameters():
+                applied[name] += p.grad
+    module.zero_grad()
+    module(x).pow(2).mean().backward()  # the true gradient, the same every step
+    for name in ("0.weight", "2.weight"):
+        true = module.get_parameter(name).grad
+        kept = state.errors[name].reshape(true.shape)
+        assert kept.norm() > 0.01 * true.norm(), name  # rank 1 leaves an error: the test can tell
+        torch.testing.assert_close(applied[name] + kept, 6 * true, rtol=1e-4, atol=1e-5, msg=name)
+    del model
+
+
+
+def test_the_strategy_agrees_one_path_across_ranks(tmp_path):
+    import lightning.pytorch as pl
+
+    class WithoutNumbaOnRank1(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            if trainer.global_rank == 1:
+                kernels.available = lambda: False  # a forked rank's module: the parent keeps its own
+
+        def on_train_end(self, trainer, pl_module):
+            path = trainer.strategy.comm_state.kernels()
+            torch.save(path, tmp_path / f"path{trainer.global_rank}.pt")
+
+    strategy = OptimizedDDPStrategy(comm_hook="powersgd", start_method="fork")
+    ranks = fit_ddp(tmp_path, strategy, callbacks=[WithoutNumbaOnRank1()], max_steps=4)
+    assert {torch.load(tmp_path / f"path{rank}.pt") for rank in (0, 1)} == {"blocked"}
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
