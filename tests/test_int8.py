@@ -162,3 +162,84 @@ def test_auto_skips_int8_for_a_model_smaller_than_one_block(gloo_group):
     assert set(estimates) == {"allreduce", "fp16"}
     estimates = measure_hook_costs(nn.Linear(64, 64), None, torch.device("cpu"), repeats=1)
     assert set(estimates) == {"allreduce", "fp16", "int8", "powersgd"}
+
+
+def _paths_worker(rank: int, world_size: int, port: int, out: str, loops: bool) -> None:
+    import lightning_ddpopt.hooks._kernels as kernels
+
+    if not loops:
+        kernels.available = lambda: False  # this forked process takes the torch path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(101, 37), nn.Tanh(), nn.Linear(37, 53), nn.Tanh(), nn.Linear(53, 7))
+    model = DistributedDataParallel(module, bucket_cap_mb=0.001)
+    scale = torch.ones(())
+    state = Int8State(config=Int8Config(block_size=BLOCK), loss_scale=lambda: scale)
+    state.bind_module(module)
+    model.register_comm_hook(state, int8_hook)
+    data = torch.Generator().manual_seed(rank)
+    grads = []
+    for step, loss_scale in enumerate((1.0, 1.0, 8.0, 4.0, 4.0)):  # a GradScaler's growth and backoff
+        scale.fill_(loss_scale)
+        model.zero_grad()
+        inputs = torch.randn(8, 101, generator=data) * (100.0 if rank == step % world_size else 1.0)
+        (model(inputs).pow(2).mean() * loss_scale).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in module.parameters()]))
+    state.state_dict()  # seals the last round
+    torch.save({"grads": grads, "errors": dict(state.errors)}, f"{out}.{rank}")
+    del model, state
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_numba_loops_send_and_decode_the_same_bytes_as_torch(tmp_path, world_size):
+    pytest.importorskip("numba")
+    results = {}
+    for loops in (True, False):
+        out = str(tmp_path / f"paths-{loops}")
+        mp.start_processes(
+            _paths_worker, args=(world_size, 29561 + world_size, out, loops), nprocs=world_size, start_method="fork"
+        )
+        results[loops] = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
+    for rank in range(world_size):
+        fast, reference = results[True][rank], results[False][rank]
+        for step, (a, b) in enumerate(zip(fast["grads"], reference["grads"], strict=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"rank {rank}, step {step}")
+        assert fast["errors"].keys() == reference["errors"].keys() and fast["errors"]
+        for name in fast["errors"]:
+            torch.testing.assert_close(fast["errors"][name], reference["errors"][name], rtol=0, atol=0, msg=name)
+    # Every rank decoded the same bytes.
+    for rank in range(1, world_size):
+        torch.testing.assert_close(results[True][rank]["grads"][-1], results[True][0]["grads"][-1], rtol=0, atol=0)
+
+
+def test_numba_block_quantisation_matches_torch_on_edge_cases():
+    pytest.importorskip("numba")
+    import lightning_ddpopt.hooks._kernels as kernels
+    from lightning_ddpopt.hooks.int8 import _quantize_into
+
+    inf, nan = float("inf"), float("nan")
+    # Blocks of 4: too small for a finite 127 / peak, ordinary with a tie at .5, +inf, -inf, NaN after an inf,
+    # and a last block padded with zeros (the parameter has 22 elements).
+    gradient = torch.tensor(
+        [1e-39, -1e-39, 0.0, 2e-39, 0.5, -1.0, 0.25, 127 / 254, 1.0, inf, 0.0, 2.0]
+        + [-inf, 1.0, 0.0, 0.0, 3.0, inf, nan, 1.0, 0.3, -0.7]
+    )
+    rows = torch.cat([gradient, torch.zeros(2)]).view(-1, 4) / 3  # 3 ranks
+    reference = torch.empty(3, 8 + 4 * 2, dtype=torch.int8)  # 6 blocks of 4 over 3 ranks: 2 blocks each, 2 scales
+    dequantized = _quantize_into(rows.clone(), reference, 8)
+    packed = torch.empty_like(reference)
+    scales = torch.zeros(3, 2)
+    errors = torch.empty(24)
+    kernels.quantize_parameter(gradient, None, 3, 0, errors, packed, scales, 4)
+    expected_scales = reference[:, 8:].contiguous().view(torch.float32)
+    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0, equal_nan=True)
+    finite = expected_scales.isfinite().view(-1)
+    assert finite.tolist() == [True, True, False, False, False, True]
+    payloads, ours = reference[:, :8].reshape(-1, 4), packed[:, :8].reshape(-1, 4)
+    assert torch.equal(ours[finite], payloads[finite])
+    assert ours[0].eq(0).all() and ours[1].tolist() == [64, -127, 32, 64]  # 63.5 rounds to the even 64
+    expected_errors = (rows - dequantized).view(-1) * 3
+    torch.testing.assert_close(errors, expected_errors, rtol=0, atol=0, equal_nan=True)

@@ -92,7 +92,6 @@ def test_error_feedback_keeps_every_gradient_on_every_path(gloo_group, path):
     del model
 
 
-
 def test_the_strategy_agrees_one_path_across_ranks(tmp_path):
     import lightning.pytorch as pl
 

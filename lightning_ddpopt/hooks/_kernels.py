@@ -1,4 +1,4 @@
-"""Fused CPU loops for PowerSGD's passes over the gradient matrices, compiled by numba where it is installed.
+"""Fused CPU loops for the lossy hooks' passes over the gradients (PowerSGD, int8), compiled by numba if installed.
 
 On one CPU thread BLAS runs PowerSGD's thin products well below memory speed, and error feedback adds passes of its
 own. Measured for 6 x 2048 x 2048 fp32 matrices at rank 4 (MKL; a copy of them takes 8.5 ms):
@@ -25,6 +25,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 
 __all__ = ["add_and_project", "available", "error_and_decompress", "fits", "transposed_product"]
@@ -51,8 +52,6 @@ def add_and_project(
     m: torch.Tensor, q: torch.Tensor, feedback: tuple[torch.Tensor, torch.Tensor | None] | None
 ) -> torch.Tensor:
     """``M += ratio x error`` (``feedback``: the error and its ratio, ``None`` for none), then ``M Q`` (rows x r)."""
-    import numpy
-
     assert fits(m)
     out = torch.empty(m.shape[0], q.shape[1], dtype=torch.float32)
     if feedback is None:
@@ -91,19 +90,21 @@ def _compiled() -> tuple[Callable[..., None], ...]:
     Only the projection's dot products may be reassociated (so that they vectorise); it makes a rank-local P that
     is all-reduced next. The decompression keeps IEEE order: its result must be the same bits on every rank.
     """
+    return (
+        _compile(_add_and_project_loop, fastmath={"reassoc"}),
+        _compile(_transposed_product_loop),
+        _compile(_error_and_decompress_loop),
+    )
+
+
+def _compile(loop: Callable[..., None], **options: Any) -> Callable[..., None]:
+    """``loop`` compiled by numba, releasing the GIL, cached on disk where a cache directory can be written."""
     import numba
 
-    def compile(loop: Callable[..., None], **options: Any) -> Callable[..., None]:
-        try:
-            return numba.njit(nogil=True, cache=True, **options)(loop)
-        except RuntimeError:  # no writable cache directory: compile in every process instead
-            return numba.njit(nogil=True, **options)(loop)
-
-    return (
-        compile(_add_and_project_loop, fastmath={"reassoc"}),
-        compile(_transposed_product_loop),
-        compile(_error_and_decompress_loop),
-    )
+    try:
+        return numba.njit(nogil=True, cache=True, **options)(loop)
+    except RuntimeError:  # no writable cache directory: compile in every process instead
+        return numba.njit(nogil=True, **options)(loop)
 
 
 def _add_and_project_loop(m: Any, qt: Any, out: Any, error: Any, ratio: float, add: bool) -> None:
@@ -168,3 +169,169 @@ def _error_and_decompress_loop(m: Any, p: Any, local_qt: Any, qt: Any, error: An
             pk, basis = p[i, k], qt[k]
             for j in range(row.shape[0]):
                 row[j] += pk * basis[j]
+
+
+# The int8 hook's loops (the block layout is :mod:`lightning_ddpopt.hooks.int8`'s: block ``g`` of a bucket is block
+# ``g % blocks_per_rank`` of rank ``g // blocks_per_rank``'s chunk). They do its torch path's arithmetic in the same
+# order, so they send the same bytes, in one pass over the gradients instead of about ten.
+
+_SMALLEST_PEAK = numpy.float32(127.0 / float(numpy.finfo(numpy.float32).max))  # below it, 127 / peak overflows
+
+
+def quantize_parameter(
+    gradient: torch.Tensor,
+    feedback: tuple[torch.Tensor, torch.Tensor | None] | None,
+    world_size: int,
+    first_block: int,
+    errors: torch.Tensor | None,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+) -> None:
+    """Quantise one parameter's ``(gradient + ratio x error) / world_size`` into its int8 blocks.
+
+    ``feedback``: the stored error and its ratio (``None``: none). The parameter's blocks start at bucket block
+    ``first_block``; ``packed`` (ranks x bytes, row-major int8: each rank's blocks' payloads first) and ``scales``
+    (ranks x blocks per rank, fp32) are the bucket's. ``errors`` (the parameter's blocks, padding included), if
+    given, receives ``world_size x`` (value - dequantised value).
+    """
+    flat = gradient.reshape(-1)
+    error, ratio = feedback if feedback is not None else (flat, None)
+    _compiled_int8()[0](
+        _input(flat),
+        _input(error.reshape(-1)),
+        numpy.float32(1.0 if ratio is None else float(ratio)),
+        feedback is not None,
+        numpy.float32(world_size),
+        first_block,
+        errors.numpy() if errors is not None else numpy.empty(0, dtype=numpy.float32),
+        errors is not None,
+        packed.numpy(),
+        scales.numpy(),
+        block,
+    )
+
+
+def reduce_and_requantize(
+    packed: torch.Tensor, scales: torch.Tensor, own_packed: torch.Tensor, own_scales: torch.Tensor, block: int
+) -> None:
+    """Sum the ranks' dequantised blocks in fp32, in rank order, and quantise the sum.
+
+    ``packed``: ranks x bytes (row-major int8, the blocks' payloads first), ``scales``: ranks x blocks; the sum's
+    payloads go to the start of ``own_packed`` (row-major int8) and its scales to ``own_scales`` (blocks).
+    """
+    _compiled_int8()[1](packed.numpy(), scales.numpy(), own_packed.numpy(), own_scales.numpy(), block)
+
+
+def dequantize_parameter(
+    packed: torch.Tensor, scales: torch.Tensor, first_block: int, gradient: torch.Tensor, block: int
+) -> None:
+    """Write one parameter's blocks of the gathered mean into ``gradient`` (a row-major view into the bucket).
+
+    ``packed``: ranks x bytes (row-major int8, the blocks' payloads first), ``scales``: ranks x blocks per rank.
+    """
+    assert gradient.is_contiguous() and packed.is_contiguous()
+    _compiled_int8()[2](packed.numpy(), scales.numpy(), first_block, gradient.view(-1).numpy(), block)
+
+
+@functools.cache
+def _compiled_int8() -> tuple[Callable[..., None], ...]:
+    """The int8 loops, compiled on first use; the block quantisation they share first."""
+    global _quantize_block
+    _quantize_block = _compile(_quantize_block_loop)
+    return _compile(_quantize_parameter_loop), _compile(_reduce_and_requantize_loop), _compile(_dequantize_loop)
+
+
+def _quantize_block_loop(
+    values: Any, payload: Any, errors: Any, world_size: Any, keep_errors: bool, scratch: Any
+) -> Any:
+    """Quantise one block of fp32 ``values`` into int8 ``payload``; return its scale.
+
+    The scale is ``max |x| / 127``, non-finite when a value is (NaN for a NaN); a block whose peak is too small for
+    ``127 / peak`` to be finite quantises to zeros, as in the torch path. ``keep_errors``: ``errors`` receives
+    ``world_size x`` (value - dequantised value). ``scratch``: one uint32, to read the peak's bits as a float.
+    """
+    # max |x| as the largest bit pattern with the sign cleared: an integer maximum, which vectorises, and NaN's
+    # patterns lie above inf's, so a NaN anywhere makes the peak NaN (as torch's amax does).
+    bits = values.view(numpy.uint32)
+    peak_bits = numpy.uint32(0)
+    for j in range(bits.shape[0]):
+        peak_bits = max(peak_bits, numpy.uint32(bits[j] & numpy.uint32(0x7FFFFFFF)))
+    scratch[0] = peak_bits
+    peak = scratch.view(numpy.float32)[0]
+    scale = peak / numpy.float32(127.0)
+    inverse = numpy.float32(127.0) / peak if peak > _SMALLEST_PEAK else numpy.float32(0.0)
+    for j in range(values.shape[0]):
+        rounded = numpy.rint(values[j] * inverse)
+        payload[j] = numpy.int8(rounded) if rounded == rounded else numpy.int8(0)  # a NaN block's bytes: any
+        if keep_errors:
+            errors[j] = (values[j] - rounded * scale) * world_size
+    return scale
+
+
+_quantize_block: Callable[..., Any] = _quantize_block_loop  # the compiled one once _compiled_int8 has run
+
+# In the loops below every inner loop runs over slices of row-major 1-D arrays, indexed by the loop variable alone:
+# numba vectorises those (an index such as ``start + j`` of unknown sign gets a wraparound check that stops it).
+
+
+def _quantize_parameter_loop(
+    gradient: Any,
+    error: Any,
+    ratio: Any,
+    add_error: bool,
+    world_size: Any,
+    first_block: int,
+    errors: Any,
+    keep_errors: bool,
+    packed: Any,
+    scales: Any,
+    block: int,
+) -> None:
+    per_rank = scales.shape[1]
+    values, scratch = numpy.empty(block, dtype=numpy.float32), numpy.empty(1, dtype=numpy.uint32)
+    size = gradient.shape[0]
+    for b in range((size + block - 1) // block):
+        start = b * block
+        count = min(block, size - start)
+        source = gradient[start : start + count]
+        if add_error:
+            stored = error[start : start + count]
+            for j in range(count):
+                values[j] = (source[j] + stored[j] * ratio) / world_size
+        else:
+            for j in range(count):
+                values[j] = source[j] / world_size
+        values[count:] = numpy.float32(0.0)  # the padding of the parameter's last block
+        rank, index = divmod(first_block + b, per_rank)
+        payload = packed[rank][index * block : (index + 1) * block]
+        kept = errors[start : start + block] if keep_errors else values
+        scales[rank, index] = _quantize_block(values, payload, kept, world_size, keep_errors, scratch)
+
+
+def _reduce_and_requantize_loop(packed: Any, scales: Any, own_packed: Any, own_scales: Any, block: int) -> None:
+    ranks, blocks = scales.shape
+    values, scratch = numpy.empty(block, dtype=numpy.float32), numpy.empty(1, dtype=numpy.uint32)
+    for b in range(blocks):
+        source, scale = packed[0][b * block : (b + 1) * block], scales[0, b]
+        for j in range(block):
+            values[j] = numpy.float32(source[j]) * scale
+        for r in range(1, ranks):
+            source, scale = packed[r][b * block : (b + 1) * block], scales[r, b]
+            for j in range(block):
+                values[j] += numpy.float32(source[j]) * scale
+        payload = own_packed[b * block : (b + 1) * block]
+        own_scales[b] = _quantize_block(values, payload, values, numpy.float32(1.0), False, scratch)
+
+
+def _dequantize_loop(packed: Any, scales: Any, first_block: int, gradient: Any, block: int) -> None:
+    per_rank = scales.shape[1]
+    size = gradient.shape[0]
+    for b in range((size + block - 1) // block):
+        rank, index = divmod(first_block + b, per_rank)
+        start = b * block
+        count = min(block, size - start)
+        source, scale = packed[rank][index * block : index * block + count], scales[rank, index]
+        target = gradient[start : start + count]
+        for j in range(count):
+            target[j] = numpy.float32(source[j]) * scale
