@@ -49,7 +49,7 @@ DEFAULT_VARIANTS = (
 )
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
-LOCAL_SGD = ("diloco16_int8", "diloco32")
+LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap")
 DIGITS_VARIANTS = ("stock", "fp16", "powersgd_r4", "diloco16")
 PREFIX = "ddpopt-"
 SUBNET = "10.77.0"

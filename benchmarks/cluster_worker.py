@@ -43,6 +43,7 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "diloco16": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16)), 1),
     "diloco16_int8": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, compression="int8")), 1),
     "diloco32": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(32)), 1),
+    "diloco16_overlap": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, overlap_steps=8)), 1),
     "compute": (lambda: "auto", 1),
     "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
     "auto_hook": (lambda: OptimizedDDPStrategy(comm_hook="auto"), 1),
@@ -213,6 +214,7 @@ def main() -> None:
         "sync_rounds": statistics.mean(s.sync_rounds for s in steps) if steps else None,
         "bucket_cap_mb": getattr(getattr(trainer.strategy, "bucket_plan", None), "cap_mb", None),
         "comm_hook": f"local SGD H={local_sgd.config.sync_every}"
+        + (f" tau={local_sgd.config.overlap_steps}" if local_sgd.config.overlap_steps else "")
         if local_sgd is not None
         else getattr(trainer.strategy, "comm_hook_name", None),
         "hook_breakdown": timer.hook_breakdown(args.warmup),

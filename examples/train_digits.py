@@ -128,6 +128,9 @@ def main() -> None:
         "--local-sgd", type=int, metavar="H", help="DiLoCo: no gradient syncs, parameters synced every H steps"
     )
     parser.add_argument("--local-sgd-warmup", type=int, default=0, metavar="N", help="synchronous steps first")
+    parser.add_argument(
+        "--local-sgd-overlap", type=int, default=0, metavar="TAU", help="steps a sync travels while training goes on"
+    )
     args = parser.parse_args()
     bucket_cap = args.bucket_cap_mb if args.bucket_cap_mb == "auto" else float(args.bucket_cap_mb)
 
@@ -135,7 +138,9 @@ def main() -> None:
     train, test = digits_split()
     local_sgd = None
     if args.local_sgd is not None:
-        local_sgd = LocalSGDConfig.diloco(args.local_sgd, warmup_steps=args.local_sgd_warmup)
+        local_sgd = LocalSGDConfig.diloco(
+            args.local_sgd, warmup_steps=args.local_sgd_warmup, overlap_steps=args.local_sgd_overlap
+        )
     hook = args.hook or ("allreduce" if local_sgd is not None else "fp16")
     strategy = OptimizedDDPStrategy(comm_hook=hook, bucket_cap_mb=bucket_cap, local_sgd=local_sgd)
     csv = CSVLogger(args.log_dir, name="digits")

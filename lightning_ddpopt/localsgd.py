@@ -60,6 +60,15 @@ class LocalSGDConfig:
             against a ring all-reduce's 2 (n - 1) / n: int8 sends less than fp32 below 8 ranks (a quarter at 2 ranks,
             half at 4) and less than fp16 below 4.
         buffers: ``"average"`` floating-point buffers at each sync, or ``"broadcast"`` rank 0's.
+        overlap_steps: ``tau``, inner steps the parameter change travels while the ranks train on (0: they wait for
+            it). With ``tau >= 1`` (< ``sync_every``; fp32, fp16 or bf16 compression) the all-reduce starts at the
+            sync point and is applied ``tau`` steps later (Streaming DiLoCo's overlap, Douillard et al. 2025): the
+            outer step moves the anchor, the same on every rank, and each rank's parameters become
+            ``overlap_mixing x`` its own ``+ (1 - overlap_mixing) x`` the new anchor, so they differ by what each
+            rank learned meanwhile until the next sync.
+        overlap_mixing: ``alpha`` in [0, 1], the weight of a rank's own parameters when a travelling sync is applied
+            (0.5 as in Streaming DiLoCo; measured on digits, H = 16, tau = 4: 0.9722 against 0.9528 for keeping all
+            of the rank's progress since the sync and 0.9583 for none).
     """
 
     sync_every: int = 16
@@ -69,6 +78,8 @@ class LocalSGDConfig:
     nesterov: bool = False
     compression: Compression = "fp32"
     buffers: BufferSync = "average"
+    overlap_steps: int = 0
+    overlap_mixing: float = 0.5
 
     def __post_init__(self) -> None:
         require_int("LocalSGDConfig sync_every", self.sync_every, 1, " (optimizer steps between parameter syncs)")
@@ -88,6 +99,19 @@ class LocalSGDConfig:
         if self.buffers not in ("average", "broadcast"):
             raise ValueError(
                 f"LocalSGDConfig buffers={self.buffers!r} is not valid; choose one of ['average', 'broadcast']"
+            )
+        require_int("LocalSGDConfig overlap_steps", self.overlap_steps, 0, " (inner steps a sync travels)")
+        if self.overlap_steps >= self.sync_every:
+            raise ValueError(
+                f"LocalSGDConfig overlap_steps={self.overlap_steps} must be below sync_every={self.sync_every}: a "
+                "sync is applied before the next one starts"
+            )
+        if not _is_number(self.overlap_mixing) or not 0 <= self.overlap_mixing <= 1:
+            raise ValueError(f"LocalSGDConfig overlap_mixing={self.overlap_mixing!r} must be in [0, 1]")
+        if self.overlap_steps and self.compression == "int8":
+            raise ValueError(
+                "LocalSGDConfig overlap_steps needs an all-reduced compression ('fp32', 'fp16' or 'bf16'); "
+                "compression='int8' all-gathers and is not overlapped"
             )
 
     @classmethod
@@ -123,6 +147,17 @@ class ParameterSync:
     end_s: float
 
 
+@dataclass
+class _InFlight:
+    """A sync started and not applied yet: this rank's change, the all-reduce carrying the mean, when to apply."""
+
+    local_delta: torch.Tensor
+    wire: torch.Tensor
+    work: dist.Work | None
+    apply_at: int
+    wire_bytes: int
+
+
 class LocalSGD:
     """The outer loop of local SGD / DiLoCo over ``module``'s parameters; the strategy drives it.
 
@@ -146,6 +181,10 @@ class LocalSGD:
         self.momentum: torch.Tensor | None = None
         self.averaged_at_end = False
         self._work: torch.Tensor | None = None
+        self._in_flight: _InFlight | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        # Local steps whose progress the anchor does not hold (with overlap a sync leaves tau steps of it).
+        self._steps_off_anchor = 0
 
     @property
     def local(self) -> bool:
@@ -167,7 +206,13 @@ class LocalSGD:
         if not was_local:
             return None
         self.skipped_inner_steps += int(skipped)
+        self._steps_off_anchor += 1
+        if self._in_flight is not None and self.steps == self._in_flight.apply_at:
+            return self._apply_in_flight()
         if (self.steps - self.config.warmup_steps) % self.config.sync_every:
+            return None
+        if self.config.overlap_steps:
+            self._start_sync()
             return None
         return self.sync()
 
@@ -177,6 +222,46 @@ class LocalSGD:
         self.syncs += 1
         return report
 
+    def _start_sync(self) -> None:
+        """Start all-reducing the mean parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies it."""
+        assert self.anchor is not None
+        local_delta = self._flat_parameters(out=self._work_buffer())
+        torch.sub(self.anchor, local_delta, out=local_delta)
+        wire = self._kept("wire", _WIRE_DTYPES[self.config.compression])
+        torch.div(local_delta, self.world_size, out=wire)  # divided before a half-precision cast, in one pass
+        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
+        apply_at = self.steps + self.config.overlap_steps
+        self._in_flight = _InFlight(local_delta, wire, work, apply_at, wire.numel() * wire.element_size())
+
+    def _apply_in_flight(self) -> ParameterSync:
+        """Wait for the mean change, take the outer step, and mix every rank's parameters with the new anchor.
+
+        ``params = overlap_mixing x params + (1 - overlap_mixing) x new anchor``. The step counts as a sync.
+        """
+        assert self.anchor is not None and self._in_flight is not None
+        start = time.perf_counter()
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight.work is not None:
+            in_flight.work.wait()
+        mean = in_flight.local_delta.copy_(in_flight.wire)  # the local change is spent: its buffer takes the mean
+        self._outer_step(mean, outer_step=True)
+        mixed = self._flat_parameters(out=mean).mul_(self.config.overlap_mixing)
+        self._load_parameters(mixed.add_(self.anchor, alpha=1 - self.config.overlap_mixing))
+        buffer_bytes = self._sync_buffers()
+        self.syncs += 1
+        # The parameters hold part of the window the sync carried and the steps since it started; only with
+        # mixing 0 are they the anchor itself.
+        started = in_flight.apply_at - self.config.overlap_steps
+        mixing = self.config.overlap_mixing
+        self._steps_off_anchor = self.config.sync_every + self.steps - started if mixing else 0
+        return ParameterSync(
+            num_elements=self.anchor.numel(),
+            logical_bytes=self.anchor.numel() * 4 + buffer_bytes,
+            wire_bytes=in_flight.wire_bytes + buffer_bytes,
+            start_s=start,
+            end_s=time.perf_counter(),
+        )
+
     def finish(self) -> ParameterSync | None:
         """At the end of training: average the ranks' parameters if they trained alone since the last sync.
 
@@ -185,7 +270,9 @@ class LocalSGD:
         parameter *change* since the last sync, compressed as configured (the parameters themselves would lose
         more in fp16 or int8); it is not counted in :attr:`syncs`.
         """
-        if self.anchor is None or not self.local or self.local_steps_since_sync == 0:
+        if self._in_flight is not None:  # a sync still travelling: apply it first
+            self._apply_in_flight()
+        if self.anchor is None or not self.local or self._steps_off_anchor == 0:
             return None
         report = self._exchange(outer_step=False)
         self.averaged_at_end = True
@@ -197,22 +284,15 @@ class LocalSGD:
         ``outer_step``: through the outer optimizer (a sync); otherwise plainly (the final average).
         """
         assert self.anchor is not None
-        config, anchor = self.config, self.anchor
+        anchor = self.anchor
         start = time.perf_counter()
         delta = self._flat_parameters(out=self._work_buffer())
         torch.sub(anchor, delta, out=delta)
         wire_bytes = self._mean_inplace(delta)
-        step, lr = delta, 1.0
-        if outer_step:
-            lr = config.outer_lr
-            if config.outer_momentum:
-                if self.momentum is None:
-                    self.momentum = torch.zeros_like(delta)
-                self.momentum.mul_(config.outer_momentum).add_(delta)
-                step = delta.add_(self.momentum, alpha=config.outer_momentum) if config.nesterov else self.momentum
-        anchor.sub_(step, alpha=lr)
+        self._outer_step(delta, outer_step)
         self._load_parameters(anchor)
         buffer_bytes = self._sync_buffers()
+        self._steps_off_anchor = 0
         return ParameterSync(
             num_elements=anchor.numel(),
             logical_bytes=anchor.numel() * 4 + buffer_bytes,
@@ -220,6 +300,30 @@ class LocalSGD:
             start_s=start,
             end_s=time.perf_counter(),
         )
+
+    def _outer_step(self, mean_delta: torch.Tensor, outer_step: bool) -> None:
+        """Move the anchor by the mean change (``mean_delta``, overwritten): by the outer optimizer or plainly."""
+        assert self.anchor is not None
+        config, step, lr = self.config, mean_delta, 1.0
+        if outer_step:
+            lr = config.outer_lr
+            if config.outer_momentum:
+                if self.momentum is None:
+                    self.momentum = torch.zeros_like(mean_delta)
+                self.momentum.mul_(config.outer_momentum).add_(mean_delta)
+                if config.nesterov:
+                    step = mean_delta.add_(self.momentum, alpha=config.outer_momentum)
+                else:
+                    step = self.momentum
+        self.anchor.sub_(step, alpha=lr)
+
+    def _kept(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A parameter-sized buffer kept between syncs (``overlap_steps``: the wire's)."""
+        assert self.anchor is not None
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.device != self.anchor.device:
+            buffer = self._buffers[name] = torch.empty(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
+        return buffer
 
     def _work_buffer(self) -> torch.Tensor:
         """The unpadded part of a parameter-sized fp32 buffer kept between syncs, zero-padded to whole int8 blocks.
@@ -234,19 +338,36 @@ class LocalSGD:
 
     @property
     def local_steps_since_sync(self) -> int:
-        """Optimizer steps taken alone since the last sync (0 right after one, or in the warm-up)."""
-        if not self.local:
-            return 0
-        return (self.steps - self.config.warmup_steps) % self.config.sync_every
+        """Local optimizer steps whose progress the anchor does not hold.
+
+        0 right after a sync without overlap and in the warm-up; with ``overlap_steps`` a sync leaves the steps
+        taken while it travelled.
+        """
+        return self._steps_off_anchor
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters, the anchor and the outer momentum (the same on every rank), plus the config."""
+        """The counters, the anchor and the outer momentum (the same on every rank), plus the config.
+
+        A sync still travelling is waited for and saved with this rank's change, to be applied after a resume.
+        """
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight.work is not None:
+            in_flight.work.wait()
+            in_flight.work = None
         return {
             "config": asdict(self.config),
             "steps": self.steps,
             "syncs": self.syncs,
             "anchor": None if self.anchor is None else self.anchor.detach().cpu().clone(),
             "momentum": None if self.momentum is None else self.momentum.detach().cpu().clone(),
+            "in_flight": None
+            if in_flight is None
+            else {
+                "local_delta": in_flight.local_delta.detach().cpu().clone(),
+                "mean": in_flight.wire.detach().cpu().clone(),
+                "apply_at": in_flight.apply_at,
+                "wire_bytes": in_flight.wire_bytes,
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
@@ -262,6 +383,17 @@ class LocalSGD:
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
         self.anchor = None if anchor is None else anchor.to(device, torch.float32)
         self.momentum = None if momentum is None else momentum.to(device, torch.float32)
+        saved = state.get("in_flight")
+        self._in_flight = None
+        if saved is not None:
+            local_delta = self._work_buffer()
+            local_delta.copy_(saved["local_delta"])
+            wire = saved["mean"].to(device)
+            self._in_flight = _InFlight(local_delta, wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
+        # Every rank resumes from the saved weights (rank 0's): off the anchor by rank 0's steps since the sync.
+        window = self.config.sync_every
+        since = (self.steps - self.config.warmup_steps) % window if self.local and self.anchor is not None else 0
+        self._steps_off_anchor = since + (window if self._in_flight is not None else 0)
         return None
 
     def _mean_inplace(self, delta: torch.Tensor) -> int:

@@ -212,6 +212,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._layout_due_step = _LAYOUT_FINAL_AFTER_STEPS
         self._local_sgd_config = local_sgd
         self._hook_group: torch.distributed.ProcessGroup | None = None
+        self._local_sgd_group: torch.distributed.ProcessGroup | None = None
         self.local_sgd: LocalSGD | None = None
 
     @override
@@ -296,7 +297,15 @@ class OptimizedDDPStrategy(DDPStrategy):
                 )
             self._restore_hook_state()
         if self._local_sgd_config is not None:
-            self.local_sgd = LocalSGD(self._local_sgd_config, model.module, model.process_group)
+            group = model.process_group
+            if self._local_sgd_config.overlap_steps:
+                # The change travels while training goes on: on a group of its own, so that what training issues
+                # meanwhile (Lightning's broadcast before every batch) does not queue behind it.
+                ranks = torch.distributed.get_process_group_ranks(model.process_group)
+                backend = self._get_process_group_backend()
+                group = torch.distributed.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
+                self._local_sgd_group = group
+            self.local_sgd = LocalSGD(self._local_sgd_config, model.module, group)
             self._restore_local_sgd()
         self._log_plan(backend)
 
@@ -472,6 +481,9 @@ class OptimizedDDPStrategy(DDPStrategy):
                     torch.distributed.destroy_process_group(group)
             else:
                 rank_zero_warn("ddpopt: PowerSGD's worker thread is still busy after a minute; its group is kept")
+        group, self._local_sgd_group = self._local_sgd_group, None
+        if group is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group(group)
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None
@@ -556,10 +568,13 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     def _finish_local_sgd(self) -> None:
         """Ranks that trained alone since the last sync end with their average: one model on every rank."""
-        if self.local_sgd is not None and self.local_sgd.finish() is not None:
+        if self.local_sgd is None:
+            return
+        unsynced = self.local_sgd.local_steps_since_sync
+        if self.local_sgd.finish() is not None:
             self._say_during_training(
-                f"ddpopt: local SGD averaged the ranks' parameters at the end of training "
-                f"({self.local_sgd.local_steps_since_sync} steps after the last sync)"
+                f"ddpopt: local SGD averaged the ranks' parameters at the end of training ({unsynced} local steps "
+                "were not yet fully in a sync)"
             )
 
     def _local_sgd_step(self, scale_before: torch.Tensor | None) -> None:

@@ -234,7 +234,7 @@ def fit_ddp(
         devices=devices,
         strategy=strategy,
         default_root_dir=out_dir,
-        enable_checkpointing=save_last_to is not None,
+        enable_checkpointing=trainer_kwargs.pop("enable_checkpointing", save_last_to is not None),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,

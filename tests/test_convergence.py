@@ -95,7 +95,14 @@ def test_lossy_hooks_under_fp16_amp_converge_like_allreduce(tmp_path, allreduce_
 
 
 @pytest.mark.parametrize(
-    "local_sgd", [LocalSGDConfig.diloco(16), LocalSGDConfig.post_local_sgd(16)], ids=["diloco16", "post_local16"]
+    "local_sgd",
+    [
+        LocalSGDConfig.diloco(16),
+        LocalSGDConfig.diloco(16, overlap_steps=4),
+        LocalSGDConfig.diloco(16, overlap_steps=8),
+        LocalSGDConfig.post_local_sgd(16),
+    ],
+    ids=["diloco16", "diloco16_overlap4", "diloco16_overlap8", "post_local16"],
 )
 def test_local_sgd_every_16_steps_converges_like_allreduce(tmp_path, allreduce_accuracy, local_sgd):
     # The same samples as synchronous DDP (6 epochs, about 23 steps per epoch and rank: 8 parameter syncs in all).

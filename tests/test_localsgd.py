@@ -31,16 +31,19 @@ class ParamsPerStep(pl.Callback):
     """Saves, per rank, the flat parameters after every optimizer step and the ledger's steps."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.params = out, []
+        self.out, self.params, self.anchors = out, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.params.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
+        anchor = trainer.strategy.local_sgd.anchor
+        self.anchors.append(None if anchor is None else anchor.clone())
 
     def teardown(self, trainer, pl_module, stage):
         # After the strategy's own on_train_end (its final average), which runs after the callbacks'.
         strategy = trainer.strategy
         record = {
             "params": self.params,
+            "anchors": self.anchors,
             "final": torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]),
             "steps": [(s.sync_rounds, s.logical_bytes, s.wire_bytes) for s in strategy.ledger.steps],
             "local": strategy.local_sgd.state_dict(),
@@ -51,6 +54,7 @@ class ParamsPerStep(pl.Callback):
 
 
 def _fit(tmp_path: Path, config: LocalSGDConfig, devices: int = 2, model=None, **kwargs) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     probe = ParamsPerStep(tmp_path)
     strategy = OptimizedDDPStrategy(local_sgd=config, start_method="fork", **kwargs.pop("strategy_kwargs", {}))
     callbacks = [probe, *kwargs.pop("callbacks", [])]
@@ -298,3 +302,103 @@ def test_saved_state_of_another_config_is_refused_with_the_reason(gloo_group):
     assert local.load_state_dict({}) == (
         "the saved local SGD state has no config; the outer loop starts afresh from the weights"
     )
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
+
+
+def _local_step(module: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return _flat(module)
+
+
+def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_learned(gloo_group):
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    local = LocalSGD(LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression="fp32"), module)
+    local.before_batch()
+    anchor, momentum = _flat(module), torch.zeros(8)
+    params = {}
+    for step in range(1, 11):
+        params[step] = _local_step(module)
+        report = local.after_optimizer_step()
+        # Started at steps 4 and 8 (nothing moves), applied at 6 and 10: a sync each.
+        assert (report is not None) == (step in (6, 10)), step
+        if step in (6, 10):
+            started = params[step - 2]
+            delta = anchor - started  # one rank: the mean change is its own
+            momentum = 0.9 * momentum + delta
+            anchor = anchor - 0.7 * (delta + 0.9 * momentum)
+            torch.testing.assert_close(local.anchor, anchor)
+            # Half the rank's own parameters (with what it learned while the change travelled), half the anchor.
+            torch.testing.assert_close(_flat(module), 0.5 * params[step] + 0.5 * anchor)
+            params[step] = _flat(module)
+            assert report.wire_bytes == 32 and local.local_steps_since_sync == 4 + 2
+        else:
+            torch.testing.assert_close(_flat(module), params[step], rtol=0, atol=0)
+    assert local.syncs == 2
+    # Started at step 12; training ends at step 13: the travelling sync is applied, then the ranks averaged.
+    params[11], _ = _local_step(module), local.after_optimizer_step()
+    params[12], _ = _local_step(module), local.after_optimizer_step()
+    params[13], _ = _local_step(module), local.after_optimizer_step()
+    assert local.finish() is not None and local.syncs == 3 and local.averaged_at_end
+    delta = anchor - params[12]
+    momentum = 0.9 * momentum + delta
+    anchor = anchor - 0.7 * (delta + 0.9 * momentum)
+    # Step 12's sync applied (mixed with step 13's parameters), then the average: one rank's own parameters.
+    torch.testing.assert_close(_flat(module), 0.5 * params[13] + 0.5 * anchor)
+    torch.testing.assert_close(local.anchor, _flat(module))
+
+
+def test_overlap_needs_fewer_steps_than_a_window_and_an_all_reduce():
+    with pytest.raises(ValueError, match=r"overlap_steps=4 must be below sync_every=4"):
+        LocalSGDConfig.diloco(sync_every=4, overlap_steps=4)
+    with pytest.raises(ValueError, match=r"overlap_steps needs an all-reduced compression"):
+        LocalSGDConfig.diloco(sync_every=4, overlap_steps=1, compression="int8")
+    with pytest.raises(ValueError, match=r"LocalSGDConfig overlap_steps=-1 must be an int >= 0"):
+        LocalSGDConfig(overlap_steps=-1)
+    with pytest.raises(ValueError, match=r"LocalSGDConfig overlap_mixing=1.5 must be in \[0, 1\]"):
+        LocalSGDConfig(sync_every=4, overlap_steps=2, overlap_mixing=1.5)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_overlapped_syncs_in_a_lightning_run(tmp_path, devices):
+    # H = 4, tau = 2, no warm-up, 12 steps: started at 4, 8, 12; applied at 6 and 10 and, at the end, 12's.
+    config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2)
+    steps_per_epoch = math.ceil(64 / 8 / devices)
+    ranks = _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
+    for record in ranks:
+        rounds = [rounds for rounds, _, _ in record["steps"]]
+        assert rounds == [1 if step in (6, 10) else 0 for step in range(1, 13)]
+        for step in (6, 10):
+            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, SENT["fp16"])
+        # Step 12's sync, travelling when training ended, is applied at the end, then the ranks are averaged.
+        assert record["local"]["syncs"] == 3 and record["averaged_at_end"]
+        assert record["local"]["in_flight"] is None
+        torch.testing.assert_close(record["local"]["anchor"], ranks[0]["local"]["anchor"], rtol=0, atol=0)
+        torch.testing.assert_close(record["final"], ranks[0]["final"], rtol=0, atol=0)
+    for step in range(1, 13):  # the anchor is shared; the parameters keep each rank's last tau steps
+        assert not torch.equal(ranks[0]["params"][step - 1], ranks[1]["params"][step - 1]), step
+
+
+def test_resume_with_a_sync_in_flight_applies_it(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    # H = 4, tau = 2, 4 steps per epoch: the checkpoint at step 5 holds step 4's sync, travelling until step 6.
+    config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2)
+    uninterrupted = _fit(tmp_path / "full", config, max_steps=12, max_epochs=3)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    _fit(tmp_path / "first", config, max_steps=5, max_epochs=3, callbacks=[saver], enable_checkpointing=True)
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=5.ckpt")
+    saved = torch.load(checkpoint, weights_only=False)["ddpopt"]["local_sgd"]
+    assert saved["steps"] == 5 and saved["syncs"] == 0
+    assert saved["in_flight"]["apply_at"] == 6 and saved["in_flight"]["mean"].dtype == torch.float16
+    resumed = _fit(tmp_path / "resumed", config, max_steps=12, max_epochs=3, ckpt_path=str(checkpoint))
+    # Applied at step 6: the same mean, the same outer step, so the same anchor as without the interruption.
+    for full, again in zip(uninterrupted, resumed, strict=True):
+        torch.testing.assert_close(again["anchors"][0], full["anchors"][5], rtol=0, atol=0)
+        assert again["local"]["syncs"] == full["local"]["syncs"] == 3
+        torch.testing.assert_close(again["final"], resumed[0]["final"], rtol=0, atol=0)
