@@ -149,9 +149,8 @@ class ParameterSync:
 
 @dataclass
 class _InFlight:
-    """A sync started and not applied yet: this rank's change, the all-reduce carrying the mean, when to apply."""
+    """A sync started and not applied yet: the all-reduce carrying the mean change, and when to apply it."""
 
-    local_delta: torch.Tensor
     wire: torch.Tensor
     work: dist.Work | None
     apply_at: int
@@ -231,7 +230,11 @@ class LocalSGD:
         torch.div(local_delta, self.world_size, out=wire)  # divided before a half-precision cast, in one pass
         work = dist.all_reduce(wire, group=self.process_group, async_op=True)
         apply_at = self.steps + self.config.overlap_steps
-        self._in_flight = _InFlight(local_delta, wire, work, apply_at, wire.numel() * wire.element_size())
+        self._in_flight = _InFlight(wire, work, apply_at, wire.numel() * wire.element_size())
+
+    def abandon_in_flight(self) -> None:
+        """Forget a sync still travelling (training failed before applying it); nothing waits for it any more."""
+        self._in_flight = None
 
     def _apply_in_flight(self) -> ParameterSync:
         """Wait for the mean change, take the outer step, and mix every rank's parameters with the new anchor.
@@ -243,7 +246,7 @@ class LocalSGD:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight.work is not None:
             in_flight.work.wait()
-        mean = in_flight.local_delta.copy_(in_flight.wire)  # the local change is spent: its buffer takes the mean
+        mean = self._work_buffer().copy_(in_flight.wire)
         self._outer_step(mean, outer_step=True)
         mixed = self._flat_parameters(out=mean).mul_(self.config.overlap_mixing)
         self._load_parameters(mixed.add_(self.anchor, alpha=1 - self.config.overlap_mixing))
@@ -348,7 +351,7 @@ class LocalSGD:
     def state_dict(self) -> dict[str, Any]:
         """The counters, the anchor and the outer momentum (the same on every rank), plus the config.
 
-        A sync still travelling is waited for and saved with this rank's change, to be applied after a resume.
+        A sync still travelling is waited for and its mean change saved, to be applied after a resume.
         """
         in_flight = self._in_flight
         if in_flight is not None and in_flight.work is not None:
@@ -363,7 +366,6 @@ class LocalSGD:
             "in_flight": None
             if in_flight is None
             else {
-                "local_delta": in_flight.local_delta.detach().cpu().clone(),
                 "mean": in_flight.wire.detach().cpu().clone(),
                 "apply_at": in_flight.apply_at,
                 "wire_bytes": in_flight.wire_bytes,
@@ -386,10 +388,8 @@ class LocalSGD:
         saved = state.get("in_flight")
         self._in_flight = None
         if saved is not None:
-            local_delta = self._work_buffer()
-            local_delta.copy_(saved["local_delta"])
             wire = saved["mean"].to(device)
-            self._in_flight = _InFlight(local_delta, wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
+            self._in_flight = _InFlight(wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
         # Every rank resumes from the saved weights (rank 0's): off the anchor by rank 0's steps since the sync.
         window = self.config.sync_every
         since = (self.steps - self.config.warmup_steps) % window if self.local and self.anchor is not None else 0

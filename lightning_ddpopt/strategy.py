@@ -482,6 +482,8 @@ class OptimizedDDPStrategy(DDPStrategy):
             else:
                 rank_zero_warn("ddpopt: PowerSGD's worker thread is still busy after a minute; its group is kept")
         group, self._local_sgd_group = self._local_sgd_group, None
+        if self.local_sgd is not None:
+            self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it
         if group is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group(group)
         if self.core_binding is not None:
@@ -570,11 +572,10 @@ class OptimizedDDPStrategy(DDPStrategy):
         """Ranks that trained alone since the last sync end with their average: one model on every rank."""
         if self.local_sgd is None:
             return
-        unsynced = self.local_sgd.local_steps_since_sync
         if self.local_sgd.finish() is not None:
             self._say_during_training(
-                f"ddpopt: local SGD averaged the ranks' parameters at the end of training ({unsynced} local steps "
-                "were not yet fully in a sync)"
+                "ddpopt: local SGD averaged the ranks' parameters at the end of training (they had trained apart "
+                "since the last sync)"
             )
 
     def _local_sgd_step(self, scale_before: torch.Tensor | None) -> None:

@@ -30,7 +30,11 @@ def format_bytes(nbytes: float) -> str:
     ``format_bytes(4_506_000) == '4.51 MB'``, ``format_bytes(2_100) == '2.1 kB'``, ``format_bytes(12) == '12 B'``.
     """
     scale, unit = byte_unit(nbytes)
-    return f"{_three_digits(nbytes / scale)} {unit}" if scale > 1 else f"{nbytes:.0f} B"
+    text = _three_digits(nbytes / scale)
+    if float(text) >= 1000 and scale < _UNITS[0][0]:  # rounded up to the next unit: 999,999 bytes is 1 MB
+        scale, unit = next((s, u) for s, u in reversed(_UNITS) if s > scale)
+        text = _three_digits(nbytes / scale)
+    return f"{text} {unit}" if scale > 1 else f"{nbytes:.0f} B"
 
 
 def _three_digits(value: float) -> str:

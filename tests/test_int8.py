@@ -243,3 +243,23 @@ def test_numba_block_quantisation_matches_torch_on_edge_cases():
     assert ours[0].eq(0).all() and ours[1].tolist() == [64, -127, 32, 64]  # 63.5 rounds to the even 64
     expected_errors = (rows - dequantized).view(-1) * 3
     torch.testing.assert_close(errors, expected_errors, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 20])
+def test_the_owners_sum_is_the_same_bytes_through_numba_and_torch(world_size):
+    pytest.importorskip("numba")
+    from lightning_ddpopt.hooks.int8 import _quantize_into, reduce_and_requantize
+
+    # 20 ranks: torch's sum(dim=0) would reorder the additions; both paths add in rank order. One block is all -0.0.
+    generator = torch.Generator().manual_seed(world_size)
+    per_rank, block = 5, 64
+    values = torch.randn(world_size, per_rank, block, generator=generator) * torch.logspace(-3, 3, per_rank).view(
+        1, -1, 1
+    )
+    values[:, 2] = -0.0
+    received = torch.empty(world_size, per_rank * block + 4 * per_rank, dtype=torch.int8)
+    _quantize_into(values.view(-1, block), received, per_rank * block)
+    fast = reduce_and_requantize(received, per_rank * block, block, loops=True)
+    reference = reduce_and_requantize(received, per_rank * block, block, loops=False)
+    assert torch.equal(fast, reference)
+    assert fast[0, per_rank * block :].view(torch.float32)[2].item() == 0.0

@@ -97,6 +97,7 @@ def test_the_strategy_agrees_one_path_across_ranks(tmp_path):
 
     class WithoutNumbaOnRank1(pl.Callback):
         def setup(self, trainer, pl_module, stage):
+            torch.set_num_threads(1)  # as Lightning gives each of 2 processes on 2 cores; more would mean "blas"
             if trainer.global_rank == 1:
                 kernels.available = lambda: False  # a forked rank's module: the parent keeps its own
 

@@ -21,6 +21,8 @@ from tests.helpers import StackModel
         (0, "0 B"),
         (12, "12 B"),
         (999, "999 B"),
+        (999.7, "1 kB"),  # rounded up to the next unit, not "1000 B"
+        (999_999, "1 MB"),
         (2_100, "2.1 kB"),
         (150_000, "150 kB"),
         (4_506_000, "4.51 MB"),

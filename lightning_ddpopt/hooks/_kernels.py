@@ -28,7 +28,16 @@ from typing import Any
 import numpy
 import torch
 
-__all__ = ["add_and_project", "available", "error_and_decompress", "fits", "transposed_product"]
+__all__ = [
+    "add_and_project",
+    "available",
+    "dequantize_parameter",
+    "error_and_decompress",
+    "fits",
+    "quantize_parameter",
+    "reduce_and_requantize",
+    "transposed_product",
+]
 
 
 @functools.cache
@@ -173,7 +182,7 @@ def _error_and_decompress_loop(m: Any, p: Any, local_qt: Any, qt: Any, error: An
 
 # The int8 hook's loops (the block layout is :mod:`lightning_ddpopt.hooks.int8`'s: block ``g`` of a bucket is block
 # ``g % blocks_per_rank`` of rank ``g // blocks_per_rank``'s chunk). They do its torch path's arithmetic in the same
-# order, so they send the same bytes, in one pass over the gradients instead of about ten.
+# order, so they send the same bytes for every finite block, in one pass over the gradients instead of about ten.
 
 _SMALLEST_PEAK = numpy.float32(127.0 / float(numpy.finfo(numpy.float32).max))  # below it, 127 / peak overflows
 

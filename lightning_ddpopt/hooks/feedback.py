@@ -240,10 +240,11 @@ class ErrorFeedbackState(CommHookState):
         """The error stored under ``name`` shaped like ``target``, and the factor to this round's loss scale.
 
         The factor is ``None`` where none is needed; the result is ``None`` when no error of ``target``'s size is
-        stored. Shapes may differ where sizes agree: PowerSGD stores a conv kernel's error as the matrix it compressed.
+        stored. Besides ``target``'s own shape, its matrix shape fits: PowerSGD keeps a conv kernel's error as the
+        matrix it compressed.
         """
         error = self.errors.get(name)
-        if error is None or error.numel() != target.numel():
+        if error is None or error.shape not in (target.shape, target.reshape(target.shape[0], -1).shape):
             return None
         if error.device != target.device:
             error = self.errors[name] = error.to(target.device)

@@ -26,7 +26,7 @@ skips the step everywhere; that round's errors are never committed (see :mod:`li
 
 On one CPU thread with numba installed, each stage (quantise with error feedback, sum and re-quantise, dequantise)
 runs as one fused pass (:mod:`lightning_ddpopt.hooks._kernels`), with the same arithmetic in the same order as the
-torch path below: the same bytes on the wire.
+torch path below: the same bytes on the wire for every finite block.
 
 Ordering and overlap: a bucket's all-to-all is issued in its hook call and finished (waited for, summed, all-gathered)
 in the next bucket's call, or at once for the last bucket, so every rank issues ``a2a(k), all_gather(k - 1)`` in
@@ -191,16 +191,7 @@ class _BucketSync:
         """
         state, world_size, chunk, block = self.state, self.state.world_size, self.chunk, self.block
         state.wait(self.work)
-        contributions, contribution_scales = _unpack(self.received, chunk)
-        own = torch.empty(1, chunk + 4 * self.blocks_per_rank, dtype=torch.int8, device=self.received.device)
-        if self.loops:
-            own_scales = torch.empty(self.blocks_per_rank, dtype=torch.float32)
-            _kernels.reduce_and_requantize(self.received, contribution_scales, own[0], own_scales, block)
-            own[0, chunk:].copy_(own_scales.view(torch.int8))
-        else:
-            reduced = dequantize_blocks(contributions.reshape(-1, block), contribution_scales.reshape(-1))
-            reduced = reduced.view(world_size, self.blocks_per_rank, block).sum(dim=0)
-            _quantize_into(reduced, own, chunk)
+        own = reduce_and_requantize(self.received, chunk, block, loops=self.loops)
         gathered = torch.empty(world_size * own.numel(), dtype=torch.int8, device=own.device)
         work = _all_gather(gathered, own.view(-1), state.process_group)
         if gathered.is_cuda:
@@ -230,6 +221,27 @@ class _BucketSync:
         self.future.set_result(self.buffer)
 
 
+def reduce_and_requantize(received: torch.Tensor, chunk: int, block: int, loops: bool) -> torch.Tensor:
+    """Sum the ranks' contributions to this rank's chunk in fp32, in rank order, and quantise the sum.
+
+    ``received``: one packed row per rank; returns one packed row (1 x bytes). Through numba's loop or torch.
+    """
+    per_rank = (received.shape[1] - chunk) // 4
+    own = torch.empty(1, received.shape[1], dtype=torch.int8, device=received.device)
+    contributions, scales = _unpack(received, chunk)
+    if loops:
+        own_scales = torch.empty(per_rank, dtype=torch.float32)
+        _kernels.reduce_and_requantize(received, scales, own[0], own_scales, block)
+        own[0, chunk:].copy_(own_scales.view(torch.int8))
+        return own
+    parts = dequantize_blocks(contributions.reshape(-1, block), scales.reshape(-1)).view(-1, per_rank, block)
+    reduced = parts[0].clone()
+    for part in parts[1:]:  # in rank order, as the loop: torch's sum(dim=0) reorders from 18 ranks on
+        reduced.add_(part)
+    _quantize_into(reduced, own, chunk)
+    return own
+
+
 def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``blocks`` as int8 with its scale ``max |row| / 127``; a non-finite row gets a non-finite scale."""
     packed = torch.empty(1, blocks.numel() + 4 * blocks.shape[0], dtype=torch.int8, device=blocks.device)
@@ -245,7 +257,7 @@ def _quantize_into(rows: torch.Tensor, packed: torch.Tensor, chunk: int) -> torc
     """
     # max |x| without materialising |x|: two reductions cost a tenth of abs() plus one (measured on a 12 MB bucket:
     # 0.33 against 2.3 ms on one thread). NaN and inf propagate as with abs().amax().
-    peak = torch.maximum(rows.amax(dim=-1), rows.amin(dim=-1).neg_())
+    peak = torch.maximum(rows.amax(dim=-1), rows.amin(dim=-1).neg_()).add_(0.0)  # + 0: a -0.0 peak becomes 0.0
     scales = peak / 127
     # An all-zero block quantises to zeros, and so does a block too small for 127 / peak to be finite (its values
     # stay in the error feedback). A block with an inf or NaN keeps it in its scale, which makes the block

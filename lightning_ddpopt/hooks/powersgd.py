@@ -204,7 +204,9 @@ class PowerSGDState(ErrorFeedbackState):
     def kernels(self) -> CPUKernels:
         """How this rank computes the passes over M on the CPU (the strategy agrees it across ranks).
 
-        The decompression's result must be the same bits on every rank, so every rank must compute it the same way:
+        A state built by hand with ``cpu_kernels=None`` decides per rank: give its ranks the same thread count and
+        packages. The decompression's result must be the same bits on every rank, so every rank must compute it the
+        same way:
         ``"numba"`` (:mod:`~lightning_ddpopt.hooks._kernels`) where every rank runs one torch thread and has numba,
         ``"blocked"`` with one thread and no numba somewhere, ``"blas"`` (whole-matrix kernels) with more threads.
         """
