@@ -402,3 +402,23 @@ def test_resume_with_a_sync_in_flight_applies_it(tmp_path):
         torch.testing.assert_close(again["anchors"][0], full["anchors"][5], rtol=0, atol=0)
         assert again["local"]["syncs"] == full["local"]["syncs"] == 3
         torch.testing.assert_close(again["final"], resumed[0]["final"], rtol=0, atol=0)
+
+
+def test_overlapped_syncs_under_fp16_amp_with_an_overflow_on_rank_0(tmp_path):
+    # H = 4, tau = 2, two epochs of 4 steps; rank 0 overflows at the second step of each epoch: only its scaler
+    # skips; both ranks start syncs at 4 and 8 and apply them at 6 and at the end, with the same anchor.
+    monitor = AMPMonitor()
+    ranks = _fit(
+        tmp_path,
+        LocalSGDConfig.diloco(sync_every=4, overlap_steps=2),
+        model=OverflowModel(overflow_at=(2,), ranks=(0,)),
+        max_epochs=2,
+        plugins=[fp16_mixed_precision("cpu")],
+        callbacks=[monitor],
+    )
+    assert [record["skipped_inner"] for record in ranks] == [2, 0]
+    for step in (6, 7, 8):  # after the first arrival, until the end: one anchor
+        torch.testing.assert_close(ranks[0]["anchors"][step - 1], ranks[1]["anchors"][step - 1], rtol=0, atol=0)
+    assert all(record["local"]["syncs"] == 2 and record["averaged_at_end"] for record in ranks)
+    torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
+    assert all(bool(record["final"].isfinite().all()) for record in ranks)
