@@ -67,8 +67,8 @@ class LocalSGDConfig:
             ``overlap_mixing x`` its own ``+ (1 - overlap_mixing) x`` the new anchor, so they differ by what each
             rank learned meanwhile until the next sync.
         overlap_mixing: ``alpha`` in [0, 1], the weight of a rank's own parameters when a travelling sync is applied
-            (0.5 as in Streaming DiLoCo; measured on digits, H = 16, tau = 4: 0.9722 against 0.9528 for keeping all
-            of the rank's progress since the sync and 0.9583 for none).
+            (0.5 as in Streaming DiLoCo; measured on digits, H = 16, tau = 4: 0.9722 against 0.9528 for adding the
+            rank's progress since the sync to the new anchor, and 0.9583 for the anchor alone).
     """
 
     sync_every: int = 16
@@ -181,8 +181,8 @@ class LocalSGD:
         self.averaged_at_end = False
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
-        self._buffers: dict[str, torch.Tensor] = {}
-        # Local steps whose progress the anchor does not hold (with overlap a sync leaves tau steps of it).
+        self._wire: torch.Tensor | None = None
+        # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
 
     @property
@@ -226,7 +226,7 @@ class LocalSGD:
         assert self.anchor is not None
         local_delta = self._flat_parameters(out=self._work_buffer())
         torch.sub(self.anchor, local_delta, out=local_delta)
-        wire = self._kept("wire", _WIRE_DTYPES[self.config.compression])
+        wire = self._wire_buffer()
         torch.div(local_delta, self.world_size, out=wire)  # divided before a half-precision cast, in one pass
         work = dist.all_reduce(wire, group=self.process_group, async_op=True)
         apply_at = self.steps + self.config.overlap_steps
@@ -320,13 +320,13 @@ class LocalSGD:
                     step = self.momentum
         self.anchor.sub_(step, alpha=lr)
 
-    def _kept(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """A parameter-sized buffer kept between syncs (``overlap_steps``: the wire's)."""
+    def _wire_buffer(self) -> torch.Tensor:
+        """The parameter-sized buffer an overlapped sync travels in, kept between syncs."""
         assert self.anchor is not None
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.dtype != dtype or buffer.device != self.anchor.device:
-            buffer = self._buffers[name] = torch.empty(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
-        return buffer
+        dtype = _WIRE_DTYPES[self.config.compression]
+        if self._wire is None or self._wire.device != self.anchor.device:
+            self._wire = torch.empty(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
+        return self._wire
 
     def _work_buffer(self) -> torch.Tensor:
         """The unpadded part of a parameter-sized fp32 buffer kept between syncs, zero-padded to whole int8 blocks.
@@ -343,8 +343,8 @@ class LocalSGD:
     def local_steps_since_sync(self) -> int:
         """Local optimizer steps whose progress the anchor does not hold.
 
-        0 right after a sync without overlap and in the warm-up; with ``overlap_steps`` a sync leaves the steps
-        taken while it travelled.
+        0 right after a sync without overlap and in the warm-up; with ``overlap_steps`` and ``overlap_mixing > 0``
+        the window the last sync carried plus the steps since it started (part of their progress is mixed in).
         """
         return self._steps_off_anchor
 
