@@ -43,7 +43,7 @@ from lightning_ddpopt.buckets import (
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, SavedRun, gather_hook_states, restore_hook_state
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
-from lightning_ddpopt.hooks.int8 import Int8Config
+from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
 from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
@@ -476,11 +476,15 @@ class OptimizedDDPStrategy(DDPStrategy):
         if self._owns_comm_state and isinstance(self.comm_state, CommHookState):
             if self.comm_state.close():
                 self.comm_state.process_group = None
+                if isinstance(self.comm_state, Int8State):
+                    self.comm_state.exchange_group = None
                 group, self._hook_group = self._hook_group, None
                 if group is not None and torch.distributed.is_initialized():
                     torch.distributed.destroy_process_group(group)
             else:
-                rank_zero_warn("ddpopt: PowerSGD's worker thread is still busy after a minute; its group is kept")
+                rank_zero_warn(
+                    f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
+                )
         group, self._local_sgd_group = self._local_sgd_group, None
         if self.local_sgd is not None:
             self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it
@@ -699,6 +703,12 @@ class OptimizedDDPStrategy(DDPStrategy):
                 kernels = torch.tensor([order.index(local_cpu_kernels())], device=self.root_device)
                 torch.distributed.all_reduce(kernels, op=torch.distributed.ReduceOp.MAX, group=model.process_group)
                 self.comm_state.cpu_kernels = order[int(kernels)]
+            elif isinstance(self.comm_state, Int8State) and self.root_device.type == "cpu":
+                # int8's stages travel point to point, driven by worker threads beside the backward pass: on a
+                # group of their own, which nothing else uses meanwhile.
+                ranks = torch.distributed.get_process_group_ranks(model.process_group)
+                group = torch.distributed.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
+                self.comm_state.exchange_group = self._hook_group = group
             return self._hook_spec.hook
         hook: Callable | None = self._hook_callable
         self.comm_state = self._comm_state_arg

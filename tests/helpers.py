@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 import warnings
@@ -267,3 +268,16 @@ def uninterrupted_and_resumed(
         ckpt_path=str(checkpoint),
     )
     return uninterrupted, resumed, checkpoint
+
+
+def jitter_backward(delays: random.Random):
+    """A forward hook whose output's gradient waits 0-2 ms (drawn from ``delays``) in the backward pass."""
+
+    def sleep_then(grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(delays.random() * 0.002)
+        return grad
+
+    def forward_hook(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        output.register_hook(sleep_then)
+
+    return forward_hook

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState, powersgd_hook, powersgd_spec
 from lightning_ddpopt.ledger import CommLedger
-from tests.helpers import LAYERS, WIDTH, StackModel, fit_ddp, stack_gradient_bytes
+from tests.helpers import LAYERS, WIDTH, StackModel, fit_ddp, jitter_backward, stack_gradient_bytes
 
 PSGD_VARIANTS = {
     "powersgd": PowerSGDConfig(start_iter=2),
@@ -150,19 +149,6 @@ def test_start_iter_below_two_is_fine_without_state():
     assert PowerSGDConfig(start_iter=0, error_feedback=False, warm_start=False).start_iter == 0
 
 
-def _jitter(delays: random.Random):
-    """A forward hook whose output's gradient waits 0-2 ms (drawn from ``delays``) in the backward pass."""
-
-    def sleep_then(grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(delays.random() * 0.002)
-        return grad
-
-    def forward_hook(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
-        output.register_hook(sleep_then)
-
-    return forward_hook
-
-
 def _pipelined_worker(rank: int, port: int, world_size: int, steps: int, jitter: bool, out: str) -> None:
     """PowerSGD on many buckets, with the CPU worker thread and without, the ranks' backward passes jittered."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -176,7 +162,7 @@ def _pipelined_worker(rank: int, port: int, world_size: int, steps: int, jitter:
         delays = random.Random(rank)
         if jitter:  # each rank sleeps at random points of its backward pass: buckets arrive in any timing
             for layer in layers:
-                layer.register_forward_hook(_jitter(delays))
+                layer.register_forward_hook(jitter_backward(delays))
         model = DistributedDataParallel(module, bucket_cap_mb=0.01)  # one bucket per layer: 9 buckets
         config = PowerSGDConfig(rank=2, start_iter=2)
         state = PowerSGDState(config=config, pipelined=pipelined)
@@ -189,7 +175,7 @@ def _pipelined_worker(rank: int, port: int, world_size: int, steps: int, jitter:
             optimizer.zero_grad()
             model(torch.randn(4, 64, generator=data)).pow(2).mean().backward()
             optimizer.step()
-        seen_threads.add(state._worker._thread.name if state._worker is not None else "backward")
+        seen_threads.add(state._worker.name if state._worker is not None else "backward")
         params = torch.cat([p.detach().flatten() for p in module.parameters()])
         gathered = [torch.empty_like(params) for _ in range(world_size)]
         dist.all_gather(gathered, params)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import random
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import COMM_HOOKS, Int8Config, Int8State, int8_hook
 from lightning_ddpopt.ledger import CommLedger
-from tests.helpers import fit_ddp, stack_gradient_bytes
+from tests.helpers import fit_ddp, jitter_backward, stack_gradient_bytes
 
 BLOCK = 64
 
@@ -118,6 +121,33 @@ def test_int8_in_a_lightning_run_sends_a_quarter_and_keeps_ranks_identical(tmp_p
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+class _ExchangeProbe(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.comm_state
+        record = {
+            "own_group": state.exchange_group not in (None, dist.group.WORLD, trainer.strategy.model.process_group),
+            "workers": sorted(w.name for w in state._workers if w.alive()),
+            "iteration": state.iteration,
+        }
+        torch.save(record, self.out / f"exchange{trainer.global_rank}.pt")
+
+
+def test_strategy_exchanges_int8_point_to_point_in_a_group_of_its_own(tmp_path):
+    # With find_unused_parameters=True DDP all-reduces its unused-parameter map on the model's group, on the
+    # backward thread, while the workers still exchange: on a group of the hook's own, nothing interleaves.
+    strategy = OptimizedDDPStrategy(
+        comm_hook="int8", find_unused_parameters=True, bucket_cap_mb=0.3, start_method="fork"
+    )
+    ranks = fit_ddp(tmp_path, strategy, max_epochs=3, callbacks=[_ExchangeProbe(tmp_path)])
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+    for rank in range(2):
+        record = torch.load(tmp_path / f"exchange{rank}.pt")
+        assert record == {"own_group": True, "workers": ["ddpopt-int8-gather", "ddpopt-int8-reduce"], "iteration": 12}
+
+
 def test_registry_entry_and_bad_configs():
     assert COMM_HOOKS["int8"].summary == (
         "block-wise int8 (blocks of 1024), with error feedback: a quarter of the bytes"
@@ -213,6 +243,69 @@ def test_numba_loops_send_and_decode_the_same_bytes_as_torch(tmp_path, world_siz
     # Every rank decoded the same bytes.
     for rank in range(1, world_size):
         torch.testing.assert_close(results[True][rank]["grads"][-1], results[True][0]["grads"][-1], rtol=0, atol=0)
+
+
+def _exchange_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    """The same steps through point-to-point exchanges (worker threads) and through collectives (the hook calls)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    exchange = dist.new_group(list(range(world_size)))
+    results = {}
+    for group in (exchange, None):
+        torch.manual_seed(0)
+        layers = [nn.Linear(61, 61) for _ in range(7)]
+        module = nn.Sequential(*[block for layer in layers for block in (layer, nn.Tanh())])
+        delays = random.Random(rank)
+        for layer in layers:  # each rank sleeps at random points of its backward pass: buckets arrive in any timing
+            layer.register_forward_hook(jitter_backward(delays))
+        model = DistributedDataParallel(module, bucket_cap_mb=0.01)  # one bucket per layer: 7 buckets
+        scale = torch.ones(())
+        state = Int8State(
+            config=Int8Config(block_size=BLOCK), loss_scale=lambda scale=scale: scale, exchange_group=group
+        )
+        state.bind_module(module)
+        model.register_comm_hook(state, int8_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(rank)
+        grads = []
+        for step in range(24):
+            scale.fill_(2.0 ** (step % 3))  # a GradScaler's growth and backoff
+            optimizer.zero_grad()
+            inputs = torch.randn(8, 61, generator=data)
+            if step == 9 and rank == world_size - 1:
+                inputs[0, 0] = math.inf  # non-finite on one rank: non-finite everywhere, the step skipped
+            (model(inputs).pow(2).mean() * scale).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in module.parameters()]))
+            if grads[-1].isfinite().all():
+                optimizer.step()
+        threads = sorted(w.name for w in state._workers) if state._workers else []
+        state.state_dict()  # seals the last round
+        results[group is not None] = {"grads": grads, "errors": dict(state.errors), "threads": threads}
+        assert state.close()
+        del model, state
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_point_to_point_exchange_gives_the_collectives_bits_whatever_the_timing(tmp_path, world_size):
+    out = str(tmp_path / "exchange")
+    mp.start_processes(
+        _exchange_worker, args=(world_size, 29571 + world_size, out), nprocs=world_size, start_method="fork"
+    )
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
+    for rank, result in enumerate(ranks):
+        exchanged, collective = result[True], result[False]
+        assert exchanged["threads"] == ["ddpopt-int8-gather", "ddpopt-int8-reduce"] and collective["threads"] == []
+        for step, (a, b) in enumerate(zip(exchanged["grads"], collective["grads"], strict=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"rank {rank}, step {step}")
+            # Every rank decoded the same bytes; the step with an inf on one rank is non-finite on all.
+            torch.testing.assert_close(a, ranks[0][True]["grads"][step], rtol=0, atol=0, equal_nan=True)
+            assert bool(a.isfinite().all()) == (step != 9), step
+        assert exchanged["errors"].keys() == collective["errors"].keys() and exchanged["errors"]
+        for name in exchanged["errors"]:
+            torch.testing.assert_close(exchanged["errors"][name], collective["errors"][name], rtol=0, atol=0)
 
 
 def test_numba_block_quantisation_matches_torch_on_edge_cases():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +26,10 @@ class CommHookState:
             the device, so reading it never syncs the host), or ``None`` without one. Hooks that keep
             gradient-valued state across steps use it to keep that state in the right units; the strategy sets it.
 
-    Hooks that wait for collectives inside the hook (PowerSGD, int8's first stage) do it through :meth:`wait`,
-    which adds up the host seconds spent waiting in :attr:`wait_seconds`; :attr:`hook_seconds` adds up the host
-    seconds inside those hooks altogether, so ``hook_seconds - wait_seconds`` is their own work (on a GPU: its
-    launch; the waits there only order the stream).
+    Hooks that wait for collectives (PowerSGD, int8) do it through :meth:`wait`, which adds up the host seconds
+    spent waiting in :attr:`wait_seconds`; :attr:`hook_seconds` adds up the host seconds inside those hooks
+    altogether, on whichever thread runs them (:meth:`add_seconds`), so ``hook_seconds - wait_seconds`` is their
+    own work (on a GPU: its launch; the waits there only order the stream).
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -37,6 +38,7 @@ class CommHookState:
     world_size: int = field(init=False)
     hook_seconds: float = field(default=0.0, init=False, repr=False)
     wait_seconds: float = field(default=0.0, init=False, repr=False)
+    _seconds_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.world_size = dist.get_world_size(self.process_group)
@@ -51,7 +53,13 @@ class CommHookState:
         assert work is not None
         start = time.perf_counter()
         work.wait()
-        self.wait_seconds += time.perf_counter() - start
+        self.add_seconds(0.0, waiting=time.perf_counter() - start)
+
+    def add_seconds(self, inside: float, waiting: float = 0.0) -> None:
+        """Add to :attr:`hook_seconds` and :attr:`wait_seconds` (hooks may run parts on several threads)."""
+        with self._seconds_lock:
+            self.hook_seconds += inside
+            self.wait_seconds += waiting
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn about the module DDP wraps (its parameter names); stateless hooks need nothing."""

@@ -28,15 +28,29 @@ On one CPU thread with numba installed, each stage (quantise with error feedback
 runs as one fused pass (:mod:`lightning_ddpopt.hooks._kernels`), with the same arithmetic in the same order as the
 torch path below: the same bytes on the wire for every finite block.
 
-Ordering and overlap: a bucket's all-to-all is issued in its hook call and finished (waited for, summed, all-gathered)
-in the next bucket's call, or at once for the last bucket, so every rank issues ``a2a(k), all_gather(k - 1)`` in
-DDP's bucket order (gloo requires the same order on every rank) while the transfers overlap the backward pass and
-the next bucket's quantisation. The all-gather's result is dequantised into the bucket in a future callback. On NCCL
-the waits only order the CUDA stream.
+Ordering and overlap:
+
+* **On a CPU with** ``Int8State(exchange_group=...)`` (what ``OptimizedDDPStrategy`` sets: a process group of the
+  hook's own) both stages travel as point-to-point messages on that group, and every receive is posted before any
+  send: the hook (on the backward thread) quantises the bucket, posts the receives of both stages and sends its
+  chunks; one worker thread waits for the chunks, sums, re-quantises and sends the reduced chunk to every rank,
+  bucket after bucket; a second one waits for the reduced chunks and dequantises them into the bucket. The backward
+  pass never waits for the network. gloo sends a message only once its receiver has posted the receive, and tells
+  the sender so on the same connection: with collectives (whose ranks post their receive after their send) each
+  rank's notice queued behind its own data, and with both stages on the backward thread each rank's blocked wait
+  held back what its peers waited for; the link idled for a fifth of the sync window (emulated 1 Gbit link).
+  Messages match by tag (the bucket and the stage) in the order they were posted, so ranks need not post them in
+  any common order.
+* **Otherwise** (a GPU, or a state built without an exchange group) a bucket's all-to-all is issued in its hook
+  call and finished (waited for, summed, all-gathered) in the next bucket's call, or at once for the last bucket,
+  so every rank issues ``a2a(k), all_gather(k - 1)`` in DDP's bucket order (gloo requires one order of a group's
+  collectives on every rank). On NCCL the waits only order the CUDA stream; the all-gather's result is dequantised
+  into the bucket in a future callback on gloo.
 """
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -45,6 +59,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks import _kernels
+from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
 
 __all__ = ["Int8Config", "Int8State", "dequantize_blocks", "int8_hook", "quantize_blocks"]
@@ -78,7 +93,28 @@ class Int8State(ErrorFeedbackState):
     label: ClassVar[str] = "int8"
 
     config: Int8Config = field(default_factory=Int8Config)
+    #: A group that only this hook uses, for point-to-point stages driven by worker threads (CPU buckets only);
+    #: ``None``: both stages as collectives on ``process_group``, driven by the hook calls.
+    exchange_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _in_flight: "_BucketSync | None" = field(default=None, repr=False)
+    _workers: "tuple[Worker, Worker] | None" = field(default=None, repr=False)
+
+    def close(self) -> bool:
+        """Stop the worker threads (after the buckets they hold); a later step starts new ones.
+
+        Returns False if a thread is still running a bucket after a minute (its group must then stay as it is).
+        """
+        for worker in self._workers or ():
+            if not worker.stop():
+                return False
+        self._workers = None
+        return True
+
+    def state_dict(self) -> dict[str, object]:
+        """The step counter and error feedback, once the workers have finished the buckets they hold."""
+        for worker in self._workers or ():  # the reducing worker hands buckets to the gathering one: drain it first
+            worker.drain()
+        return super().state_dict()
 
     def config_dict(self) -> dict[str, object]:
         """The Int8Config as saved."""
@@ -95,6 +131,8 @@ class Int8State(ErrorFeedbackState):
 
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group through int8 blocks; see the module doc."""
+    if state.exchange_group is not None and bucket.buffer().device.type == "cpu":
+        return _exchanged(state, bucket, state.exchange_group)
     start = time.perf_counter()
     if bucket.index() == 0 and state._in_flight is not None:
         # Left over from a backward pass that raised before its last bucket: never finish it now (this rank alone
@@ -106,21 +144,77 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     # backward to arrive): every rank issues a2a(k), all_gather(k - 1) in DDP's bucket order.
     previous, state._in_flight = state._in_flight, bucket_sync
     if previous is not None:
-        previous.finish()
+        previous.finish(state.process_group)
     if bucket.is_last():
         state._in_flight = None
-        bucket_sync.finish()
+        bucket_sync.finish(state.process_group)
         # On gloo the buckets finish in future callbacks: the round is judged once DDP has waited for every bucket,
         # when the next round opens or the state is saved. On CUDA they finish here, in stream order.
         state._close_round(seal_now=bucket_sync.buffer.is_cuda)
-    state.hook_seconds += time.perf_counter() - start
+    state.add_seconds(time.perf_counter() - start)
     return bucket_sync.future
 
 
-class _BucketSync:
-    """One bucket's two stages: quantise and all-to-all (issued at once), reduce and all-gather (:meth:`finish`)."""
+def _exchanged(
+    state: Int8State, bucket: dist.GradBucket, group: dist.ProcessGroup
+) -> torch.futures.Future[torch.Tensor]:
+    """Quantise, post both stages' receives and send the chunks; the workers finish the bucket (see the module doc)."""
+    start = time.perf_counter()
+    workers = state._workers
+    failed = next((w.failed for w in workers or () if w.failed is not None), None)
+    if failed is not None:
+        raise RuntimeError(f"int8 stopped after an earlier bucket failed: {failed!r}")
+    if workers is None or not all(w.alive() for w in workers):
+        workers = state._workers = (Worker("ddpopt-int8-reduce"), Worker("ddpopt-int8-gather"))
+    if bucket.index() == 0 and state._round is not None:
+        # Left over from a backward pass that raised before its last bucket: start this round afresh.
+        for worker in workers:
+            worker.drain()
+        state._round = None
+    bucket_sync = _BucketSync(state, state._open_round(), bucket, group)
+    if bucket.is_last():
+        # The buckets finish on the workers: the round is judged once DDP has waited for every bucket, when the
+        # next round opens or the state is saved.
+        state._close_round(seal_now=False)
+    issued = time.perf_counter() - start
+    reducer, gatherer = workers
+    reducer.submit(lambda: _on_worker(reducer, bucket_sync, lambda: _reduce(bucket_sync, gatherer), issued))
+    return bucket_sync.future
 
-    def __init__(self, state: Int8State, round_: SyncRound, bucket: dist.GradBucket) -> None:
+
+def _reduce(bucket_sync: "_BucketSync", gatherer: Worker) -> None:
+    """The reducing worker's part: wait for the chunks, sum, send the reduced chunk; then hand over to the gatherer."""
+    bucket_sync.reduce_and_send()
+    gatherer.submit(lambda: _on_worker(gatherer, bucket_sync, bucket_sync.receive_gathered))
+
+
+def _on_worker(worker: Worker, bucket_sync: "_BucketSync", job: Callable[[], None], seconds: float = 0.0) -> None:
+    """Run one stage unless an earlier one failed; a failure fails the bucket's future, never leaves it pending.
+
+    ``seconds``: the hook's time on the backward thread for this bucket, added with the stage's own.
+    """
+    start = time.perf_counter()
+    try:
+        if worker.failed is not None:
+            raise RuntimeError(f"int8 stopped after an earlier bucket failed: {worker.failed!r}")
+        job()
+    except Exception as error:
+        worker.failed = worker.failed or error
+        if not bucket_sync.future.done():
+            bucket_sync.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
+    bucket_sync.state.add_seconds(seconds + time.perf_counter() - start)
+
+
+class _BucketSync:
+    """One bucket's two stages: quantise and all-to-all (issued at once), reduce and all-gather.
+
+    As collectives on the state's process group (:meth:`finish`), or as point-to-point messages on ``exchange``
+    (:meth:`reduce_and_send`, then :meth:`receive_gathered`).
+    """
+
+    def __init__(
+        self, state: Int8State, round_: SyncRound, bucket: dist.GradBucket, exchange: dist.ProcessGroup | None = None
+    ) -> None:
         config, world_size = state.config, state.world_size
         self.state, self.round, self.buffer = state, round_, bucket.buffer()
         self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
@@ -166,7 +260,10 @@ class _BucketSync:
                 round_.errors[name] = values[offset : offset + gradient.numel()].view_as(gradient)
         self.received = torch.empty_like(send)
         state.record_wire_bytes(bucket, send.numel())
-        self.work = dist.all_to_all_single(self.received, send, group=state.process_group, async_op=True)
+        if exchange is None:
+            self.work = dist.all_to_all_single(self.received, send, group=state.process_group, async_op=True)
+        else:
+            self.exchange = _Exchange(exchange, bucket.index(), send, self.received)
 
     def _quantize_with_loops(self, names: list[str], values: torch.Tensor, send: torch.Tensor) -> None:
         """The torch path's quantisation (and errors, into ``values``) through numba's loops, parameter by parameter."""
@@ -184,8 +281,8 @@ class _BucketSync:
             _kernels.quantize_parameter(gradient, found, state.world_size, first, errors, send, scales, block)
         send[:, self.chunk :].copy_(scales.view(torch.int8))
 
-    def finish(self) -> None:
-        """Wait for the all-to-all, sum and re-quantise this rank's chunk, and all-gather.
+    def finish(self, group: dist.ProcessGroup | None) -> None:
+        """Wait for the all-to-all, sum and re-quantise this rank's chunk, and all-gather on ``group``.
 
         The bucket's future completes when every chunk is back in the bucket.
         """
@@ -193,7 +290,7 @@ class _BucketSync:
         state.wait(self.work)
         own = reduce_and_requantize(self.received, chunk, block, loops=self.loops)
         gathered = torch.empty(world_size * own.numel(), dtype=torch.int8, device=own.device)
-        work = _all_gather(gathered, own.view(-1), state.process_group)
+        work = _all_gather(gathered, own.view(-1), group)
         if gathered.is_cuda:
             # A callback would run on another stream than the one the buffers were allocated on (the caching
             # allocator could hand them out again too early); waiting only orders the current stream.
@@ -202,9 +299,21 @@ class _BucketSync:
         else:
             work.get_future().then(lambda done: self._dequantize_into_bucket(done, gathered))
 
-    def _dequantize_into_bucket(self, done: torch.futures.Future[object], gathered: torch.Tensor) -> None:
+    def reduce_and_send(self) -> None:
+        """Point-to-point: wait for the ranks' chunks, sum and re-quantise this rank's, and send it to every rank."""
+        self.exchange.wait_scattered(self.state)
+        own = reduce_and_requantize(self.received, self.chunk, self.block, loops=self.loops)
+        self.exchange.send_reduced(own[0])
+
+    def receive_gathered(self) -> None:
+        """Point-to-point: wait for every reduced chunk (and this rank's sends), and dequantise into the bucket."""
+        self.exchange.wait_gathered(self.state)
+        self._dequantize_into_bucket(None, self.exchange.gathered)
+
+    def _dequantize_into_bucket(self, done: torch.futures.Future[object] | None, gathered: torch.Tensor) -> None:
         try:
-            done.wait()  # raises the all-gather's error, if it failed
+            if done is not None:
+                done.wait()  # raises the all-gather's error, if it failed
             payloads, scales = _unpack(gathered.view(self.state.world_size, -1), self.chunk)
             self.round.check([scales])
             if self.loops:
@@ -219,6 +328,48 @@ class _BucketSync:
             self.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
             return
         self.future.set_result(self.buffer)
+
+
+class _Exchange:
+    """A bucket's two stages as point-to-point messages on a group of the hook's own, every receive posted first.
+
+    Rows of ``send``/``received`` are the packed chunks, one per rank. Tags tell the bucket and the stage apart; a
+    rank posts each tag's messages in step order, and gloo matches a tag's messages in the order they were posted.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, index: int, send: torch.Tensor, received: torch.Tensor) -> None:
+        self.group, self.rank = group, dist.get_rank(group)
+        self.peers = [peer for peer in range(send.shape[0]) if peer != self.rank]
+        self.tags = (2 * index, 2 * index + 1)
+        self.gathered = torch.empty_like(send)
+        # Both stages' receives before any send: each peer learns at once that it may send, in both stages.
+        self.scattered = [self._receive(received[peer], peer, self.tags[0]) for peer in self.peers]
+        self.reduced = [self._receive(self.gathered[peer], peer, self.tags[1]) for peer in self.peers]
+        received[self.rank].copy_(send[self.rank])
+        self.sends = [self._send(send[peer], peer, self.tags[0]) for peer in self.peers]
+        self._keep = send  # alive until its sends are done
+
+    def wait_scattered(self, state: Int8State) -> None:
+        for work in self.scattered:
+            state.wait(work)
+
+    def send_reduced(self, own: torch.Tensor) -> None:
+        self.gathered[self.rank].copy_(own)
+        self.sends += [self._send(self.gathered[self.rank], peer, self.tags[1]) for peer in self.peers]
+
+    def wait_gathered(self, state: Int8State) -> None:
+        for work in self.reduced + self.sends:
+            state.wait(work)
+
+    def _receive(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        work = dist.irecv(tensor, group=self.group, group_src=peer, tag=tag)
+        assert work is not None
+        return work
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        work = dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
+        assert work is not None
+        return work
 
 
 def reduce_and_requantize(received: torch.Tensor, chunk: int, block: int, loops: bool) -> torch.Tensor:

@@ -38,9 +38,6 @@ Under fp16 AMP two things keep the state sound:
 """
 
 import math
-import os
-import queue
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -52,6 +49,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks import _kernels
+from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
@@ -59,8 +57,6 @@ __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 MatrixDtype = Literal["fp32", "fp16", "bf16"]
 #: How the CPU computes the passes over M: numba's fused loops or BLAS in row blocks (one thread), whole-matrix BLAS.
 CPUKernels = Literal["numba", "blocked", "blas"]
-# Seconds teardown waits for the worker thread to finish the buckets it holds.
-_STOP_TIMEOUT_S = 60.0
 # Values of M per row block of the one-thread error-and-decompression pass: 32768 fp32 values, 128 KiB.
 _CACHE_BLOCK_ELEMENTS = 32768
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -132,53 +128,6 @@ class _Regroup:
         self.waiting: list[tuple[set[str], torch.futures.Future[torch.Tensor], torch.Tensor]] = []
 
 
-class _Worker:
-    """One thread that runs submitted jobs first in, first out: PowerSGD's buckets in DDP's order, on a CPU."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._pending = 0
-        self._pid = os.getpid()
-        self.failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ddpopt-powersgd", daemon=True)
-        self._thread.start()
-
-    def alive(self) -> bool:
-        """False in a process forked after the thread started (the child has no such thread)."""
-        return self._pid == os.getpid() and self._thread.is_alive()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._idle:
-            self._pending += 1
-        self._jobs.put(job)
-
-    def drain(self) -> None:
-        """Wait until every submitted job has run (nothing to wait for in a forked child)."""
-        if not self.alive():
-            return
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
-
-    def stop(self) -> bool:
-        """Finish the jobs held and end the thread; False if it is still running after the timeout."""
-        if self.alive():
-            self._jobs.put(None)
-            self._thread.join(timeout=_STOP_TIMEOUT_S)
-        return not self.alive()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            except BaseException as error:  # a job failing outside its own handling: fail all that follow
-                self.failed = error
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
-
-
 @dataclass(kw_only=True)
 class PowerSGDState(ErrorFeedbackState):
     """PowerSGD's per-rank state: the step counter, error feedback and warm-start memories.
@@ -199,7 +148,7 @@ class PowerSGDState(ErrorFeedbackState):
     pipelined: bool = False
     cpu_kernels: CPUKernels | None = None
     _regroup: _Regroup | None = field(default=None, repr=False)
-    _worker: _Worker | None = field(default=None, repr=False)
+    _worker: Worker | None = field(default=None, repr=False)
 
     def kernels(self) -> CPUKernels:
         """How this rank computes the passes over M on the CPU (the strategy agrees it across ranks).
@@ -288,7 +237,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     if state._worker is None or not state._worker.alive():
         if state._worker is not None and state._worker.failed is not None:
             raise RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {state._worker.failed!r}")
-        state._worker = _Worker()
+        state._worker = Worker("ddpopt-powersgd")
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     state._worker.submit(lambda: _forward(_sync_bucket, state, bucket, future))
     return future
@@ -342,7 +291,7 @@ def _sync_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures
         future = _compress_and_allreduce(state, bucket, buffer)
     if bucket.is_last():
         state._close_round()
-    state.hook_seconds += time.perf_counter() - start
+    state.add_seconds(time.perf_counter() - start)
     return future
 
 
