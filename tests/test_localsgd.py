@@ -422,3 +422,41 @@ def test_overlapped_syncs_under_fp16_amp_with_an_overflow_on_rank_0(tmp_path):
     assert all(record["local"]["syncs"] == 2 and record["averaged_at_end"] for record in ranks)
     torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
     assert all(bool(record["final"].isfinite().all()) for record in ranks)
+
+
+_BROADCAST_STEPS: list[int] = []
+
+
+class _BroadcastSteps(pl.Callback):
+    """Saves, per rank, the global steps at which Lightning's per-batch SIGTERM broadcast ran."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(list(_BROADCAST_STEPS), self.out / f"broadcasts{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_ranks_meet_only_at_syncs_not_before_every_batch(tmp_path, monkeypatch, overlap):
+    # Lightning broadcasts rank 0's SIGTERM flag before every training batch (a barrier each step); local SGD runs
+    # it in the warm-up and at the first batch of each sync window only, on every rank alike.
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    lightning_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
+
+    def counted(loop: _TrainingEpochLoop) -> None:
+        _BROADCAST_STEPS.append(loop.trainer.global_step)
+        lightning_broadcast(loop)
+
+    monkeypatch.setattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", counted)  # the forked ranks inherit it
+    config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=overlap)
+    ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[_BroadcastSteps(tmp_path)])  # 12 steps
+    for rank in range(2):
+        assert torch.load(tmp_path / f"broadcasts{rank}.pt") == [0, 1, 2, 6, 10]
+    torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
+    # Without local SGD: before every batch, as Lightning does.
+    stock = OptimizedDDPStrategy(start_method="fork")
+    fit_ddp(tmp_path / "stock", stock, max_epochs=2, callbacks=[_BroadcastSteps(tmp_path)])
+    for rank in range(2):
+        assert torch.load(tmp_path / f"broadcasts{rank}.pt") == list(range(8))
