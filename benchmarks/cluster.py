@@ -232,9 +232,12 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
     """Per-variant figures: samples/s, step percentiles, sync, bytes, speed-up, compute and link fractions."""
     rows = []
     compute = results.get("compute")
-    compute_limit = None
+    # The compute limit in the statistic each variant is rated by: the median step for variants that sync every
+    # step, the mean step for periodic ones (local SGD), whose rate is over whole sync windows.
+    compute_limit: dict[bool, float] = {}
     if compute:
-        compute_limit = compute["samples_per_step"] / statistics.median(compute["step_times_s"]) * hosts
+        for periodic, statistic in ((False, statistics.median), (True, statistics.fmean)):
+            compute_limit[periodic] = compute["samples_per_step"] / statistic(compute["step_times_s"]) * hosts
     stock = results.get("stock")
     stock_rate = stock["samples_per_step"] / statistics.median(stock["step_times_s"]) if stock else None
     for variant, result in results.items():
@@ -255,7 +258,9 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             if result.get("bytes_sent") is not None
             else (result["gradient_bytes"] if variant == "stock" else None),
             "speedup_vs_stock": rate / stock_rate if stock_rate and variant != "compute" else None,
-            "fraction_of_compute_limit": rate / compute_limit if compute_limit and variant != "compute" else None,
+            "fraction_of_compute_limit": rate / compute_limit[periodic]
+            if compute_limit and variant != "compute"
+            else None,
             "link_fraction": None,
             "bucket_cap_mb": result.get("bucket_cap_mb"),
             "comm_hook": result.get("comm_hook"),

@@ -182,8 +182,9 @@ def main() -> None:
         # auto may choose PowerSGD, which compresses from its start_iter on: time only compressed steps.
         start_iter = PowerSGDConfig().start_iter
         args.steps, args.warmup = args.steps + start_iter, args.warmup + start_iter
-    if args.variant.startswith("diloco"):
-        args.steps = args.warmup + 64  # two to four whole sync windows timed
+    if args.variant.startswith("diloco") or args.variant == "compute":
+        # Two to four whole sync windows timed; as many compute steps, whose mean local SGD is compared with.
+        args.steps = args.warmup + 64
     samples = (args.steps + 1) * accumulate * args.batch_size * num_nodes
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
