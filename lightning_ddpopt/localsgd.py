@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks.feedback import config_mismatch
-from lightning_ddpopt.hooks.int8 import quantize_blocks
+from lightning_ddpopt.hooks.int8 import all_gather_async, average_packed, quantize_packed
 
 __all__ = ["LocalSGD", "LocalSGDConfig", "ParameterSync"]
 
@@ -416,18 +416,13 @@ class LocalSGD:
     def _int8_mean_inplace(self, delta: torch.Tensor) -> int:
         assert self._work is not None and delta.data_ptr() == self._work.data_ptr()
         blocks = self._work.view(-1, _INT8_BLOCK)  # delta and its zero padding
-        payload, scales = quantize_blocks(blocks)
-        payloads = [torch.empty_like(payload) for _ in range(self.world_size)]
-        all_scales = [torch.empty_like(scales) for _ in range(self.world_size)]
-        dist.all_gather(payloads, payload, group=self.process_group)
-        dist.all_gather(all_scales, scales, group=self.process_group)
+        packed = quantize_packed(blocks)
+        gathered = torch.empty(self.world_size * packed.numel(), dtype=torch.int8, device=packed.device)
+        all_gather_async(gathered, packed.view(-1), self.process_group).wait()
         # Every rank sums the ranks' dequantised blocks in rank order: the same mean, bit for bit, everywhere.
-        torch.mul(payloads[0], all_scales[0].unsqueeze(-1), out=blocks)
-        for rank_payload, rank_scales in zip(payloads[1:], all_scales[1:], strict=True):
-            blocks.addcmul_(rank_payload, rank_scales.unsqueeze(-1))
-        delta.div_(self.world_size)
+        average_packed(gathered.view(self.world_size, -1), blocks)
         self._work[delta.numel() :].zero_()  # 0 x a non-finite scale is not 0: the padding must stay zero
-        return payload.numel() + scales.numel() * scales.element_size()
+        return packed.numel()
 
     def _flat_parameters(self) -> torch.Tensor:
         """The parameters end to end in fp32."""

@@ -356,3 +356,34 @@ def test_the_owners_sum_is_the_same_bytes_through_numba_and_torch(world_size):
     reference = reduce_and_requantize(received, per_rank * block, block, loops=False)
     assert torch.equal(fast, reference)
     assert fast[0, per_rank * block :].view(torch.float32)[2].item() == 0.0
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_packed_rows_and_their_mean_are_the_same_bits_through_numba_and_torch(monkeypatch, ranks):
+    # Local SGD's int8 changes: each rank packs its blocks (payloads, then scales) and every rank averages the
+    # gathered rows in rank order. Each rank may take either path: both must give the same bytes and the same mean.
+    pytest.importorskip("numba")
+    import lightning_ddpopt.hooks._kernels as kernels
+    from lightning_ddpopt.hooks.int8 import average_packed, quantize_packed
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    generator = torch.Generator().manual_seed(ranks)
+    rows = [
+        torch.randn(6, BLOCK, generator=generator) * 10.0 ** torch.arange(-3, 3).unsqueeze(-1) for _ in range(ranks)
+    ]
+    rows[-1][2, 5] = math.inf  # a non-finite block on one rank: non-finite in the mean, the other blocks as usual
+    packed = {}
+    for loops in (True, False):
+        monkeypatch.setattr(kernels, "available", lambda loops=loops: loops)
+        gathered = torch.cat([quantize_packed(r.clone()) for r in rows])
+        mean = torch.empty(6, BLOCK)
+        average_packed(gathered, mean)
+        packed[loops] = (gathered, mean)
+    assert torch.equal(packed[True][0], packed[False][0])
+    torch.testing.assert_close(packed[True][1], packed[False][1], rtol=0, atol=0, equal_nan=True)
+    mean = packed[True][1]
+    assert not mean[2].isfinite().all() and mean[[0, 1, 3, 4, 5]].isfinite().all()
+    exact = sum(rows) / ranks
+    step = torch.stack([r.abs().amax(dim=1) for r in rows]).sum(dim=0) / 127 / ranks  # per block, all ranks' steps
+    finite = [0, 1, 3, 4, 5]
+    assert ((mean[finite] - exact[finite]).abs() <= step[finite].unsqueeze(-1) / 2 + 1e-12).all()

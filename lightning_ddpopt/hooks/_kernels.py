@@ -243,12 +243,27 @@ def dequantize_parameter(
     _compiled_int8()[2](packed.numpy(), scales.numpy(), first_block, gradient.view(-1).numpy(), block)
 
 
+def average_blocks(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """The mean of the ranks' dequantised blocks, summed in fp32 in rank order, then divided by the ranks.
+
+    ``packed``: ranks x bytes (row-major int8, the blocks' payloads first), ``scales``: ranks x blocks, ``out``: the
+    blocks' values (row-major fp32).
+    """
+    assert out.is_contiguous() and packed.is_contiguous()
+    _compiled_int8()[3](packed.numpy(), scales.numpy(), out.view(-1).numpy(), block)
+
+
 @functools.cache
 def _compiled_int8() -> tuple[Callable[..., None], ...]:
     """The int8 loops, compiled on first use; the block quantisation they share first."""
     global _quantize_block
     _quantize_block = _compile(_quantize_block_loop)
-    return _compile(_quantize_parameter_loop), _compile(_reduce_and_requantize_loop), _compile(_dequantize_loop)
+    return (
+        _compile(_quantize_parameter_loop),
+        _compile(_reduce_and_requantize_loop),
+        _compile(_dequantize_loop),
+        _compile(_average_loop),
+    )
 
 
 def _quantize_block_loop(
@@ -344,3 +359,19 @@ def _dequantize_loop(packed: Any, scales: Any, first_block: int, gradient: Any, 
         target = gradient[start : start + count]
         for j in range(count):
             target[j] = numpy.float32(source[j]) * scale
+
+
+def _average_loop(packed: Any, scales: Any, out: Any, block: int) -> None:
+    ranks, blocks = scales.shape
+    divisor = numpy.float32(ranks)
+    for b in range(blocks):
+        target = out[b * block : (b + 1) * block]
+        source, scale = packed[0][b * block : (b + 1) * block], scales[0, b]
+        for j in range(block):
+            target[j] = numpy.float32(source[j]) * scale
+        for r in range(1, ranks):
+            source, scale = packed[r][b * block : (b + 1) * block], scales[r, b]
+            for j in range(block):
+                target[j] += numpy.float32(source[j]) * scale
+        for j in range(block):
+            target[j] = target[j] / divisor

@@ -62,7 +62,16 @@ from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
 
-__all__ = ["Int8Config", "Int8State", "dequantize_blocks", "int8_hook", "quantize_blocks"]
+__all__ = [
+    "Int8Config",
+    "Int8State",
+    "all_gather_async",
+    "average_packed",
+    "dequantize_blocks",
+    "int8_hook",
+    "quantize_blocks",
+    "quantize_packed",
+]
 
 _SMALLEST_PEAK = 127 / torch.finfo(torch.float32).max  # below it, 127 / peak overflows to inf
 
@@ -290,7 +299,7 @@ class _BucketSync:
         state.wait(self.work)
         own = reduce_and_requantize(self.received, chunk, block, loops=self.loops)
         gathered = torch.empty(world_size * own.numel(), dtype=torch.int8, device=own.device)
-        work = _all_gather(gathered, own.view(-1), group)
+        work = all_gather_async(gathered, own.view(-1), group)
         if gathered.is_cuda:
             # A callback would run on another stream than the one the buffers were allocated on (the caching
             # allocator could hand them out again too early); waiting only orders the current stream.
@@ -393,6 +402,43 @@ def reduce_and_requantize(received: torch.Tensor, chunk: int, block: int, loops:
     return own
 
 
+def quantize_packed(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` (fp32 rows of one block each) as one packed row: the int8 payloads, then the fp32 scales as bytes.
+
+    Through numba's loop on one CPU thread, else torch's kernels: the same bytes.
+    """
+    rows, block = blocks.shape
+    packed = torch.empty(1, blocks.numel() + 4 * rows, dtype=torch.int8, device=blocks.device)
+    if _loops_fit(blocks):
+        scales = torch.empty(1, rows, dtype=torch.float32)
+        _kernels.quantize_parameter(blocks, None, 1, 0, None, packed, scales, block)
+        packed[:, blocks.numel() :].copy_(scales.view(torch.int8))
+    else:
+        _quantize_into(blocks, packed, blocks.numel())
+    return packed
+
+
+def average_packed(gathered: torch.Tensor, out: torch.Tensor) -> None:
+    """The mean of the ranks' packed rows (:func:`quantize_packed`'s) into ``out`` (fp32 rows of one block each).
+
+    Dequantised and summed in fp32 in rank order, then divided by the number of rows: the same bits on every rank,
+    through numba's loop or torch's kernels.
+    """
+    rows, block = out.shape
+    payloads, scales = _unpack(gathered, out.numel())
+    if _loops_fit(out):
+        _kernels.average_blocks(gathered, scales, out, block)
+        return
+    out.copy_(payloads[0].view(rows, block)).mul_(scales[0].unsqueeze(-1))
+    for payload, scale in zip(payloads[1:], scales[1:], strict=True):
+        out.add_(dequantize_blocks(payload.view(rows, block), scale))
+    out.div_(gathered.shape[0])
+
+
+def _loops_fit(blocks: torch.Tensor) -> bool:
+    return _kernels.available() and torch.get_num_threads() == 1 and _kernels.fits(blocks)
+
+
 def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``blocks`` as int8 with its scale ``max |row| / 127``; a non-finite row gets a non-finite scale."""
     packed = torch.empty(1, blocks.numel() + 4 * blocks.shape[0], dtype=torch.int8, device=blocks.device)
@@ -433,7 +479,8 @@ def _unpack(packed: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tenso
     return packed[:, :chunk], packed[:, chunk:].contiguous().view(torch.float32)
 
 
-def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
+def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
+    """Every rank's ``tensor`` into ``output`` (end to end, in rank order), issued asynchronously."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the first is torch >= 2.13's
     work = gather(output, tensor, group=group, async_op=True)
     assert work is not None
