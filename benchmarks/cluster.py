@@ -301,8 +301,8 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
     if breakdowns:
         lines += [
             "",
-            "Inside the hooks that wait for collectives (PowerSGD on its worker thread, int8 on the backward thread; "
-            "host ms per timed step):",
+            "Inside the hooks that wait for collectives (PowerSGD on its worker thread; int8 on the backward thread "
+            "and its two workers, summed over the threads, whose waits overlap; host ms per timed step):",
             "",
             "| variant | in hook ms | waiting for collectives ms | own work ms |",
             "|---|---|---|---|",
