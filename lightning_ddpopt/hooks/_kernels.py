@@ -256,8 +256,9 @@ def average_blocks(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
 @functools.cache
 def _compiled_int8() -> tuple[Callable[..., None], ...]:
     """The int8 loops, compiled on first use; the block quantisation they share first."""
-    global _quantize_block
+    global _quantize_block, _sum_ranks
     _quantize_block = _compile(_quantize_block_loop)
+    _sum_ranks = _compile(_sum_ranks_loop)
     return (
         _compile(_quantize_parameter_loop),
         _compile(_reduce_and_requantize_loop),
@@ -333,17 +334,24 @@ def _quantize_parameter_loop(
         scales[rank, index] = _quantize_block(values, payload, kept, world_size, keep_errors, scratch)
 
 
-def _reduce_and_requantize_loop(packed: Any, scales: Any, own_packed: Any, own_scales: Any, block: int) -> None:
-    ranks, blocks = scales.shape
-    values, scratch = numpy.empty(block, dtype=numpy.float32), numpy.empty(1, dtype=numpy.uint32)
-    for b in range(blocks):
-        source, scale = packed[0][b * block : (b + 1) * block], scales[0, b]
+def _sum_ranks_loop(packed: Any, scales: Any, b: int, block: int, values: Any) -> None:
+    """Block ``b`` of every rank's row, dequantised and summed in fp32 in rank order, into ``values``."""
+    source, scale = packed[0][b * block : (b + 1) * block], scales[0, b]
+    for j in range(block):
+        values[j] = numpy.float32(source[j]) * scale
+    for r in range(1, scales.shape[0]):
+        source, scale = packed[r][b * block : (b + 1) * block], scales[r, b]
         for j in range(block):
-            values[j] = numpy.float32(source[j]) * scale
-        for r in range(1, ranks):
-            source, scale = packed[r][b * block : (b + 1) * block], scales[r, b]
-            for j in range(block):
-                values[j] += numpy.float32(source[j]) * scale
+            values[j] += numpy.float32(source[j]) * scale
+
+
+_sum_ranks: Callable[..., Any] = _sum_ranks_loop  # the compiled one once _compiled_int8 has run
+
+
+def _reduce_and_requantize_loop(packed: Any, scales: Any, own_packed: Any, own_scales: Any, block: int) -> None:
+    values, scratch = numpy.empty(block, dtype=numpy.float32), numpy.empty(1, dtype=numpy.uint32)
+    for b in range(scales.shape[1]):
+        _sum_ranks(packed, scales, b, block, values)
         payload = own_packed[b * block : (b + 1) * block]
         own_scales[b] = _quantize_block(values, payload, values, numpy.float32(1.0), False, scratch)
 
@@ -362,16 +370,9 @@ def _dequantize_loop(packed: Any, scales: Any, first_block: int, gradient: Any, 
 
 
 def _average_loop(packed: Any, scales: Any, out: Any, block: int) -> None:
-    ranks, blocks = scales.shape
-    divisor = numpy.float32(ranks)
-    for b in range(blocks):
+    divisor = numpy.float32(scales.shape[0])
+    for b in range(scales.shape[1]):
         target = out[b * block : (b + 1) * block]
-        source, scale = packed[0][b * block : (b + 1) * block], scales[0, b]
-        for j in range(block):
-            target[j] = numpy.float32(source[j]) * scale
-        for r in range(1, ranks):
-            source, scale = packed[r][b * block : (b + 1) * block], scales[r, b]
-            for j in range(block):
-                target[j] += numpy.float32(source[j]) * scale
+        _sum_ranks(packed, scales, b, block, target)
         for j in range(block):
             target[j] = target[j] / divisor
