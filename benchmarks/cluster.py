@@ -232,14 +232,17 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
     """Per-variant figures: samples/s, step percentiles, sync, bytes, speed-up, compute and link fractions."""
     rows = []
     compute = results.get("compute")
-    # The compute limit in the statistic each variant is rated by: the median step for variants that sync every
-    # step, the mean step for periodic ones (local SGD), whose rate is over whole sync windows.
+    # The compute limit and stock's rate in the statistic each variant is rated by: the median step for variants
+    # that sync every step, the mean step for periodic ones (local SGD), whose rate is over whole sync windows.
     compute_limit: dict[bool, float] = {}
     if compute:
         for periodic, statistic in ((False, statistics.median), (True, statistics.fmean)):
             compute_limit[periodic] = compute["samples_per_step"] / statistic(compute["step_times_s"]) * hosts
     stock = results.get("stock")
-    stock_rate = stock["samples_per_step"] / statistics.median(stock["step_times_s"]) if stock else None
+    stock_rate: dict[bool, float] = {}
+    if stock:
+        for periodic, statistic in ((False, statistics.median), (True, statistics.fmean)):
+            stock_rate[periodic] = stock["samples_per_step"] / statistic(stock["step_times_s"])
     for variant, result in results.items():
         times = sorted(result["step_times_s"])
         p50, p95 = _percentile(times, 50), _percentile(times, 95)
@@ -257,7 +260,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             "bytes_per_step": result.get("bytes_sent")
             if result.get("bytes_sent") is not None
             else (result["gradient_bytes"] if variant == "stock" else None),
-            "speedup_vs_stock": rate / stock_rate if stock_rate and variant != "compute" else None,
+            "speedup_vs_stock": rate / stock_rate[periodic] if stock_rate and variant != "compute" else None,
             "fraction_of_compute_limit": rate / compute_limit[periodic]
             if compute_limit and variant != "compute"
             else None,

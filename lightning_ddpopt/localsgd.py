@@ -192,7 +192,10 @@ class LocalSGD:
 
     @property
     def window_starts(self) -> bool:
-        """Whether the next batch is in the warm-up or opens a sync window (the same on every rank)."""
+        """Whether the next batch is in the warm-up or in a sync window's first optimizer step (every rank alike).
+
+        With gradient accumulation: each micro-batch of that step.
+        """
         return not self.local or (self.steps - self.config.warmup_steps) % self.config.sync_every == 0
 
     def before_batch(self) -> bool:
@@ -446,8 +449,10 @@ class LocalSGD:
                 values = flat[offset : offset + p.numel()].view_as(p)
                 if weight == 1.0:
                     p.copy_(values)
-                else:
-                    p.lerp_(values.to(p.dtype), weight)
+                elif p.dtype == values.dtype:
+                    p.lerp_(values, weight)
+                else:  # mixed in fp32, rounded to the parameter's dtype once
+                    p.copy_(p.float().lerp_(values, weight))
                 offset += p.numel()
 
     def _sync_buffers(self) -> int:

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddpopt._compat import check_lightning_version
+from lightning_ddpopt._sigterm import SigtermAtSyncs
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_step
 from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
@@ -214,7 +215,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._hook_group: torch.distributed.ProcessGroup | None = None
         self._local_sgd_group: torch.distributed.ProcessGroup | None = None
         self.local_sgd: LocalSGD | None = None
-        self._sigterm_loop: Any = None
+        self._sigterm: SigtermAtSyncs | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -488,9 +489,9 @@ class OptimizedDDPStrategy(DDPStrategy):
                 rank_zero_warn(
                     f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
                 )
-        loop, self._sigterm_loop = self._sigterm_loop, None
-        if loop is not None:
-            del loop._broadcast_sigterm_tensor  # Lightning's own again, should the trainer fit once more
+        sigterm, self._sigterm = self._sigterm, None
+        if sigterm is not None:
+            sigterm.remove()  # Lightning's own again, should the trainer fit once more
         group, self._local_sgd_group = self._local_sgd_group, None
         if self.local_sgd is not None:
             self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it
@@ -579,27 +580,19 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._layout_due_step = (self.ledger.closed_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
 
     def _sigterm_checks_at_syncs(self, trainer: pl.Trainer) -> None:
-        """Between local SGD's syncs, no per-batch meeting of the ranks: Lightning's SIGTERM broadcast at syncs only.
+        """Between local SGD's syncs the ranks do not meet: Lightning's per-batch SIGTERM check at sync windows only.
 
-        Lightning broadcasts rank 0's SIGTERM flag before every training batch, which makes every batch a barrier:
-        each step then lasts as long as the slowest rank's (measured: 4-7% of the local steps' time on the emulated
-        cluster). Ranks that sync every ``H`` steps need not meet in between, so in the local phase the broadcast
-        runs at the first batch of each sync window only (every batch in the warm-up), the same batches on every
-        rank; a SIGTERM that reaches rank 0 alone stops the ranks together at most ``H`` steps later (a rank that
-        receives one itself stops after its batch, as with Lightning's strategies). Lightning versions without this
-        broadcast are left as they are.
+        Lightning's check makes every batch a barrier, so each local step lasted as long as the slowest rank's
+        (measured: 4-7% of the local steps' time on the emulated cluster); see :mod:`lightning_ddpopt._sigterm`.
         """
-        loop = trainer.fit_loop.epoch_loop
-        broadcast = getattr(type(loop), "_broadcast_sigterm_tensor", None)
-        if broadcast is None:
-            return
 
-        def at_syncs() -> None:
-            if self.local_sgd is None or self.local_sgd.window_starts:
-                broadcast(loop)
+        def phase() -> tuple[bool, bool]:
+            local = self.local_sgd
+            return (local is not None and local.local, local is None or local.window_starts)
 
-        loop._broadcast_sigterm_tensor = at_syncs  # type: ignore[method-assign]  # this loop only, until teardown
-        self._sigterm_loop = loop
+        sigterm = SigtermAtSyncs(trainer, phase, self.root_device)
+        if sigterm.install():
+            self._sigterm = sigterm
 
     def _finish_local_sgd(self) -> None:
         """Ranks that trained alone since the last sync end with their average: one model on every rank."""

@@ -68,19 +68,22 @@ def test_summary_ratios():
     assert rows["fp16"]["step_p95_ms"] == pytest.approx(0.5 * (1.0 + 0.9 * 0.1) * 1e3)
 
 
-def test_periodic_variants_are_compared_with_the_mean_compute_step():
+def test_periodic_variants_are_compared_with_the_mean_compute_and_stock_step():
     compute = recorded("compute", 0.2, samples=16)
     compute["step_times_s"] = [0.2, 0.2, 0.2, 0.6]  # median 0.2 s, mean 0.3 s
+    stock = recorded("stock", 1.0)
+    stock["step_times_s"] = [1.0, 1.0, 1.0, 2.0]  # median 1.0 s, mean 1.25 s
     local = recorded("diloco16", 0.1, sync=0.5, sent=GRAD / 16)
     local["step_times_s"], local["sync_rounds"] = [0.2, 0.2, 0.2, 1.0], 1 / 16  # mean 0.4 s
     fp16 = recorded("fp16", 0.4, sync=0.3, sent=GRAD / 2)
     fp16["step_times_s"] = [0.4, 0.4, 0.4, 2.0]  # median 0.4 s
-    rows = {
-        row["variant"]: row for row in cluster.summarize({"compute": compute, "diloco16": local, "fp16": fp16}, 2, None)
-    }
+    results = {"compute": compute, "stock": stock, "diloco16": local, "fp16": fp16}
+    rows = {row["variant"]: row for row in cluster.summarize(results, 2, None)}
     assert rows["diloco16"]["samples_per_s"] == pytest.approx(32 / 0.4)
     assert rows["diloco16"]["fraction_of_compute_limit"] == pytest.approx(0.3 / 0.4)  # mean against mean
+    assert rows["diloco16"]["speedup_vs_stock"] == pytest.approx(1.25 / 0.4)
     assert rows["fp16"]["fraction_of_compute_limit"] == pytest.approx(0.2 / 0.4)  # median against median
+    assert rows["fp16"]["speedup_vs_stock"] == pytest.approx(1.0 / 0.4)
 
 
 def test_reports_are_written(tmp_path):

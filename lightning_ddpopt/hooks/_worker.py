@@ -1,7 +1,7 @@
 """A thread beside the backward pass that runs a hook's jobs first in, first out.
 
-PowerSGD's chains and int8's second stages run on one, in DDP's bucket order, so that every rank issues their
-collectives in one order while the backward pass goes on.
+PowerSGD's chains run on one, so that every rank issues their collectives in DDP's bucket order while the backward
+pass goes on; int8's two later stages run on two, bucket after bucket, while the backward pass goes on.
 """
 
 from __future__ import annotations

@@ -200,6 +200,9 @@ def _reduce(bucket_sync: "_BucketSync", gatherer: Worker) -> None:
 def _on_worker(worker: Worker, bucket_sync: "_BucketSync", job: Callable[[], None], seconds: float = 0.0) -> None:
     """Run one stage unless an earlier one failed; a failure fails the bucket's future, never leaves it pending.
 
+    After a failure the worker stays failed: later buckets fail at once, without a message (their peers' would no
+    longer pair with this rank's, and a bucket's stage-two receives may stay posted).
+
     ``seconds``: the hook's time on the backward thread for this bucket, added with the stage's own.
     """
     start = time.perf_counter()
@@ -334,6 +337,7 @@ class _BucketSync:
                 for offset, gradient in zip(self.offsets, self.gradients, strict=True):
                     gradient.copy_(mean[offset : offset + gradient.numel()].view_as(gradient))
         except Exception as error:  # DDP waits on the future: never leave it pending
+            self.round.check([torch.tensor(math.nan)])  # nor commit this round's errors
             self.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
             return
         self.future.set_result(self.buffer)
@@ -349,6 +353,8 @@ class _Exchange:
     def __init__(self, group: dist.ProcessGroup, index: int, send: torch.Tensor, received: torch.Tensor) -> None:
         self.group, self.rank = group, dist.get_rank(group)
         self.peers = [peer for peer in range(send.shape[0]) if peer != self.rank]
+        # Global ranks: torch < 2.6 takes no group_src / group_dst.
+        self.global_ranks = {peer: dist.get_global_rank(group, peer) for peer in self.peers}
         self.tags = (2 * index, 2 * index + 1)
         self.gathered = torch.empty_like(send)
         # Both stages' receives before any send: each peer learns at once that it may send, in both stages.
@@ -371,12 +377,12 @@ class _Exchange:
             state.wait(work)
 
     def _receive(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = dist.irecv(tensor, group=self.group, group_src=peer, tag=tag)
+        work = dist.irecv(tensor, src=self.global_ranks[peer], group=self.group, tag=tag)
         assert work is not None
         return work
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
+        work = dist.isend(tensor, dst=self.global_ranks[peer], group=self.group, tag=tag)
         assert work is not None
         return work
 
