@@ -249,7 +249,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         if self._local_sgd_config is not None and not any(isinstance(c, _FinalAverage) for c in callbacks):
             # First in line, so that the callbacks' and the module's on_train_end see the averaged model.
             callbacks.insert(0, _FinalAverage())
-        if self._local_sgd_config is not None and trainer.state.fn == TrainerFn.FITTING:
+        if self._local_sgd_config is not None and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             self._sigterm_checks_at_syncs(trainer)
 
     @override
@@ -473,6 +473,9 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        sigterm, self._sigterm = self._sigterm, None
+        if sigterm is not None:
+            sigterm.remove()  # Lightning's own again, should the trainer fit once more
         super().teardown()
         # Nothing of ours may keep the process group alive past Lightning's exit-time destroy_process_group: a
         # gloo group destroyed later, during interpreter shutdown, can abort the process with its threads running.
@@ -489,9 +492,6 @@ class OptimizedDDPStrategy(DDPStrategy):
                 rank_zero_warn(
                     f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
                 )
-        sigterm, self._sigterm = self._sigterm, None
-        if sigterm is not None:
-            sigterm.remove()  # Lightning's own again, should the trainer fit once more
         group, self._local_sgd_group = self._local_sgd_group, None
         if self.local_sgd is not None:
             self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it

@@ -4,10 +4,13 @@ accumulation, and the ledger's account of it. Real multi-process CPU DDP (2 and 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -427,42 +430,50 @@ def test_overlapped_syncs_under_fp16_amp_with_an_overflow_on_rank_0(tmp_path):
     assert all(bool(record["final"].isfinite().all()) for record in ranks)
 
 
-_BROADCAST_STEPS: list[int] = []
+_MEETINGS: list[int] = []
 
 
-class _BroadcastSteps(pl.Callback):
-    """Saves, per rank, the global steps at which Lightning's per-batch SIGTERM broadcast ran."""
+class _Meetings(pl.Callback):
+    """Saves, per rank, the global steps at which the ranks met for the SIGTERM check before a batch."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        torch.save(list(_BROADCAST_STEPS), self.out / f"broadcasts{trainer.global_rank}.pt")
+        torch.save(list(_MEETINGS), self.out / f"meetings{trainer.global_rank}.pt")
 
 
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_ranks_meet_only_at_syncs_not_before_every_batch(tmp_path, monkeypatch, overlap):
-    # Lightning broadcasts rank 0's SIGTERM flag before every training batch (a barrier each step); local SGD runs
-    # it in the warm-up and at the first batch of each sync window only, on every rank alike.
+    # Lightning broadcasts rank 0's SIGTERM flag before every training batch (a barrier each step); local SGD's
+    # ranks meet in the warm-up and at the first batch of each sync window only, on every rank alike.
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    lightning_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
+    from lightning_ddpopt._sigterm import SigtermAtSyncs
 
-    def counted(loop: _TrainingEpochLoop) -> None:
-        _BROADCAST_STEPS.append(loop.trainer.global_step)
+    lightning_broadcast, meet = _TrainingEpochLoop._broadcast_sigterm_tensor, SigtermAtSyncs._meet
+
+    def broadcast_counted(loop: _TrainingEpochLoop) -> None:
+        _MEETINGS.append(loop.trainer.global_step)
         lightning_broadcast(loop)
 
-    monkeypatch.setattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", counted)  # the forked ranks inherit it
+    def meet_counted(sigterm: SigtermAtSyncs) -> None:
+        _MEETINGS.append(sigterm.trainer.global_step)
+        meet(sigterm)
+
+    # The forked ranks inherit both.
+    monkeypatch.setattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", broadcast_counted)
+    monkeypatch.setattr(SigtermAtSyncs, "_meet", meet_counted)
     config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=overlap)
-    ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[_BroadcastSteps(tmp_path)])  # 12 steps
+    ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[_Meetings(tmp_path)])  # 12 steps
     for rank in range(2):
-        assert torch.load(tmp_path / f"broadcasts{rank}.pt") == [0, 1, 2, 6, 10]
+        assert torch.load(tmp_path / f"meetings{rank}.pt") == [0, 1, 2, 6, 10]
     torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
-    # Without local SGD: before every batch, as Lightning does.
+    # Without local SGD: Lightning's broadcast before every batch.
     stock = OptimizedDDPStrategy(start_method="fork")
-    fit_ddp(tmp_path / "stock", stock, max_epochs=2, callbacks=[_BroadcastSteps(tmp_path)])
+    fit_ddp(tmp_path / "stock", stock, max_epochs=2, callbacks=[_Meetings(tmp_path)])
     for rank in range(2):
-        assert torch.load(tmp_path / f"broadcasts{rank}.pt") == list(range(8))
+        assert torch.load(tmp_path / f"meetings{rank}.pt") == list(range(8))
 
 
 _SIGTERM_SCRIPT = """
@@ -502,21 +513,24 @@ trainer.fit(StackModel(), DataLoader(regression_data(64), batch_size=8))
 @pytest.mark.parametrize(("signalled", "overlap"), [(0, 0), (1, 2)])
 def test_a_sigterm_on_any_rank_stops_every_rank_at_the_next_sync_window(tmp_path, signalled, overlap):
     # Lightning's handler broadcasts from inside the handler, to be matched by the others' next per-batch check;
-    # with the checks at sync windows only, the others would be waiting in a sync meanwhile: a deadlock. In the local
-    # phase the handler records the signal and every rank stops after the next window's first batch, whichever rank
+    # with checks at sync windows only, the others would be waiting in a sync meanwhile: a deadlock. With local SGD
+    # the handler records the signal and every rank stops after the next window's first batch, whichever rank
     # received it (Lightning's own check hears rank 0 only). Ranks started as a user's script starts them.
     root = Path(__file__).resolve().parents[1]
     script = tmp_path / "fit.py"
     script.write_text(_SIGTERM_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(signalled), str(overlap)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    command = [sys.executable, str(script), str(tmp_path), str(signalled), str(overlap)]
+    # A session of its own: rank 1 is rank 0's child, and nothing may outlive the test.
+    process = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stops = [tmp_path / f"stop{rank}" for rank in range(2)]
+    try:
+        _, stderr = process.communicate(timeout=240)
+        deadline = time.monotonic() + 60  # rank 1 may write after rank 0 has exited
+        while not all(stop.exists() for stop in stops) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     # SIGTERM at the end of step 3; windows open at steps 2, 6 and 10: every rank stops after step 7.
-    stops = [(tmp_path / f"stop{rank}").read_text() for rank in range(2)]
-    assert stops == ["SIGTERMException 7"] * 2, done.stderr[-3000:]
+    assert [stop.read_text() if stop.exists() else None for stop in stops] == ["SIGTERMException 7"] * 2, stderr[-3000:]
