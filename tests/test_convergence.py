@@ -37,31 +37,44 @@ TRAIN, TEST = example.digits_split()
 class HeldOutAccuracy(pl.Callback):
     """Rank 0 scores the trained model on the whole held-out split with torchmetrics."""
 
-    def __init__(self, out: str) -> None:
-        self.out = out
+    def __init__(self, out: str, test: TensorDataset, num_classes: int) -> None:
+        self.out, self.test, self.num_classes = out, test, num_classes
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:
-            accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=10, sync_on_compute=False)
+            accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=self.num_classes, sync_on_compute=False)
             with torch.no_grad():
-                x, y = TEST.tensors
+                x, y = self.test.tensors
                 accuracy.update(pl_module(x), y)
             torch.save(accuracy.compute().item(), self.out)
 
 
-def _accuracy(tmp_path: Path, hook: str, local_sgd: LocalSGDConfig | None = None, **trainer_kwargs) -> float:
-    out = tmp_path / f"{hook}.pt"
+def _held_out_accuracy(
+    run_dir: Path,
+    strategy: OptimizedDDPStrategy,
+    model: pl.LightningModule,
+    split: tuple[TensorDataset, TensorDataset],
+    num_classes: int,
+    **trainer_kwargs,
+) -> float:
+    """Fit on 2 ranks at batch 32 per rank and return rank 0's accuracy on the held-out split."""
+    out = run_dir / "accuracy.pt"
     pl.seed_everything(0)
     fit_ddp(
-        tmp_path / hook,
-        OptimizedDDPStrategy(comm_hook=hook, start_method="fork", local_sgd=local_sgd),
-        model=example.DigitsClassifier(),
-        loader=DataLoader(TRAIN, batch_size=32, shuffle=True),
-        callbacks=[HeldOutAccuracy(str(out))],
-        max_epochs=EPOCHS,
+        run_dir,
+        strategy,
+        model=model,
+        loader=DataLoader(split[0], batch_size=32, shuffle=True),
+        callbacks=[HeldOutAccuracy(str(out), split[1], num_classes)],
         **trainer_kwargs,
     )
     return torch.load(out)
+
+
+def _accuracy(tmp_path: Path, hook: str, local_sgd: LocalSGDConfig | None = None, **trainer_kwargs) -> float:
+    strategy = OptimizedDDPStrategy(comm_hook=hook, start_method="fork", local_sgd=local_sgd)
+    model = example.DigitsClassifier()
+    return _held_out_accuracy(tmp_path / hook, strategy, model, (TRAIN, TEST), 10, max_epochs=EPOCHS, **trainer_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +142,7 @@ def cancer_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
-CANCER_TRAIN, CANCER_TEST = cancer_split()
+CANCER = cancer_split()
 CANCER_EPOCHS = 40  # 8 steps per epoch and rank at batch 32 on 2 ranks: 320 steps, 20 syncs at H = 16
 
 
@@ -151,29 +164,9 @@ class CancerClassifier(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-class CancerAccuracy(pl.Callback):
-    def __init__(self, out: str) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_rank == 0:
-            x, y = CANCER_TEST.tensors
-            with torch.no_grad():
-                torch.save((pl_module(x).argmax(dim=1) == y).float().mean().item(), self.out)
-
-
 def _cancer_accuracy(tmp_path: Path, local_sgd: LocalSGDConfig | None) -> float:
-    out = tmp_path / "accuracy.pt"
-    pl.seed_everything(0)
-    fit_ddp(
-        tmp_path / "run",
-        OptimizedDDPStrategy(start_method="fork", local_sgd=local_sgd),
-        model=CancerClassifier(),
-        loader=DataLoader(CANCER_TRAIN, batch_size=32, shuffle=True),
-        callbacks=[CancerAccuracy(str(out))],
-        max_epochs=CANCER_EPOCHS,
-    )
-    return torch.load(out)
+    strategy = OptimizedDDPStrategy(start_method="fork", local_sgd=local_sgd)
+    return _held_out_accuracy(tmp_path / "run", strategy, CancerClassifier(), CANCER, 2, max_epochs=CANCER_EPOCHS)
 
 
 @pytest.fixture(scope="module")
