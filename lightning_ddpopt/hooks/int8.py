@@ -153,10 +153,10 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     # backward to arrive): every rank issues a2a(k), all_gather(k - 1) in DDP's bucket order.
     previous, state._in_flight = state._in_flight, bucket_sync
     if previous is not None:
-        previous.finish(state.process_group)
+        previous.finish()
     if bucket.is_last():
         state._in_flight = None
-        bucket_sync.finish(state.process_group)
+        bucket_sync.finish()
         # On gloo the buckets finish in future callbacks: the round is judged once DDP has waited for every bucket,
         # when the next round opens or the state is saved. On CUDA they finish here, in stream order.
         state._close_round(seal_now=bucket_sync.buffer.is_cuda)
@@ -293,8 +293,8 @@ class _BucketSync:
             _kernels.quantize_parameter(gradient, found, state.world_size, first, errors, send, scales, block)
         send[:, self.chunk :].copy_(scales.view(torch.int8))
 
-    def finish(self, group: dist.ProcessGroup | None) -> None:
-        """Wait for the all-to-all, sum and re-quantise this rank's chunk, and all-gather on ``group``.
+    def finish(self) -> None:
+        """Wait for the all-to-all, sum and re-quantise this rank's chunk, and all-gather.
 
         The bucket's future completes when every chunk is back in the bucket.
         """
@@ -302,7 +302,7 @@ class _BucketSync:
         state.wait(self.work)
         own = reduce_and_requantize(self.received, chunk, block, loops=self.loops)
         gathered = torch.empty(world_size * own.numel(), dtype=torch.int8, device=own.device)
-        work = all_gather_async(gathered, own.view(-1), group)
+        work = all_gather_async(gathered, own.view(-1), state.process_group)
         if gathered.is_cuda:
             # A callback would run on another stream than the one the buffers were allocated on (the caching
             # allocator could hand them out again too early); waiting only orders the current stream.
