@@ -7,10 +7,14 @@ broadcast. Between local SGD's syncs the ranks need not meet, and they would be 
 deadlock), so with local SGD on more than one rank:
 
 * the signal handler only records the signal (and, as Lightning's, passes it to the processes its launcher started);
-* the per-batch check meets the other ranks in the warm-up and at the first batch(es) of each sync window only, the
-  same batches on every rank, with an all-reduce of every rank's flag: a SIGTERM that reached *any* rank stops every
-  rank after that same batch (Lightning's check hears rank 0 only), at most one sync window later. A signal after
-  the last window's check is not acted on: training ends as planned.
+* the per-batch check meets the other ranks in the warm-up (an all-reduce of every rank's flag, before every batch,
+  as the gradient syncs make those batches barriers anyway) and at the first batch(es) of each sync window, the same
+  batches on every rank. In the local phase that meeting is not a barrier either: it *starts* the all-reduce of
+  every rank's flag and reads the one the previous window started, long finished by then, so a rank that lost time
+  to its machine is not waited for (with an overlapped sync, the faster rank runs on until the sync's arrival). A
+  SIGTERM that reached *any* rank stops every rank after the same batch (Lightning's check hears rank 0 only): at
+  the window after the one whose meeting carried it, at most two windows later. A signal after the second-to-last
+  window's meeting is not acted on: training ends as planned.
 
 Installed on one trainer's loop and signal connector (instance attributes) before Lightning registers its handlers,
 removed at teardown; with a Lightning that lacks either method nothing is changed.
@@ -32,8 +36,9 @@ __all__ = ["SigtermAtSyncs"]
 
 log = logging.getLogger(__name__)
 
-#: () -> (in the local phase, the next batch opens a sync window or is in the warm-up); the same on every rank.
-Phase = Callable[[], tuple[bool, bool]]
+#: () -> (in the local phase, the next batch opens a sync window or is in the warm-up, optimizer steps so far); the
+#: same on every rank.
+Phase = Callable[[], tuple[bool, bool, int]]
 
 
 class SigtermAtSyncs:
@@ -44,6 +49,9 @@ class SigtermAtSyncs:
         self.loop: Any = trainer.fit_loop.epoch_loop
         self.connector: Any = trainer._signal_connector
         self.pending = False  # this rank received a SIGTERM
+        # The local phase's meeting still travelling: its work and every rank's flag, all-reduced into it.
+        self._travelling: tuple[dist.Work, torch.Tensor] | None = None
+        self._met_at_step = -1  # the optimizer step whose first batch met in passing (once per window)
 
     def install(self) -> bool:
         """Replace the check and the handler on this trainer (before Lightning registers its handlers)."""
@@ -56,20 +64,44 @@ class SigtermAtSyncs:
         return True
 
     def remove(self) -> None:
-        """Lightning's own again (a registered handler stays registered until Lightning restores the old ones)."""
+        """Lightning's own again (a registered handler stays registered until Lightning restores the old ones).
+
+        A meeting still travelling is dropped: every rank started it at the same batch, so it finishes without us.
+        """
+        self._travelling = None
         self.loop.__dict__.pop("_broadcast_sigterm_tensor", None)
         self.connector.__dict__.pop("_sigterm_notifier_fn", None)
 
     def _check(self) -> None:
-        local, window_starts = self.phase()
-        if local and not window_starts:
+        local, window_starts, step = self.phase()
+        if not window_starts:
             return
-        self._meet()
+        if not local:
+            self._meet()
+        elif step != self._met_at_step:  # with accumulation: the window's first micro-batch only
+            self._met_at_step = step
+            self._meet_in_passing()
+
+    def _flag(self) -> torch.Tensor:
+        return torch.tensor([int(self.pending or self.connector.received_sigterm)], device=self.device)
 
     def _meet(self) -> None:
         """Every rank's flag, all-reduced: if any rank received a SIGTERM, every rank stops after this batch."""
-        flag = torch.tensor([int(self.pending or self.connector.received_sigterm)], device=self.device)
+        flag = self._flag()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._act_on(flag)
+
+    def _meet_in_passing(self) -> None:
+        """Read the previous window's meeting, start this window's: every rank alike, none waiting for another."""
+        travelling, self._travelling = self._travelling, None
+        if travelling is not None:
+            work, flag = travelling
+            work.wait()
+            self._act_on(flag)
+        flag = self._flag()
+        self._travelling = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+
+    def _act_on(self, flag: torch.Tensor) -> None:
         if flag.item():
             # Every rank at this same batch: Lightning raises its SIGTERMException after the batch, on each of them.
             self.connector.received_sigterm = True
@@ -77,7 +109,7 @@ class SigtermAtSyncs:
     def _notify(self, signum: int, frame: FrameType | None) -> None:
         log.info(
             rank_prefixed_message(
-                f"Received SIGTERM: {signum}; stopping with the other ranks at their next meeting",
+                f"Received SIGTERM: {signum}; stopping with the other ranks within two sync windows",
                 self.trainer.local_rank,
             )
         )

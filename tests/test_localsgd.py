@@ -451,7 +451,8 @@ def test_ranks_meet_only_at_syncs_not_before_every_batch(tmp_path, monkeypatch, 
 
     from lightning_ddpopt._sigterm import SigtermAtSyncs
 
-    lightning_broadcast, meet = _TrainingEpochLoop._broadcast_sigterm_tensor, SigtermAtSyncs._meet
+    lightning_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
+    meet, meet_in_passing = SigtermAtSyncs._meet, SigtermAtSyncs._meet_in_passing
 
     def broadcast_counted(loop: _TrainingEpochLoop) -> None:
         _MEETINGS.append(loop.trainer.global_step)
@@ -461,19 +462,54 @@ def test_ranks_meet_only_at_syncs_not_before_every_batch(tmp_path, monkeypatch, 
         _MEETINGS.append(sigterm.trainer.global_step)
         meet(sigterm)
 
-    # The forked ranks inherit both.
+    def meet_in_passing_counted(sigterm: SigtermAtSyncs) -> None:
+        _MEETINGS.append(-sigterm.trainer.global_step)  # negative: not waiting for the others
+        meet_in_passing(sigterm)
+
+    # The forked ranks inherit them.
     monkeypatch.setattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", broadcast_counted)
     monkeypatch.setattr(SigtermAtSyncs, "_meet", meet_counted)
+    monkeypatch.setattr(SigtermAtSyncs, "_meet_in_passing", meet_in_passing_counted)
     config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=overlap)
-    ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[_Meetings(tmp_path)])  # 12 steps
+    # 12 steps, accumulating 2 batches: in the warm-up every batch meets, in the local phase a window's first only.
+    ranks = _fit(tmp_path, config, max_epochs=6, accumulate_grad_batches=2, callbacks=[_Meetings(tmp_path)])
     for rank in range(2):
-        assert torch.load(tmp_path / f"meetings{rank}.pt") == [0, 1, 2, 6, 10]
+        assert torch.load(tmp_path / f"meetings{rank}.pt") == [0, 0, 1, 1, -2, -6, -10]
     torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
     # Without local SGD: Lightning's broadcast before every batch.
     stock = OptimizedDDPStrategy(start_method="fork")
     fit_ddp(tmp_path / "stock", stock, max_epochs=2, callbacks=[_Meetings(tmp_path)])
     for rank in range(2):
         assert torch.load(tmp_path / f"meetings{rank}.pt") == list(range(8))
+
+
+class _LateAfterLaunch(pl.Callback):
+    """Rank 1 sleeps once it has launched an overlapped sync; every rank notes when it ended which step."""
+
+    def __init__(self, out: Path, sleep_after_step: int, seconds: float) -> None:
+        self.out, self.sleep_after_step, self.seconds = out, sleep_after_step, seconds
+        self.ended: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.sleep_after_step:
+            time.sleep(self.seconds)
+        self.ended[trainer.global_step] = time.time()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(self.ended, self.out / f"ended{trainer.global_rank}.pt")
+
+
+def test_the_window_meeting_does_not_wait_for_a_late_rank(tmp_path):
+    # H = 4, warm-up 2, tau = 2: a sync launched at the end of step 6 arrives at the end of step 8, and a window's
+    # meeting opens step 7. Rank 1 sleeps 3 s after launching; rank 0 passes the meeting (a barrier in Lightning's
+    # check and in this package's before it met in passing) and ends step 7 while rank 1 sleeps (rank 1's part of the
+    # sync travels meanwhile). The ranks still end as one model.
+    config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=2)
+    late = _LateAfterLaunch(tmp_path, sleep_after_step=6, seconds=3.0)
+    ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[late])  # 12 steps
+    ended = [torch.load(tmp_path / f"ended{rank}.pt") for rank in range(2)]
+    assert ended[0][7] < ended[1][6], "rank 0 waited for the late rank at the window's meeting"
+    torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
 
 
 _SIGTERM_SCRIPT = """
@@ -511,11 +547,12 @@ trainer.fit(StackModel(), DataLoader(regression_data(64), batch_size=8))
 
 
 @pytest.mark.parametrize(("signalled", "overlap"), [(0, 0), (1, 2)])
-def test_a_sigterm_on_any_rank_stops_every_rank_at_the_next_sync_window(tmp_path, signalled, overlap):
+def test_a_sigterm_on_any_rank_stops_every_rank_within_two_sync_windows(tmp_path, signalled, overlap):
     # Lightning's handler broadcasts from inside the handler, to be matched by the others' next per-batch check;
     # with checks at sync windows only, the others would be waiting in a sync meanwhile: a deadlock. With local SGD
-    # the handler records the signal and every rank stops after the next window's first batch, whichever rank
-    # received it (Lightning's own check hears rank 0 only). Ranks started as a user's script starts them.
+    # the handler records the signal, the next window's meeting carries it (without waiting) and every rank stops
+    # after the first batch of the window after, whichever rank received it (Lightning's own check hears rank 0
+    # only). Ranks started as a user's script starts them.
     root = Path(__file__).resolve().parents[1]
     script = tmp_path / "fit.py"
     script.write_text(_SIGTERM_SCRIPT)
@@ -532,5 +569,7 @@ def test_a_sigterm_on_any_rank_stops_every_rank_at_the_next_sync_window(tmp_path
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-    # SIGTERM at the end of step 3; windows open at steps 2, 6 and 10: every rank stops after step 7.
-    assert [stop.read_text() if stop.exists() else None for stop in stops] == ["SIGTERMException 7"] * 2, stderr[-3000:]
+    # SIGTERM at the end of step 3; windows open at steps 2, 6 and 10: the meeting started at step 6 carries it, and
+    # every rank reads it at step 10 and stops after that batch (of 12).
+    stopped = [stop.read_text() if stop.exists() else None for stop in stops]
+    assert stopped == ["SIGTERMException 11"] * 2, stderr[-3000:]
