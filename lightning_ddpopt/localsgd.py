@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks.feedback import config_mismatch
-from lightning_ddpopt.hooks.int8 import all_gather_async, average_packed, quantize_packed
+from lightning_ddpopt.hooks.int8 import all_gather_async, average_packed, packed_size, quantize_packed
 
 __all__ = ["LocalSGD", "LocalSGDConfig", "ParameterSync"]
 
@@ -182,6 +182,7 @@ class LocalSGD:
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
         self._wire: torch.Tensor | None = None
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
 
@@ -204,7 +205,25 @@ class LocalSGD:
             return True
         if self.anchor is None:  # identical on every rank: DDP synced them until now (or broadcast them at start)
             self.anchor = self._flat_parameters()
+            self._allocate()
         return False
+
+    def _allocate(self) -> None:
+        """Allocate, and write once, the model-sized buffers the syncs reuse, when the local phase begins.
+
+        A fresh buffer's pages are mapped at its first write: about 0.2 s for the buffers of 25M parameters on a CPU,
+        which the first sync would pay in the middle of a window (and an out-of-memory error would come H steps
+        late).
+        """
+        assert self.anchor is not None
+        self._work_buffer()
+        if self.config.compression in ("fp16", "bf16"):
+            self._wire_buffer()
+        if self.config.outer_momentum and self.momentum is None:
+            # The same first outer step as no momentum yet: 0.9 x 0 + change is the change, bit for bit.
+            self.momentum = torch.zeros_like(self.anchor)
+        if self.config.compression == "int8":
+            self._int8_buffers()
 
     def after_optimizer_step(self, skipped: bool = False) -> ParameterSync | None:
         """Count one optimizer step call (``skipped``: the GradScaler skipped it); sync if one is due."""
@@ -329,12 +348,23 @@ class LocalSGD:
         self.anchor.sub_(step, alpha=lr)
 
     def _wire_buffer(self) -> torch.Tensor:
-        """The parameter-sized buffer an overlapped sync travels in, kept between syncs."""
+        """The parameter-sized buffer a half-precision sync travels in, kept between syncs."""
         assert self.anchor is not None
         dtype = _WIRE_DTYPES[self.config.compression]
         if self._wire is None or self._wire.device != self.anchor.device:
-            self._wire = torch.empty(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
+            self._wire = torch.zeros(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
         return self._wire
+
+    def _int8_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's packed int8 row and the gathered rows of every rank, kept between syncs."""
+        assert self._work is not None
+        if self._packed is None or self._packed[0].device != self._work.device:
+            packed = torch.zeros(
+                1, packed_size(self._work.numel(), _INT8_BLOCK), dtype=torch.int8, device=self._work.device
+            )
+            gathered = torch.zeros(self.world_size * packed.numel(), dtype=torch.int8, device=packed.device)
+            self._packed = (packed, gathered)
+        return self._packed
 
     def _work_buffer(self) -> torch.Tensor:
         """The unpadded part of a parameter-sized fp32 buffer kept between syncs, zero-padded to whole int8 blocks.
@@ -393,6 +423,8 @@ class LocalSGD:
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
         self.anchor = None if anchor is None else anchor.to(device, torch.float32)
         self.momentum = None if momentum is None else momentum.to(device, torch.float32)
+        if self.anchor is not None:
+            self._allocate()
         saved = state.get("in_flight")
         self._in_flight = None
         if saved is not None:
@@ -419,8 +451,8 @@ class LocalSGD:
     def _int8_mean_inplace(self, delta: torch.Tensor) -> int:
         assert self._work is not None and delta.data_ptr() == self._work.data_ptr()
         blocks = self._work.view(-1, _INT8_BLOCK)  # delta and its zero padding
-        packed = quantize_packed(blocks)
-        gathered = torch.empty(self.world_size * packed.numel(), dtype=torch.int8, device=packed.device)
+        packed, gathered = self._int8_buffers()
+        quantize_packed(blocks, out=packed)
         all_gather_async(gathered, packed.view(-1), self.process_group).wait()
         # Every rank sums the ranks' dequantised blocks in rank order: the same mean, bit for bit, everywhere.
         average_packed(gathered.view(self.world_size, -1), blocks)

@@ -376,11 +376,17 @@ def test_packed_rows_and_their_mean_are_the_same_bits_through_numba_and_torch(mo
     for loops in (True, False):
         monkeypatch.setattr(kernels, "available", lambda loops=loops: loops)
         gathered = torch.cat([quantize_packed(r.clone()) for r in rows])
+        for row, own in zip(rows, gathered, strict=True):  # into a kept row that holds the last sync's bytes
+            kept = torch.full((1, own.numel()), 77, dtype=torch.int8)
+            assert quantize_packed(row.clone(), out=kept) is kept and torch.equal(kept[0], own)
         mean = torch.empty(6, BLOCK)
         average_packed(gathered, mean)
         packed[loops] = (gathered, mean)
     assert torch.equal(packed[True][0], packed[False][0])
     torch.testing.assert_close(packed[True][1], packed[False][1], rtol=0, atol=0, equal_nan=True)
+    size = 6 * BLOCK + 6 * 4
+    with pytest.raises(ValueError, match=rf"out must be a contiguous \(1, {size}\) int8 row, got \(1, {size - 4}\)"):
+        quantize_packed(rows[0], out=torch.empty(1, size - 4, dtype=torch.int8))
     mean = packed[True][1]
     assert not mean[2].isfinite().all() and mean[[0, 1, 3, 4, 5]].isfinite().all()
     exact = sum(rows) / ranks

@@ -103,6 +103,8 @@ def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):
     assert local.before_batch() is False  # no warm-up: local from the first batch, anchored now
     anchor = torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
     momentum = torch.zeros_like(anchor)
+    # Allocated (and written) when the local phase begins, not by the first sync in mid-window: zero momentum.
+    assert local.momentum is not None and torch.equal(local.momentum, momentum)
     for _ in range(3):
         for _ in range(2):
             with torch.no_grad():

@@ -69,6 +69,7 @@ __all__ = [
     "average_packed",
     "dequantize_blocks",
     "int8_hook",
+    "packed_size",
     "quantize_blocks",
     "quantize_packed",
 ]
@@ -408,13 +409,22 @@ def reduce_and_requantize(received: torch.Tensor, chunk: int, block: int, loops:
     return own
 
 
-def quantize_packed(blocks: torch.Tensor) -> torch.Tensor:
+def packed_size(numel: int, block: int) -> int:
+    """Bytes of :func:`quantize_packed`'s row for ``numel`` values in blocks of ``block``: payloads and scales."""
+    return numel + 4 * (numel // block)
+
+
+def quantize_packed(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``blocks`` (fp32 rows of one block each) as one packed row: the int8 payloads, then the fp32 scales as bytes.
 
-    Through numba's loop on one CPU thread, else torch's kernels: the same bytes.
+    Through numba's loop on one CPU thread, else torch's kernels: the same bytes. ``out``: a (1, packed size) int8
+    row to write into (see :func:`packed_size`), else a new one.
     """
     rows, block = blocks.shape
-    packed = torch.empty(1, blocks.numel() + 4 * rows, dtype=torch.int8, device=blocks.device)
+    size = packed_size(blocks.numel(), block)
+    if out is not None and (out.shape != (1, size) or out.dtype != torch.int8 or not out.is_contiguous()):
+        raise ValueError(f"quantize_packed: out must be a contiguous (1, {size}) int8 row, got {tuple(out.shape)}")
+    packed = torch.empty(1, size, dtype=torch.int8, device=blocks.device) if out is None else out
     if _loops_fit(blocks):
         scales = torch.empty(1, rows, dtype=torch.float32)
         _kernels.quantize_parameter(blocks, None, 1, 0, None, packed, scales, block)
