@@ -49,7 +49,7 @@ DEFAULT_VARIANTS = (
 )
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
-LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap")
+LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_int8_overlap")
 DIGITS_VARIANTS = ("stock", "fp16", "powersgd_r4", "diloco16")
 PREFIX = "ddpopt-"
 SUBNET = "10.77.0"
@@ -191,7 +191,8 @@ def run_variant(cluster: Cluster, variant: str, port: int, worker_args: Sequence
     """Start one worker per host and return rank 0's result.
 
     The compute reference runs one independent process per host at the same time (no process group, no sync):
-    what the hosts compute when nothing waits, sharing the machine's memory bandwidth as the other variants do.
+    what the hosts compute when nothing waits, sharing the machine's memory bandwidth as the other variants do. Its
+    result holds every host's step times (``host_step_times_s``): the hosts need not compute at the same pace.
     """
     hosts = cluster.hosts
     processes = []
@@ -225,7 +226,10 @@ def run_variant(cluster: Cluster, variant: str, port: int, worker_args: Sequence
     if any(p.returncode for p in processes):
         tail = "\n".join(o[-2000:] for o in outputs)
         raise RuntimeError(f"variant {variant} failed:\n{tail}")
-    return parse_result(outputs[0])
+    result = parse_result(outputs[0])
+    if variant == "compute":
+        result["host_step_times_s"] = [parse_result(output)["step_times_s"] for output in outputs]
+    return result
 
 
 def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | None) -> list[dict[str, Any]]:
@@ -234,10 +238,13 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
     compute = results.get("compute")
     # The compute limit and stock's rate in the statistic each variant is rated by: the median step for variants
     # that sync every step, the mean step for periodic ones (local SGD), whose rate is over whole sync windows.
+    # The limit is every host's rate, summed: when one host computes more slowly than another (the machine's other
+    # load does not fall evenly), host 0's rate times the hosts would overstate it.
     compute_limit: dict[bool, float] = {}
     if compute:
+        host_times = compute.get("host_step_times_s") or [compute["step_times_s"]] * hosts
         for periodic, statistic in ((False, statistics.median), (True, statistics.fmean)):
-            compute_limit[periodic] = compute["samples_per_step"] / statistic(compute["step_times_s"]) * hosts
+            compute_limit[periodic] = sum(compute["samples_per_step"] / statistic(times) for times in host_times)
     stock = results.get("stock")
     stock_rate: dict[bool, float] = {}
     if stock:
@@ -245,6 +252,8 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             stock_rate[periodic] = stock["samples_per_step"] / statistic(stock["step_times_s"])
     for variant, result in results.items():
         times = sorted(result["step_times_s"])
+        if variant == "compute":
+            times = sorted(t for host in result.get("host_step_times_s") or [times] for t in host)
         p50, p95 = _percentile(times, 50), _percentile(times, 95)
         # Local SGD syncs once every H steps: its rate is over the whole window, syncs included, not the median step.
         periodic = (
@@ -270,7 +279,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             "hook_breakdown": result.get("hook_breakdown"),
         }
         if variant == "compute":
-            row["samples_per_s"] = rate * hosts  # the physical limit: every host computing without syncing
+            row["samples_per_s"] = compute_limit[False]  # the physical limit: every host computing without syncing
         sync, sent = result.get("sync_time_s"), result.get("bytes_sent")
         if link_bytes_per_s and sync and sent and hosts > 1:
             busbw = sent / sync * 2 * (hosts - 1) / hosts

@@ -44,6 +44,10 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "diloco16_int8": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, compression="int8")), 1),
     "diloco32": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(32)), 1),
     "diloco16_overlap": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, overlap_steps=8)), 1),
+    "diloco16_int8_overlap": (
+        lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8")),
+        1,
+    ),
     "compute": (lambda: "auto", 1),
     "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
     "auto_hook": (lambda: OptimizedDDPStrategy(comm_hook="auto"), 1),

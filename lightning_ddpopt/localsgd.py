@@ -61,8 +61,8 @@ class LocalSGDConfig:
             half at 4) and less than fp16 below 4.
         buffers: ``"average"`` floating-point buffers at each sync, or ``"broadcast"`` rank 0's.
         overlap_steps: ``tau``, inner steps the parameter change travels while the ranks train on (0: they wait for
-            it). With ``tau >= 1`` (< ``sync_every``; fp32, fp16 or bf16 compression) the all-reduce starts at the
-            sync point and is applied ``tau`` steps later (Streaming DiLoCo's overlap, Douillard et al. 2025): the
+            it). With ``tau >= 1`` (< ``sync_every``) the all-reduce (int8: the all-gather) starts at the sync point
+            and is applied ``tau`` steps later (Streaming DiLoCo's overlap, Douillard et al. 2025): the
             outer step moves the anchor, the same on every rank, and each rank's parameters become
             ``overlap_mixing x`` its own ``+ (1 - overlap_mixing) x`` the new anchor, so they differ by what each
             rank learned meanwhile until the next sync.
@@ -108,11 +108,6 @@ class LocalSGDConfig:
             )
         if not _is_number(self.overlap_mixing) or not 0 <= self.overlap_mixing <= 1:
             raise ValueError(f"LocalSGDConfig overlap_mixing={self.overlap_mixing!r} must be in [0, 1]")
-        if self.overlap_steps and self.compression == "int8":
-            raise ValueError(
-                "LocalSGDConfig overlap_steps needs an all-reduced compression ('fp32', 'fp16' or 'bf16'); "
-                "compression='int8' all-gathers and is not overlapped"
-            )
 
     @classmethod
     def diloco(cls, sync_every: int = 16, **overrides: Any) -> LocalSGDConfig:
@@ -149,7 +144,10 @@ class ParameterSync:
 
 @dataclass
 class _InFlight:
-    """A sync started and not applied yet: the all-reduce carrying the mean change, and when to apply it."""
+    """A sync started and not applied yet: what carries the mean change, and when to apply it.
+
+    ``wire``: the mean change (all-reduced, or restored from a checkpoint), or with int8 every rank's packed row.
+    """
 
     wire: torch.Tensor
     work: dist.Work | None
@@ -249,12 +247,25 @@ class LocalSGD:
         return report
 
     def _start_sync(self) -> None:
-        """Start all-reducing the mean parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies it."""
-        wire = self._wire_buffer()
-        wire.copy_(self._local_change().div_(self.world_size))  # divided before a half-precision cast
-        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
-        apply_at = self.steps + self.config.overlap_steps
-        self._in_flight = _InFlight(wire, work, apply_at, wire.numel() * wire.element_size())
+        """Start sending the parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies its mean."""
+        delta = self._local_change()
+        work: dist.Work | None
+        if self.config.compression == "int8":
+            packed, wire = self._int8_buffers()
+            quantize_packed(self._int8_blocks(), out=packed)
+            work, sent = all_gather_async(wire, packed.view(-1), self.process_group), packed.numel()
+        else:
+            wire = self._wire_buffer()
+            wire.copy_(delta.div_(self.world_size))  # divided before a half-precision cast
+            work = dist.all_reduce(wire, group=self.process_group, async_op=True)
+            sent = wire.numel() * wire.element_size()
+        self._in_flight = _InFlight(wire, work, self.steps + self.config.overlap_steps, sent)
+
+    def _arrived_mean(self, in_flight: _InFlight) -> torch.Tensor:
+        """The mean change a sync carried, in the work buffer (fp32); the sync must have arrived."""
+        if in_flight.wire.dtype == torch.int8:
+            return self._average_packed(in_flight.wire)
+        return self._work_buffer().copy_(in_flight.wire)
 
     def abandon_in_flight(self) -> None:
         """Forget a sync still travelling (training failed before applying it); nothing waits for it any more."""
@@ -270,7 +281,7 @@ class LocalSGD:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight.work is not None:
             in_flight.work.wait()
-        self._outer_step(self._work_buffer().copy_(in_flight.wire), outer_step=True)
+        self._outer_step(self._arrived_mean(in_flight), outer_step=True)
         # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
         self._load_parameters(self.anchor, weight=1 - self.config.overlap_mixing)
         buffer_bytes = self._sync_buffers()
@@ -395,19 +406,21 @@ class LocalSGD:
         if in_flight is not None and in_flight.work is not None:
             in_flight.work.wait()
             in_flight.work = None
+        saved = None
+        if in_flight is not None:  # with int8, the ranks' packed rows: saved as their mean
+            mean = self._arrived_mean(in_flight) if in_flight.wire.dtype == torch.int8 else in_flight.wire
+            saved = {
+                "mean": mean.detach().cpu().clone(),
+                "apply_at": in_flight.apply_at,
+                "wire_bytes": in_flight.wire_bytes,
+            }
         return {
             "config": asdict(self.config),
             "steps": self.steps,
             "syncs": self.syncs,
             "anchor": None if self.anchor is None else self.anchor.detach().cpu().clone(),
             "momentum": None if self.momentum is None else self.momentum.detach().cpu().clone(),
-            "in_flight": None
-            if in_flight is None
-            else {
-                "mean": in_flight.wire.detach().cpu().clone(),
-                "apply_at": in_flight.apply_at,
-                "wire_bytes": in_flight.wire_bytes,
-            },
+            "in_flight": saved,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
@@ -450,14 +463,27 @@ class LocalSGD:
 
     def _int8_mean_inplace(self, delta: torch.Tensor) -> int:
         assert self._work is not None and delta.data_ptr() == self._work.data_ptr()
-        blocks = self._work.view(-1, _INT8_BLOCK)  # delta and its zero padding
         packed, gathered = self._int8_buffers()
-        quantize_packed(blocks, out=packed)
+        quantize_packed(self._int8_blocks(), out=packed)
         all_gather_async(gathered, packed.view(-1), self.process_group).wait()
-        # Every rank sums the ranks' dequantised blocks in rank order: the same mean, bit for bit, everywhere.
-        average_packed(gathered.view(self.world_size, -1), blocks)
-        self._work[delta.numel() :].zero_()  # 0 x a non-finite scale is not 0: the padding must stay zero
+        self._average_packed(gathered)
         return packed.numel()
+
+    def _int8_blocks(self) -> torch.Tensor:
+        """The work buffer as rows of one int8 block each: the change and its zero padding."""
+        assert self._work is not None
+        return self._work.view(-1, _INT8_BLOCK)
+
+    def _average_packed(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The mean of every rank's packed row into the work buffer (returned, unpadded), the same bits everywhere.
+
+        Every rank sums the ranks' dequantised blocks in rank order.
+        """
+        assert self._work is not None
+        average_packed(gathered.view(self.world_size, -1), self._int8_blocks())
+        mean = self._work_buffer()
+        self._work[mean.numel() :].zero_()  # 0 x a non-finite scale is not 0: the padding must stay zero
+        return mean
 
     def _flat_parameters(self) -> torch.Tensor:
         """The parameters end to end in fp32."""

@@ -86,6 +86,18 @@ def test_periodic_variants_are_compared_with_the_mean_compute_and_stock_step():
     assert rows["fp16"]["speedup_vs_stock"] == pytest.approx(1.0 / 0.4)
 
 
+def test_the_compute_limit_sums_every_hosts_rate():
+    # Host 1 computes more slowly than host 0: the limit is their rates summed, not host 0's twice.
+    compute = recorded("compute", 0.2, samples=16)
+    compute["host_step_times_s"] = [[0.2, 0.2, 0.2, 0.2], [0.4, 0.4, 0.4, 0.4]]
+    local = recorded("diloco16", 0.1, sync=0.5, sent=GRAD / 16)
+    local["step_times_s"], local["sync_rounds"] = [0.3, 0.3, 0.3, 0.3], 1 / 16
+    rows = {row["variant"]: row for row in cluster.summarize({"compute": compute, "diloco16": local}, 2, None)}
+    assert rows["compute"]["samples_per_s"] == pytest.approx(16 / 0.2 + 16 / 0.4)
+    assert rows["compute"]["step_p50_ms"] == pytest.approx(300)  # over both hosts' steps
+    assert rows["diloco16"]["fraction_of_compute_limit"] == pytest.approx((32 / 0.3) / 120)
+
+
 def test_reports_are_written(tmp_path):
     results = {"stock": recorded("stock", 1.0), "ours": recorded("ours", 0.9, sync=0.8, sent=GRAD)}
     rows = cluster.summarize(results, hosts=2, link_bytes_per_s=125e6)

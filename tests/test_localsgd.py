@@ -227,9 +227,8 @@ def test_int8_mean_is_within_half_a_quantisation_step(gloo_group):
     module = nn.Linear(100, 30)  # 3030 parameters: 3 blocks, the last one padded
     local = LocalSGD(LocalSGDConfig(sync_every=1, compression="int8"), module)
     delta = torch.randn(3030) * torch.linspace(0.01, 10, 3030)
-    local._work = torch.zeros(3 * 1024)
-    mean = local._work[:3030]
-    mean.copy_(delta)
+    local.before_batch()  # anchored: the kept buffers are allocated
+    mean = local._work_buffer().copy_(delta)
     sent = local._mean_inplace(mean)
     assert sent == 3 * 1024 + 3 * 4
     for block in range(3):
@@ -323,10 +322,23 @@ def _local_step(module: nn.Module) -> torch.Tensor:
     return _flat(module)
 
 
-def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_learned(gloo_group):
+def _int8_round_trip(delta: torch.Tensor) -> torch.Tensor:
+    """One rank's change as an int8 sync carries it: quantised in 1024-value blocks, then dequantised."""
+    from lightning_ddpopt.hooks.int8 import average_packed, quantize_packed
+
+    blocks = torch.zeros(math.ceil(delta.numel() / 1024), 1024)
+    blocks.view(-1)[: delta.numel()] = delta
+    average_packed(quantize_packed(blocks), blocks)
+    return blocks.view(-1)[: delta.numel()].clone()
+
+
+@pytest.mark.parametrize("compression", ["fp32", "int8"])
+def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_learned(gloo_group, compression):
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
-    local = LocalSGD(LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression="fp32"), module)
+    local = LocalSGD(LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression=compression), module)
+    carried = _int8_round_trip if compression == "int8" else (lambda delta: delta)
+    sent = 32 if compression == "fp32" else 1024 + 4  # one block and its scale
     local.before_batch()
     anchor, momentum = _flat(module), torch.zeros(8)
     params = {}
@@ -337,14 +349,14 @@ def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_lea
         assert (report is not None) == (step in (6, 10)), step
         if step in (6, 10):
             started = params[step - 2]
-            delta = anchor - started  # one rank: the mean change is its own
+            delta = carried(anchor - started)  # one rank: the mean change is its own
             momentum = 0.9 * momentum + delta
             anchor = anchor - 0.7 * (delta + 0.9 * momentum)
             torch.testing.assert_close(local.anchor, anchor)
             # Half the rank's own parameters (with what it learned while the change travelled), half the anchor.
             torch.testing.assert_close(_flat(module), 0.5 * params[step] + 0.5 * anchor)
             params[step] = _flat(module)
-            assert report.wire_bytes == 32 and local.local_steps_since_sync == 4 + 2
+            assert report.wire_bytes == sent and local.local_steps_since_sync == 4 + 2
         else:
             torch.testing.assert_close(_flat(module), params[step], rtol=0, atol=0)
     assert local.syncs == 2
@@ -353,36 +365,37 @@ def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_lea
     params[12], _ = _local_step(module), local.after_optimizer_step()
     params[13], _ = _local_step(module), local.after_optimizer_step()
     assert local.finish() is not None and local.syncs == 3 and local.averaged_at_end
-    delta = anchor - params[12]
+    delta = carried(anchor - params[12])
     momentum = 0.9 * momentum + delta
     anchor = anchor - 0.7 * (delta + 0.9 * momentum)
-    # Step 12's sync applied (mixed with step 13's parameters), then the average: one rank's own parameters.
-    torch.testing.assert_close(_flat(module), 0.5 * params[13] + 0.5 * anchor)
+    # Step 12's sync applied (mixed with step 13's parameters), then the average: the rank's own parameters as the
+    # final average carries them (for int8, quantised relative to the anchor).
+    mixed = 0.5 * params[13] + 0.5 * anchor
+    torch.testing.assert_close(_flat(module), anchor - carried(anchor - mixed))
     torch.testing.assert_close(local.anchor, _flat(module))
 
 
-def test_overlap_needs_fewer_steps_than_a_window_and_an_all_reduce():
+def test_overlap_needs_fewer_steps_than_a_window():
     with pytest.raises(ValueError, match=r"overlap_steps=4 must be below sync_every=4"):
         LocalSGDConfig.diloco(sync_every=4, overlap_steps=4)
-    with pytest.raises(ValueError, match=r"overlap_steps needs an all-reduced compression"):
-        LocalSGDConfig.diloco(sync_every=4, overlap_steps=1, compression="int8")
     with pytest.raises(ValueError, match=r"LocalSGDConfig overlap_steps=-1 must be an int >= 0"):
         LocalSGDConfig(overlap_steps=-1)
     with pytest.raises(ValueError, match=r"LocalSGDConfig overlap_mixing=1.5 must be in \[0, 1\]"):
         LocalSGDConfig(sync_every=4, overlap_steps=2, overlap_mixing=1.5)
 
 
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
 @pytest.mark.parametrize("devices", [2, 3])
-def test_overlapped_syncs_in_a_lightning_run(tmp_path, devices):
+def test_overlapped_syncs_in_a_lightning_run(tmp_path, devices, compression):
     # H = 4, tau = 2, no warm-up, 12 steps: started at 4, 8, 12; applied at 6 and 10 and, at the end, 12's.
-    config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2)
+    config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression=compression)
     steps_per_epoch = math.ceil(64 / 8 / devices)
     ranks = _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
     for record in ranks:
         rounds = [rounds for rounds, _, _ in record["steps"]]
         assert rounds == [1 if step in (6, 10) else 0 for step in range(1, 13)]
         for step in (6, 10):
-            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, SENT["fp16"])
+            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, SENT[compression])
         # Step 12's sync, travelling when training ended, is applied at the end, then the ranks are averaged.
         assert record["local"]["syncs"] == 3 and record["averaged_at_end"]
         assert record["local"]["in_flight"] is None
@@ -392,18 +405,21 @@ def test_overlapped_syncs_in_a_lightning_run(tmp_path, devices):
         assert not torch.equal(ranks[0]["params"][step - 1], ranks[1]["params"][step - 1]), step
 
 
-def test_resume_with_a_sync_in_flight_applies_it(tmp_path):
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
+def test_resume_with_a_sync_in_flight_applies_it(tmp_path, compression):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    # H = 4, tau = 2, 4 steps per epoch: the checkpoint at step 5 holds step 4's sync, travelling until step 6.
-    config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2)
+    # H = 4, tau = 2, 4 steps per epoch: the checkpoint at step 5 holds step 4's sync, travelling until step 6 (its
+    # mean: int8's packed rows are saved averaged, in fp32).
+    config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression=compression)
     uninterrupted = _fit(tmp_path / "full", config, max_steps=12, max_epochs=3)
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
     _fit(tmp_path / "first", config, max_steps=5, max_epochs=3, callbacks=[saver], enable_checkpointing=True)
     (checkpoint,) = (tmp_path / "ckpt").glob("*step=5.ckpt")
     saved = torch.load(checkpoint, weights_only=False)["ddpopt"]["local_sgd"]
     assert saved["steps"] == 5 and saved["syncs"] == 0
-    assert saved["in_flight"]["apply_at"] == 6 and saved["in_flight"]["mean"].dtype == torch.float16
+    dtype = torch.float16 if compression == "fp16" else torch.float32
+    assert saved["in_flight"]["apply_at"] == 6 and saved["in_flight"]["mean"].dtype == dtype
     resumed = _fit(tmp_path / "resumed", config, max_steps=12, max_epochs=3, ckpt_path=str(checkpoint))
     # Applied at step 6: the same mean, the same outer step, so the same anchor as without the interruption.
     for full, again in zip(uninterrupted, resumed, strict=True):
