@@ -288,13 +288,39 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
     return rows
 
 
+def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per variant from several rounds' rows: each figure's median over the rounds.
+
+    Ratios (speed-up, fraction of the compute limit) are taken within each round, against that round's reference,
+    then their median: the machine's load drifts between rounds, and each round measures the variants close in
+    time. Each row keeps every round's fraction of the compute limit in ``rounds_of_compute_limit``.
+    """
+    if len(rounds) == 1:
+        return rounds[0]
+    combined = []
+    for row in rounds[0]:
+        variant = row["variant"]
+        same = [next(r for r in round_rows if r["variant"] == variant) for round_rows in rounds]
+        merged = dict(row)
+        for key, value in row.items():
+            values = [r[key] for r in same if r[key] is not None]
+            if isinstance(value, int | float) and not isinstance(value, bool) and values:
+                merged[key] = statistics.median(values)
+        merged["rounds_of_compute_limit"] = [r["fraction_of_compute_limit"] for r in same]
+        combined.append(merged)
+    return combined
+
+
 def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str = "cluster") -> list[Path]:
     """Markdown table, JSON and (with matplotlib) a PNG bar chart of samples/s."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / f"{name}.md"
+    rounds = meta.get("rounds", 1)
     lines = [
         f"Emulated cluster: {meta['hosts']} hosts, link {meta['link']}, model {meta['model']}, "
-        f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps; {meta['machine']}",
+        f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps (compute and local SGD: 64)"
+        + (f", median of {rounds} rounds" if rounds > 1 else "")
+        + f"; {meta['machine']}",
         "",
         "| variant | hook | cap MiB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
         "| of compute limit | of link |",
@@ -309,6 +335,12 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
             f"{_fmt(r['speedup_vs_stock'], '.2f', 'x')} | {_fmt(r['fraction_of_compute_limit'], '.2f')} | "
             f"{_fmt(r['link_fraction'], '.2f')} |"
         )
+    per_round = [r for r in rows if r.get("rounds_of_compute_limit") and r["fraction_of_compute_limit"] is not None]
+    if per_round:
+        lines += ["", "Of the compute limit, round by round (each against its own round's compute reference):", ""]
+        lines += [
+            f"- {r['variant']}: {', '.join(_fmt(f, '.2f') for f in r['rounds_of_compute_limit'])}" for r in per_round
+        ]
     breakdowns = [r for r in rows if r.get("hook_breakdown")]
     if breakdowns:
         lines += [
@@ -425,11 +457,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="throughput (default): step times on the MLP; digits: accuracy against wall time",
     )
     parser.add_argument("--epochs", type=int, default=10, help="--task digits: epochs per variant (default 10)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the variants this many times, in turn; each figure is the median over the rounds, every ratio "
+        "taken within its round (default 1)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="cluster", help="report file stem (default cluster)")
     args = parser.parse_args(argv)
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts} must be at least 2")
+    if args.repeat < 1 or (args.repeat > 1 and args.task == "digits"):
+        parser.error(f"--repeat {args.repeat} must be at least 1 (and 1 with --task digits)")
     try:
         link_bytes = parse_rate(args.rate)
     except ValueError as error:
@@ -452,40 +493,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"--{k}={getattr(args, k.replace('-', '_'))}"
         for k in ("steps", "warmup", "batch-size", "width", "layers", "task", "epochs")
     ]
-    results: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = []
     with Cluster(args.hosts, args.rate, args.delay_ms, loopback) as cluster:
         link = (
             "loopback (unshaped)"
             if loopback
             else f"{args.rate}" + (f", {args.delay_ms:g} ms delay" if args.delay_ms else "")
         )
-        print(f"cluster: {args.hosts} hosts on {link}; {len(variants)} variants", flush=True)
-        for index, variant in enumerate(variants):
-            started = time.monotonic()
-            results[variant] = run_variant(cluster, variant, 29700 + index, worker_args, args.timeout)
-            if args.task == "digits":
-                seconds, accuracy = results[variant]["curve"][-1]
-                figure = f"accuracy {accuracy:.4f} after {seconds:6.1f} s of training"
-            else:
-                figure = f"step p50 {statistics.median(results[variant]['step_times_s']) * 1e3:7.0f} ms"
-            print(
-                f"  [{index + 1}/{len(variants)}] {variant:12s} {figure} ({time.monotonic() - started:.0f} s)",
-                flush=True,
-            )
+        print(f"cluster: {args.hosts} hosts on {link}; {len(variants)} variants x {args.repeat}", flush=True)
+        for round_index in range(args.repeat):
+            results: dict[str, dict] = {}
+            for index, variant in enumerate(variants):
+                started = time.monotonic()
+                port = 29700 + round_index * len(variants) + index
+                results[variant] = run_variant(cluster, variant, port, worker_args, args.timeout)
+                if args.task == "digits":
+                    seconds, accuracy = results[variant]["curve"][-1]
+                    figure = f"accuracy {accuracy:.4f} after {seconds:6.1f} s of training"
+                else:
+                    figure = f"step p50 {statistics.median(results[variant]['step_times_s']) * 1e3:7.0f} ms"
+                print(
+                    f"  [{index + 1}/{len(variants)}] {variant:12s} {figure} ({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
+            rounds.append(results)
     machine = f"{os.cpu_count()} CPU cores, torch threads per host {os.environ.get('DDPOPT_BENCH_THREADS', '1')}"
     command = "benchmarks/cluster.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
     meta: dict[str, Any] = {"hosts": args.hosts, "link": link, "batch_size": args.batch_size}
     if args.task == "digits":
         meta["epochs"] = args.epochs
-        written = write_digits_reports(results, {**meta, "machine": machine, "command": command}, out, args.name)
+        written = write_digits_reports(rounds[0], {**meta, "machine": machine, "command": command}, out, args.name)
     else:
         meta["model"] = (
             f"{args.layers} x Linear({args.width}, {args.width}), "
             f"{args.layers * (args.width**2 + args.width) / 1e6:.1f}M parameters"
         )
         meta["timed_steps"] = args.steps - args.warmup
-        rows = summarize(results, args.hosts, None if loopback else link_bytes)
+        meta["rounds"] = args.repeat
+        link_bytes_per_s = None if loopback else link_bytes
+        rows = combine_rounds([summarize(results, args.hosts, link_bytes_per_s) for results in rounds])
         written = write_reports(rows, {**meta, "machine": machine, "command": command}, out, args.name)
     for path in written:
         print(f"wrote {path}")

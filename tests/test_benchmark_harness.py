@@ -98,6 +98,29 @@ def test_the_compute_limit_sums_every_hosts_rate():
     assert rows["diloco16"]["fraction_of_compute_limit"] == pytest.approx((32 / 0.3) / 120)
 
 
+def test_rounds_combine_into_medians_of_ratios_taken_within_each_round(tmp_path):
+    # Three rounds; the machine slows down in the second: each round's local SGD row is rated against its own
+    # round's compute reference, and the report gives the medians and every round's fraction.
+    rounds = []
+    for compute_step, local_step in ((0.2, 0.25), (0.4, 0.45), (0.2, 0.3)):
+        compute = recorded("compute", compute_step, samples=16)
+        local = recorded("diloco16", local_step, sync=0.5, sent=GRAD / 16)
+        local["sync_rounds"] = 1 / 16
+        rounds.append(cluster.summarize({"compute": compute, "diloco16": local}, 2, None))
+    rows = {row["variant"]: row for row in cluster.combine_rounds(rounds)}
+    fractions = [0.2 / 0.25, 0.4 / 0.45, 0.2 / 0.3]
+    assert rows["diloco16"]["rounds_of_compute_limit"] == pytest.approx(fractions)
+    assert rows["diloco16"]["fraction_of_compute_limit"] == pytest.approx(0.8)  # the median of the three
+    assert rows["diloco16"]["samples_per_s"] == pytest.approx(32 / 0.3)
+    assert rows["compute"]["samples_per_s"] == pytest.approx(160)
+    meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x", "rounds": 3}
+    cluster.write_reports(list(rows.values()), meta, tmp_path)
+    table = (tmp_path / "cluster.md").read_text().splitlines()
+    assert "median of 3 rounds" in table[0]
+    assert table[-1] == "- diloco16: 0.80, 0.89, 0.67"
+    assert cluster.combine_rounds(rounds[:1]) is rounds[0]
+
+
 def test_reports_are_written(tmp_path):
     results = {"stock": recorded("stock", 1.0), "ours": recorded("ours", 0.9, sync=0.8, sent=GRAD)}
     rows = cluster.summarize(results, hosts=2, link_bytes_per_s=125e6)
