@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -52,18 +53,21 @@ class HeldOutAccuracy(pl.Callback):
 def _held_out_accuracy(
     run_dir: Path,
     strategy: OptimizedDDPStrategy,
-    model: pl.LightningModule,
+    make_model: Callable[[], pl.LightningModule],
     split: tuple[TensorDataset, TensorDataset],
     num_classes: int,
     **trainer_kwargs,
 ) -> float:
-    """Fit on 2 ranks at batch 32 per rank and return rank 0's accuracy on the held-out split."""
+    """Fit on 2 ranks at batch 32 per rank and return rank 0's accuracy on the held-out split.
+
+    The model is built after seeding: its initial weights must not depend on what ran before in the process.
+    """
     out = run_dir / "accuracy.pt"
     pl.seed_everything(0)
     fit_ddp(
         run_dir,
         strategy,
-        model=model,
+        model=make_model(),
         loader=DataLoader(split[0], batch_size=32, shuffle=True),
         callbacks=[HeldOutAccuracy(str(out), split[1], num_classes)],
         **trainer_kwargs,
@@ -73,8 +77,9 @@ def _held_out_accuracy(
 
 def _accuracy(tmp_path: Path, hook: str, local_sgd: LocalSGDConfig | None = None, **trainer_kwargs) -> float:
     strategy = OptimizedDDPStrategy(comm_hook=hook, start_method="fork", local_sgd=local_sgd)
-    model = example.DigitsClassifier()
-    return _held_out_accuracy(tmp_path / hook, strategy, model, (TRAIN, TEST), 10, max_epochs=EPOCHS, **trainer_kwargs)
+    return _held_out_accuracy(
+        tmp_path / hook, strategy, example.DigitsClassifier, (TRAIN, TEST), 10, max_epochs=EPOCHS, **trainer_kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +120,10 @@ def test_lossy_hooks_under_fp16_amp_converge_like_allreduce(tmp_path, allreduce_
         LocalSGDConfig.diloco(16),
         LocalSGDConfig.diloco(16, overlap_steps=4),
         LocalSGDConfig.diloco(16, overlap_steps=8),
+        LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8"),
         LocalSGDConfig.post_local_sgd(16),
     ],
-    ids=["diloco16", "diloco16_overlap4", "diloco16_overlap8", "post_local16"],
+    ids=["diloco16", "diloco16_overlap4", "diloco16_overlap8", "diloco16_int8_overlap8", "post_local16"],
 )
 def test_local_sgd_every_16_steps_converges_like_allreduce(tmp_path, allreduce_accuracy, local_sgd):
     # The same samples as synchronous DDP (6 epochs, about 23 steps per epoch and rank: 8 parameter syncs in all).
@@ -166,7 +172,7 @@ class CancerClassifier(pl.LightningModule):
 
 def _cancer_accuracy(tmp_path: Path, local_sgd: LocalSGDConfig | None) -> float:
     strategy = OptimizedDDPStrategy(start_method="fork", local_sgd=local_sgd)
-    return _held_out_accuracy(tmp_path / "run", strategy, CancerClassifier(), CANCER, 2, max_epochs=CANCER_EPOCHS)
+    return _held_out_accuracy(tmp_path / "run", strategy, CancerClassifier, CANCER, 2, max_epochs=CANCER_EPOCHS)
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +182,12 @@ def cancer_allreduce_accuracy(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "local_sgd",
-    [LocalSGDConfig.diloco(16), LocalSGDConfig.diloco(16, overlap_steps=8)],
-    ids=["diloco16", "diloco16_overlap8"],
+    [
+        LocalSGDConfig.diloco(16),
+        LocalSGDConfig.diloco(16, overlap_steps=8),
+        LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8"),
+    ],
+    ids=["diloco16", "diloco16_overlap8", "diloco16_int8_overlap8"],
 )
 def test_local_sgd_on_a_second_task_converges_like_allreduce(tmp_path, cancer_allreduce_accuracy, local_sgd):
     # A second small real task: the same samples (40 epochs) as synchronous DDP, within 1 point (114 tumours held
