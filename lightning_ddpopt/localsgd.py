@@ -180,7 +180,8 @@ class LocalSGD:
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
         self._wire: torch.Tensor | None = None
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._packed: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
 
@@ -215,7 +216,9 @@ class LocalSGD:
         """
         assert self.anchor is not None
         self._work_buffer()
-        if self.config.compression in ("fp16", "bf16"):
+        if self.config.compression in ("fp16", "bf16") or (
+            self.config.compression == "fp32" and self.config.overlap_steps
+        ):
             self._wire_buffer()
         if self.config.outer_momentum and self.momentum is None:
             # The same first outer step as no momentum yet: 0.9 x 0 + change is the change, bit for bit.
@@ -370,15 +373,23 @@ class LocalSGD:
         return self._wire
 
     def _int8_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's packed int8 row and the gathered rows of every rank, kept between syncs."""
+        """This rank's packed int8 row and the gathered rows of every rank.
+
+        Kept between syncs on a CPU and with ``overlap_steps`` (the rows travel through the window anyway); on a GPU
+        without overlap the gathered rows (a byte per parameter and rank) are allocated for each sync only, not held
+        through the steps, whose activations need the memory.
+        """
         assert self._work is not None
-        if self._packed is None or self._packed[0].device != self._work.device:
-            packed = torch.zeros(
-                1, packed_size(self._work.numel(), _INT8_BLOCK), dtype=torch.int8, device=self._work.device
-            )
-            gathered = torch.zeros(self.world_size * packed.numel(), dtype=torch.int8, device=packed.device)
-            self._packed = (packed, gathered)
-        return self._packed
+        device = self._work.device
+        size = packed_size(self._work.numel(), _INT8_BLOCK)
+        if self._packed is None or self._packed.device != device:
+            self._packed = torch.zeros(1, size, dtype=torch.int8, device=device)
+        gathered = self._gathered
+        if gathered is None or gathered.device != device:
+            gathered = torch.zeros(self.world_size * size, dtype=torch.int8, device=device)
+            keep = device.type == "cpu" or bool(self.config.overlap_steps)
+            self._gathered = gathered if keep else None
+        return self._packed, gathered
 
     def _work_buffer(self) -> torch.Tensor:
         """The unpadded part of a parameter-sized fp32 buffer kept between syncs, zero-padded to whole int8 blocks.

@@ -412,7 +412,11 @@ def test_resume_with_a_sync_in_flight_applies_it(tmp_path, compression):
     # H = 4, tau = 2, 4 steps per epoch: the checkpoint at step 5 holds step 4's sync, travelling until step 6 (its
     # mean: int8's packed rows are saved averaged, in fp32).
     config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression=compression)
-    uninterrupted = _fit(tmp_path / "full", config, max_steps=12, max_epochs=3)
+    # The uninterrupted run saves the same checkpoint and trains on: saving must leave the travelling sync as it was.
+    also_saves = ModelCheckpoint(dirpath=tmp_path / "full_ckpt", every_n_train_steps=5, save_top_k=-1)
+    uninterrupted = _fit(
+        tmp_path / "full", config, max_steps=12, max_epochs=3, callbacks=[also_saves], enable_checkpointing=True
+    )
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
     _fit(tmp_path / "first", config, max_steps=5, max_epochs=3, callbacks=[saver], enable_checkpointing=True)
     (checkpoint,) = (tmp_path / "ckpt").glob("*step=5.ckpt")
