@@ -619,9 +619,15 @@ class OptimizedDDPStrategy(DDPStrategy):
             self.ledger.add_parameter_sync(sync.num_elements, sync.logical_bytes, sync.wire_bytes, start)
 
     def _restore_local_sgd(self) -> None:
-        """Load the saved outer loop once both the checkpoint and the local SGD loop exist."""
+        """Load the saved outer loop once both the checkpoint and this fit's local SGD loop exist.
+
+        A checkpoint is loaded before setup: a loop left by an earlier fit (its model unwrapped at teardown) waits for
+        the one this fit builds.
+        """
         saved = self._saved
         if saved is None or self.local_sgd is None or not self._local_sgd_pending:
+            return
+        if not isinstance(self.model, DistributedDataParallel):
             return
         self._local_sgd_pending = False
         if saved.local_sgd is None:

@@ -147,6 +147,85 @@ def test_resume_at_a_sync_boundary_is_bit_exact(tmp_path):
         torch.testing.assert_close(b["params"], a["params"], rtol=0, atol=0)
 
 
+_SECOND_FIT_SCRIPT = """
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
+from tests.helpers import StackModel, regression_data
+
+out = Path(sys.argv[1])
+
+
+def trainer(**kwargs):
+    strategy = OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(sync_every=4))
+    return pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, **kwargs,
+    )
+
+
+def loader():
+    return DataLoader(regression_data(64), batch_size=8)
+
+
+def params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+straight = trainer(max_epochs=2, enable_checkpointing=False)
+model = StackModel(optimizer="adam")
+straight.fit(model, loader())
+rank = straight.global_rank
+torch.save(params(model), out / f"straight{rank}.pt")
+# One Trainer fits an epoch, then fits again from its checkpoint: the second fit's checkpoint is loaded before its
+# setup, while the strategy still holds the first fit's local SGD loop.
+again = trainer(max_epochs=1, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0)])
+model = StackModel(optimizer="adam")
+again.fit(model, loader())
+again.fit_loop.max_epochs = 2
+again.fit(model, loader(), ckpt_path=str(out / "ckpt" / "last.ckpt"))
+torch.save(params(model), out / f"again{rank}.pt")
+torch.save(again.strategy.local_sgd.syncs, out / f"syncs{rank}.pt")
+"""
+
+
+def test_a_second_fit_of_one_trainer_resumes_its_outer_loop(tmp_path):
+    # 4 steps per epoch, H = 4: the first fit's checkpoint lies on a sync, so the second fit from it must end as an
+    # uninterrupted run does, bit for bit. Ranks started as a script starts them (one Trainer fitting twice).
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "fit.py"
+    script.write_text(_SECOND_FIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=root,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=240)
+        outputs = [tmp_path / f"{name}{rank}.pt" for name in ("again", "syncs") for rank in range(2)]
+        deadline = time.monotonic() + 60  # rank 1 may write after rank 0 has exited
+        while not all(path.exists() for path in outputs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr[-3000:]
+    for rank in range(2):
+        straight, again = (torch.load(tmp_path / f"{name}{rank}.pt") for name in ("straight", "again"))
+        torch.testing.assert_close(again, straight, rtol=0, atol=0)
+        assert torch.load(tmp_path / f"syncs{rank}.pt") == 2  # the first fit's sync, restored, and the second's
+
+
 @pytest.mark.parametrize("overflowing", [0, 1])
 def test_an_overflow_on_one_rank_skips_its_step_and_the_ranks_still_sync_together(tmp_path, overflowing):
     # fp16 AMP, local from the start, H = 4; one rank (rank 0 as well as another) overflows at the second step of
