@@ -147,6 +147,28 @@ def test_resume_at_a_sync_boundary_is_bit_exact(tmp_path):
         torch.testing.assert_close(b["params"], a["params"], rtol=0, atol=0)
 
 
+def _run_script(tmp_path: Path, text: str, args: list[str], outputs: list[Path]) -> tuple[int | None, str]:
+    """Run ``text`` as a user's training script (``python fit.py tmp_path *args``), its ranks started as Lightning
+    starts them; wait for ``outputs`` (rank 1 may write after rank 0 has exited). Returns the exit code and stderr.
+    """
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "fit.py"
+    script.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(tmp_path), *args]
+    # A session of its own: rank 1 is rank 0's child, and nothing may outlive the test.
+    process = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=240)
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in outputs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, stderr
+
+
 _SECOND_FIT_SCRIPT = """
 import sys
 from pathlib import Path
@@ -198,28 +220,9 @@ torch.save(again.strategy.local_sgd.syncs, out / f"syncs{rank}.pt")
 def test_a_second_fit_of_one_trainer_resumes_its_outer_loop(tmp_path):
     # 4 steps per epoch, H = 4: the first fit's checkpoint lies on a sync, so the second fit from it must end as an
     # uninterrupted run does, bit for bit. Ranks started as a script starts them (one Trainer fitting twice).
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "fit.py"
-    script.write_text(_SECOND_FIT_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)],
-        cwd=root,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = process.communicate(timeout=240)
-        outputs = [tmp_path / f"{name}{rank}.pt" for name in ("again", "syncs") for rank in range(2)]
-        deadline = time.monotonic() + 60  # rank 1 may write after rank 0 has exited
-        while not all(path.exists() for path in outputs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, stderr[-3000:]
+    outputs = [tmp_path / f"{name}{rank}.pt" for name in ("again", "syncs") for rank in range(2)]
+    returncode, stderr = _run_script(tmp_path, _SECOND_FIT_SCRIPT, [], outputs)
+    assert returncode == 0, stderr[-3000:]
     for rank in range(2):
         straight, again = (torch.load(tmp_path / f"{name}{rank}.pt") for name in ("straight", "again"))
         torch.testing.assert_close(again, straight, rtol=0, atol=0)
@@ -654,22 +657,8 @@ def test_a_sigterm_on_any_rank_stops_every_rank_within_two_sync_windows(tmp_path
     # the handler records the signal, the next window's meeting carries it (without waiting) and every rank stops
     # after the first batch of the window after, whichever rank received it (Lightning's own check hears rank 0
     # only). Ranks started as a user's script starts them.
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "fit.py"
-    script.write_text(_SIGTERM_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(script), str(tmp_path), str(signalled), str(overlap)]
-    # A session of its own: rank 1 is rank 0's child, and nothing may outlive the test.
-    process = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stops = [tmp_path / f"stop{rank}" for rank in range(2)]
-    try:
-        _, stderr = process.communicate(timeout=240)
-        deadline = time.monotonic() + 60  # rank 1 may write after rank 0 has exited
-        while not all(stop.exists() for stop in stops) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = _run_script(tmp_path, _SIGTERM_SCRIPT, [str(signalled), str(overlap)], stops)
     # SIGTERM at the end of step 3; windows open at steps 2, 6 and 10: the meeting started at step 6 carries it, and
     # every rank reads it at step 10 and stops after that batch (of 12).
     stopped = [stop.read_text() if stop.exists() else None for stop in stops]
