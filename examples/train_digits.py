@@ -5,6 +5,7 @@ Run:  python examples/train_digits.py [--hook fp16] [--devices 2] [--epochs 10] 
       python examples/train_digits.py --epochs 1 --stall-rank 1    # see the diagnosis find a straggler
       python examples/train_digits.py --epochs 1 --stall-rank 0 --stall-phase backward
       python examples/train_digits.py --local-sgd 16                 # DiLoCo: parameters synced every 16 steps
+      python examples/train_digits.py --local-sgd 16 --local-sgd-overlap 8 --local-sgd-compression int8
 """
 
 from __future__ import annotations
@@ -131,6 +132,12 @@ def main() -> None:
     parser.add_argument(
         "--local-sgd-overlap", type=int, default=0, metavar="TAU", help="steps a sync travels while training goes on"
     )
+    parser.add_argument(
+        "--local-sgd-compression",
+        choices=("fp32", "fp16", "bf16", "int8"),
+        default="fp16",
+        help="how the parameter change travels (default fp16, DiLoCo's)",
+    )
     args = parser.parse_args()
     bucket_cap = args.bucket_cap_mb if args.bucket_cap_mb == "auto" else float(args.bucket_cap_mb)
 
@@ -139,7 +146,10 @@ def main() -> None:
     local_sgd = None
     if args.local_sgd is not None:
         local_sgd = LocalSGDConfig.diloco(
-            args.local_sgd, warmup_steps=args.local_sgd_warmup, overlap_steps=args.local_sgd_overlap
+            args.local_sgd,
+            warmup_steps=args.local_sgd_warmup,
+            overlap_steps=args.local_sgd_overlap,
+            compression=args.local_sgd_compression,
         )
     hook = args.hook or ("allreduce" if local_sgd is not None else "fp16")
     strategy = OptimizedDDPStrategy(comm_hook=hook, bucket_cap_mb=bucket_cap, local_sgd=local_sgd)

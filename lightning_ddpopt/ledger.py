@@ -37,6 +37,8 @@ class BucketRecord:
             the hook does not report them (a user-supplied hook).
         start_s: when DDP handed the bucket to the hook (on a GPU: when the bucket's gradients were computed).
         end_s: when the hook's result was ready (on a GPU: when its collectives had finished on the device).
+        transfer_hidden: the bytes travelled while the ranks trained on (local SGD's overlapped sync): ``start_s`` to
+            ``end_s`` is what the step waited for them, not their transfer.
     """
 
     index: int
@@ -45,6 +47,7 @@ class BucketRecord:
     wire_bytes: int | None
     start_s: float
     end_s: float
+    transfer_hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class StepRecord:
         end_s: when the optimizer step was done.
         step_time_s: ``end_s`` minus the previous step's ``end_s``, data loading included; for the first step of a
             run or an epoch, ``end_s - start_s`` (the loader's start-up is not a step's cost). ``None`` when unknown.
+        transfer_hidden: some of the step's bytes travelled while the ranks trained on (see :class:`BucketRecord`):
+            ``sync_time_s`` is not their transfer time, so no bandwidth follows from it.
     """
 
     step: int
@@ -83,6 +88,7 @@ class StepRecord:
     start_s: float | None = None
     end_s: float | None = None
     step_time_s: float | None = None
+    transfer_hidden: bool = False
 
     @property
     def compression_ratio(self) -> float | None:
@@ -93,7 +99,7 @@ class StepRecord:
 
 
 class _OpenBucket:
-    __slots__ = ("index", "num_elements", "logical_bytes", "wire_bytes", "start", "end")
+    __slots__ = ("index", "num_elements", "logical_bytes", "wire_bytes", "start", "end", "hidden")
 
     def __init__(self, index: int, num_elements: int, logical_bytes: int, start: Mark) -> None:
         self.index = index
@@ -102,6 +108,7 @@ class _OpenBucket:
         self.wire_bytes: int | None = None
         self.start = start
         self.end: Mark | None = None
+        self.hidden = False
 
     def marks(self) -> tuple[Mark, ...]:
         return (self.start,) if self.end is None else (self.start, self.end)
@@ -109,7 +116,9 @@ class _OpenBucket:
     def freeze(self, seconds: dict[int, float]) -> BucketRecord:
         start = seconds[id(self.start)]
         end = seconds[id(self.end)] if self.end is not None else start
-        return BucketRecord(self.index, self.num_elements, self.logical_bytes, self.wire_bytes, start, end)
+        return BucketRecord(
+            self.index, self.num_elements, self.logical_bytes, self.wire_bytes, start, end, transfer_hidden=self.hidden
+        )
 
 
 @dataclass
@@ -199,10 +208,16 @@ class CommLedger:
                     return
         raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
 
-    def add_parameter_sync(self, num_elements: int, logical_bytes: int, wire_bytes: int, start: Mark) -> None:
-        """Record a sync of parameters (local SGD's averaging) as one round of one bucket, from ``start`` until now."""
+    def add_parameter_sync(
+        self, num_elements: int, logical_bytes: int, wire_bytes: int, start: Mark, transfer_hidden: bool = False
+    ) -> None:
+        """Record a sync of parameters (local SGD's averaging) as one round of one bucket, from ``start`` until now.
+
+        ``transfer_hidden``: the bytes travelled while the ranks trained on (an overlapped sync's arrival).
+        """
         entry = _OpenBucket(0, num_elements, logical_bytes, start)
         entry.wire_bytes = wire_bytes
+        entry.hidden = transfer_hidden
         entry.end = self.timeline.mark()
         with self._lock:
             self._rounds.append([entry])
@@ -310,6 +325,7 @@ class CommLedger:
             start_s=start,
             end_s=end,
             step_time_s=step_time,
+            transfer_hidden=any(b.transfer_hidden for b in buckets),
         )
         self.steps.append(record)
         self.total_steps += 1

@@ -133,13 +133,17 @@ class LocalSGDConfig:
 
 @dataclass(frozen=True)
 class ParameterSync:
-    """One parameter sync: what it sent and when (host seconds), for the ledger."""
+    """One parameter sync: what it sent and when (host seconds), for the ledger.
+
+    ``overlapped``: it travelled while the ranks trained on; ``start_s`` to ``end_s`` is its arrival only.
+    """
 
     num_elements: int
     logical_bytes: int
     wire_bytes: int
     start_s: float
     end_s: float
+    overlapped: bool = False
 
 
 @dataclass
@@ -303,6 +307,7 @@ class LocalSGD:
             wire_bytes=in_flight.wire_bytes + buffer_bytes,
             start_s=start,
             end_s=time.perf_counter(),
+            overlapped=True,
         )
 
     def finish(self) -> ParameterSync | None:

@@ -616,7 +616,9 @@ class OptimizedDDPStrategy(DDPStrategy):
         start = self.ledger.timeline.mark() if self.ledger is not None else None
         sync = self.local_sgd.after_optimizer_step(skipped)
         if sync is not None and self.ledger is not None and start is not None:
-            self.ledger.add_parameter_sync(sync.num_elements, sync.logical_bytes, sync.wire_bytes, start)
+            self.ledger.add_parameter_sync(
+                sync.num_elements, sync.logical_bytes, sync.wire_bytes, start, transfer_hidden=sync.overlapped
+            )
 
     def _restore_local_sgd(self) -> None:
         """Load the saved outer loop once both the checkpoint and this fit's local SGD loop exist.

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import AMPMonitor, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt.diagnosis import diagnose, summarize
+from lightning_ddpopt.units import format_bytes
 from lightning_ddpopt.localsgd import LocalSGD
 from tests.helpers import (
     ManualStackModel,
@@ -370,6 +372,42 @@ class _ValidatedStackModel(StackModel):
 
     def val_dataloader(self):
         return DataLoader(regression_data(32, seed=1), batch_size=8)
+
+
+class _Findings(pl.Callback):
+    """Saves rank 0's findings and the CommProfiler's last figures at the end of fit."""
+
+    def __init__(self, out: Path, profiler: CommProfiler) -> None:
+        self.out, self.profiler = out, profiler
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            findings = {f.area: f.evidence for f in diagnose(summarize(trainer))}
+            torch.save((findings, self.profiler.summary()), self.out / "findings.pt")
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_the_profiler_and_the_findings_report_local_sgd_as_it_is(tmp_path, overlap):
+    # H = 4, 12 steps, the profiler's interval 4 steps: one parameter sync per interval, none of the per-step gradient
+    # syncs a network or accumulation finding would otherwise miss. With overlap the step waits for no transfer: no
+    # bandwidth can be measured from it, and none is made up.
+    profiler = CommProfiler(every_n_steps=4, probe_link=True)
+    config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=overlap)
+    _fit(tmp_path, config, max_epochs=3, callbacks=[profiler, _Findings(tmp_path, profiler)])
+    findings, comm = torch.load(tmp_path / "findings.pt")
+    assert "nan" not in " ".join(findings.values())
+    # Syncs at steps 4, 8 and 12; overlapped, applied at 6 and 10, and step 12's after the last step.
+    per_step = "0.17" if overlap else "0.25"
+    assert findings["accumulation"] == (
+        f"local SGD: {per_step} syncs per optimizer step over 1.00 micro-batches (parameters every 4 steps after 0 "
+        "synchronous ones, 3 parameter syncs)"
+    )
+    assert comm["bytes_sent"] == pytest.approx(SENT["fp16"] / 4)  # one fp16 change per 4 steps
+    assert f"{format_bytes(SENT['fp16'] / 4)} sent per step" in findings["network"]
+    if overlap:
+        assert "busbw_gbps" not in comm and "bus bandwidth" not in findings["network"]
+    else:
+        assert comm["busbw_gbps"] > 0 and "bus bandwidth" in findings["network"]
 
 
 def test_validation_between_syncs_runs_and_the_ranks_still_meet(tmp_path):

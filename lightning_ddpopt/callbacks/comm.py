@@ -26,7 +26,7 @@ from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["CommProfiler"]
 
-_INTERVAL_FIELDS = ("step_time", "sync_time", "bytes_sent", "bytes_uncompressed", "sync_rounds")
+_INTERVAL_FIELDS = ("step_time", "sync_time", "bytes_sent", "bytes_uncompressed", "sync_rounds", "transfer_hidden")
 
 
 class CommProfiler(Callback):
@@ -50,7 +50,9 @@ class CommProfiler(Callback):
     ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression
     ``ddpopt/comm/bytes_uncompressed``    gradient bytes per step before compression
     ``ddpopt/comm/compression_ratio``     uncompressed / sent
-    ``ddpopt/comm/algbw_gbps``            bytes sent / transfer time (``sync_time_min_rank``), GB/s
+    ``ddpopt/comm/algbw_gbps``            bytes sent / transfer time (``sync_time_min_rank``), GB/s; not logged for
+                                          an interval with a transfer that ran while the ranks trained on (local
+                                          SGD's overlapped sync: the step waited for its arrival only)
     ``ddpopt/comm/busbw_gbps``            algbw x 2 (n - 1) / n: comparable with the link's rate
     ``ddpopt/comm/sync_rounds``           gradient syncs per optimizer step (1 with accumulation done right)
     ``ddpopt/comm/step_time_cv``          coefficient of variation of the step time over the last ``window``
@@ -194,6 +196,7 @@ class CommProfiler(Callback):
             self._interval["sync_time"].append(record.sync_time_s)
             self._interval["bytes_uncompressed"].append(float(record.logical_bytes))
             self._interval["sync_rounds"].append(float(record.sync_rounds))
+            self._interval["transfer_hidden"].append(float(record.transfer_hidden))
             if record.wire_bytes is not None:
                 self._interval["bytes_sent"].append(float(record.wire_bytes))
             self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
@@ -273,9 +276,11 @@ class CommProfiler(Callback):
                 out["bytes_sent"] = sent
                 out["compression_ratio"] = out["bytes_uncompressed"] / sent if sent else math.nan
                 transfer = out["sync_time_min_rank_ms"] / 1e3
-                algbw = sent / transfer / 1e9 if transfer else math.nan
-                out["algbw_gbps"] = algbw
-                out["busbw_gbps"] = bus_bandwidth(algbw, world_size)
+                # A transfer that ran while the ranks trained (local SGD's overlap) left only its arrival in the
+                # sync time: no bandwidth follows from that.
+                if sent and transfer and not mean("transfer_hidden"):
+                    out["algbw_gbps"] = sent / transfer / 1e9
+                    out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], world_size)
         for name, recent in (("step_time", self._step_times), ("sync_time", self._sync_times)):
             gathered = [v for v in self._gathered(name.split("_")[0], list(recent) or [math.nan]).tolist()]
             gathered = [v for v in gathered if not math.isnan(v)]
