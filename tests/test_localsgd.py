@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt.diagnosis import diagnose, summarize
-from lightning_ddpopt.units import format_bytes
 from lightning_ddpopt.localsgd import LocalSGD
+from lightning_ddpopt.units import format_bytes
 from tests.helpers import (
     ManualStackModel,
     OverflowModel,
