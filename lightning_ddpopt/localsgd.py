@@ -359,9 +359,8 @@ class LocalSGD:
         if outer_step:
             lr = config.outer_lr
             if config.outer_momentum:
-                if self.momentum is None:
-                    self.momentum = torch.zeros_like(self.anchor)
                 momentum = self.momentum
+                assert momentum is not None  # allocated with the anchor
                 torch.add(mean_delta, momentum, alpha=config.outer_momentum, out=momentum)
                 if config.nesterov:
                     step = torch.add(mean_delta, momentum, alpha=config.outer_momentum, out=mean_delta)
@@ -370,7 +369,7 @@ class LocalSGD:
         self.anchor.sub_(step, alpha=lr)
 
     def _wire_buffer(self) -> torch.Tensor:
-        """The parameter-sized buffer a half-precision sync travels in, kept between syncs."""
+        """The parameter-sized buffer a sync travels in (half precision, or fp32 overlapped), kept between syncs."""
         assert self.anchor is not None
         dtype = _WIRE_DTYPES[self.config.compression]
         if self._wire is None or self._wire.device != self.anchor.device:
@@ -391,8 +390,9 @@ class LocalSGD:
             self._packed = torch.zeros(1, size, dtype=torch.int8, device=device)
         gathered = self._gathered
         if gathered is None or gathered.device != device:
-            gathered = torch.zeros(self.world_size * size, dtype=torch.int8, device=device)
             keep = device.type == "cpu" or bool(self.config.overlap_steps)
+            # Written once when kept, so its pages are mapped before the first sync (see _allocate).
+            gathered = (torch.zeros if keep else torch.empty)(self.world_size * size, dtype=torch.int8, device=device)
             self._gathered = gathered if keep else None
         return self._packed, gathered
 

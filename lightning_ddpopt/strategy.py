@@ -304,11 +304,8 @@ class OptimizedDDPStrategy(DDPStrategy):
             group = model.process_group
             if self._local_sgd_config.overlap_steps:
                 # The change travels while training goes on: on a group of its own, so that what training issues
-                # meanwhile (Lightning's broadcast before every batch) does not queue behind it.
-                ranks = torch.distributed.get_process_group_ranks(model.process_group)
-                backend = self._get_process_group_backend()
-                group = torch.distributed.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
-                self._local_sgd_group = group
+                # meanwhile (the SIGTERM meeting, validation's collectives) does not queue behind it.
+                group = self._local_sgd_group = self._group_of_own(model)
             self.local_sgd = LocalSGD(self._local_sgd_config, model.module, group)
             self._restore_local_sgd()
         self._log_plan(backend)
@@ -485,18 +482,16 @@ class OptimizedDDPStrategy(DDPStrategy):
                 self.comm_state.process_group = None
                 if isinstance(self.comm_state, Int8State):
                     self.comm_state.exchange_group = None
-                group, self._hook_group = self._hook_group, None
-                if group is not None and torch.distributed.is_initialized():
-                    torch.distributed.destroy_process_group(group)
+                _destroy_group(self._hook_group)
+                self._hook_group = None
             else:
                 rank_zero_warn(
                     f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
                 )
-        group, self._local_sgd_group = self._local_sgd_group, None
         if self.local_sgd is not None:
             self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it
-        if group is not None and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group(group)
+        _destroy_group(self._local_sgd_group)
+        self._local_sgd_group = None
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None
@@ -578,6 +573,13 @@ class OptimizedDDPStrategy(DDPStrategy):
         self.bucket_plan = dataclasses.replace(replanned, requested=self.bucket_plan.requested)
         self.bucket_layout = None
         self._layout_due_step = (self.ledger.closed_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
+
+    def _group_of_own(self, model: DistributedDataParallel) -> torch.distributed.ProcessGroup:
+        """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""
+        ranks = torch.distributed.get_process_group_ranks(model.process_group)
+        return torch.distributed.new_group(
+            ranks=ranks, backend=self._get_process_group_backend(), timeout=self._timeout
+        )
 
     def _sigterm_checks_at_syncs(self, trainer: pl.Trainer) -> None:
         """Between local SGD's syncs the ranks do not wait for each other: the SIGTERM check once a window, in passing.
@@ -726,9 +728,7 @@ class OptimizedDDPStrategy(DDPStrategy):
                 # PowerSGD's chains run on a worker thread beside the backward pass, in a group of their own: the
                 # backward pass may issue collectives on the model's group meanwhile (DDP's unused-parameter map
                 # with find_unused_parameters=True, a loss's all_gather), which must not interleave with them.
-                ranks = torch.distributed.get_process_group_ranks(model.process_group)
-                group = torch.distributed.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
-                self.comm_state.process_group = self._hook_group = group
+                self.comm_state.process_group = self._hook_group = self._group_of_own(model)
                 self.comm_state.pipelined = True
                 # The decompression must give the same bits on every rank: computed the same way everywhere, the
                 # way the least able rank can ("blas" with more threads somewhere, else "blocked" without numba).
@@ -739,9 +739,7 @@ class OptimizedDDPStrategy(DDPStrategy):
             elif isinstance(self.comm_state, Int8State) and self.root_device.type == "cpu":
                 # int8's stages travel point to point, driven by worker threads beside the backward pass: on a
                 # group of their own, which nothing else uses meanwhile.
-                ranks = torch.distributed.get_process_group_ranks(model.process_group)
-                group = torch.distributed.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
-                self.comm_state.exchange_group = self._hook_group = group
+                self.comm_state.exchange_group = self._hook_group = self._group_of_own(model)
             return self._hook_spec.hook
         hook: Callable | None = self._hook_callable
         self.comm_state = self._comm_state_arg
@@ -901,6 +899,12 @@ def _to_cpu(state: Any) -> Any:
 
 
 _EXIT_HANDLER_REGISTERED = False
+
+
+def _destroy_group(group: torch.distributed.ProcessGroup | None) -> None:
+    """Destroy a group of our own, if there is one and the default group still exists."""
+    if group is not None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group(group)
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -70,6 +70,12 @@ def _fit(tmp_path: Path, config: LocalSGDConfig, devices: int = 2, model=None, *
     return [torch.load(tmp_path / f"local{rank}.pt") for rank in range(devices)]
 
 
+def _fit_12_steps(tmp_path: Path, config: LocalSGDConfig, devices: int) -> list[dict]:
+    """12 optimizer steps on ``devices`` ranks: 64 samples, batch 8, so 8 / devices steps per epoch."""
+    steps_per_epoch = math.ceil(64 / 8 / devices)
+    return _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
+
+
 # Bytes one rank sends per sync: fp16, 2 per parameter; int8, a byte per parameter padded to whole 1024-value
 # blocks, plus an fp32 scale per block. The model has no buffers.
 BLOCKS = math.ceil(PARAMETERS / 1024)
@@ -81,8 +87,7 @@ SENT = {"fp16": PARAMETERS * 2, "int8": BLOCKS * 1024 + BLOCKS * 4}
 def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices, compression):
     # 64 samples, batch 8: 8 / devices steps per epoch; 12 steps with warm-up 2 and H = 5: syncs at steps 7, 12.
     config = LocalSGDConfig.diloco(sync_every=5, warmup_steps=2, compression=compression)
-    steps_per_epoch = math.ceil(64 / 8 / devices)
-    ranks = _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
+    ranks = _fit_12_steps(tmp_path, config, devices)
     syncs = {7, 12}
     for step in range(1, 13):
         same = all(torch.equal(ranks[0]["params"][step - 1], other["params"][step - 1]) for other in ranks[1:])
@@ -509,8 +514,7 @@ def test_overlap_needs_fewer_steps_than_a_window():
 def test_overlapped_syncs_in_a_lightning_run(tmp_path, devices, compression):
     # H = 4, tau = 2, no warm-up, 12 steps: started at 4, 8, 12; applied at 6 and 10 and, at the end, 12's.
     config = LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression=compression)
-    steps_per_epoch = math.ceil(64 / 8 / devices)
-    ranks = _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
+    ranks = _fit_12_steps(tmp_path, config, devices)
     for record in ranks:
         rounds = [rounds for rounds, _, _ in record["steps"]]
         assert rounds == [1 if step in (6, 10) else 0 for step in range(1, 13)]
@@ -552,13 +556,14 @@ def test_resume_with_a_sync_in_flight_applies_it(tmp_path, compression):
         torch.testing.assert_close(again["final"], resumed[0]["final"], rtol=0, atol=0)
 
 
-def test_overlapped_syncs_under_fp16_amp_with_an_overflow_on_rank_0(tmp_path):
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
+def test_overlapped_syncs_under_fp16_amp_with_an_overflow_on_rank_0(tmp_path, compression):
     # H = 4, tau = 2, two epochs of 4 steps; rank 0 overflows at the second step of each epoch: only its scaler
     # skips; both ranks start syncs at 4 and 8 and apply them at 6 and at the end, with the same anchor.
     monitor = AMPMonitor()
     ranks = _fit(
         tmp_path,
-        LocalSGDConfig.diloco(sync_every=4, overlap_steps=2),
+        LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, compression=compression),
         model=OverflowModel(overflow_at=(2,), ranks=(0,)),
         max_epochs=2,
         plugins=[fp16_mixed_precision("cpu")],
@@ -626,14 +631,14 @@ def test_ranks_meet_only_at_syncs_not_before_every_batch(tmp_path, monkeypatch, 
 
 
 class _LateAfterLaunch(pl.Callback):
-    """Rank 1 sleeps once it has launched an overlapped sync; every rank notes when it ended which step."""
+    """One rank sleeps once it has launched an overlapped sync; every rank notes when it ended which step."""
 
-    def __init__(self, out: Path, sleep_after_step: int, seconds: float) -> None:
-        self.out, self.sleep_after_step, self.seconds = out, sleep_after_step, seconds
+    def __init__(self, out: Path, late_rank: int, sleep_after_step: int, seconds: float) -> None:
+        self.out, self.late_rank, self.sleep_after_step, self.seconds = out, late_rank, sleep_after_step, seconds
         self.ended: dict[int, float] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        if trainer.global_rank == 1 and trainer.global_step == self.sleep_after_step:
+        if trainer.global_rank == self.late_rank and trainer.global_step == self.sleep_after_step:
             time.sleep(self.seconds)
         self.ended[trainer.global_step] = time.time()
 
@@ -641,16 +646,18 @@ class _LateAfterLaunch(pl.Callback):
         torch.save(self.ended, self.out / f"ended{trainer.global_rank}.pt")
 
 
-def test_the_window_meeting_does_not_wait_for_a_late_rank(tmp_path):
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_the_window_meeting_does_not_wait_for_a_late_rank(tmp_path, late_rank):
     # H = 4, warm-up 2, tau = 2: a sync launched at the end of step 6 arrives at the end of step 8, and a window's
-    # meeting opens step 7. Rank 1 sleeps 3 s after launching; rank 0 passes the meeting (a barrier in Lightning's
-    # check and in this package's before it met in passing) and ends step 7 while rank 1 sleeps (rank 1's part of the
-    # sync travels meanwhile). The ranks still end as one model.
+    # meeting opens step 7. The late rank sleeps 3 s after launching; the other passes the meeting (a barrier in
+    # Lightning's check and in this package's before it met in passing) and ends step 7 while the late one sleeps
+    # (its part of the sync travels meanwhile). The ranks still end as one model.
     config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=2)
-    late = _LateAfterLaunch(tmp_path, sleep_after_step=6, seconds=3.0)
+    late = _LateAfterLaunch(tmp_path, late_rank, sleep_after_step=6, seconds=3.0)
     ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[late])  # 12 steps
     ended = [torch.load(tmp_path / f"ended{rank}.pt") for rank in range(2)]
-    assert ended[0][7] < ended[1][6], "rank 0 waited for the late rank at the window's meeting"
+    other = 1 - late_rank
+    assert ended[other][7] < ended[late_rank][6], f"rank {other} waited for the late rank at the window's meeting"
     torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
 
 
