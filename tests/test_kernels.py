@@ -109,3 +109,36 @@ def test_the_strategy_agrees_one_path_across_ranks(tmp_path):
     ranks = fit_ddp(tmp_path, strategy, callbacks=[WithoutNumbaOnRank1()], max_steps=4)
     assert {torch.load(tmp_path / f"path{rank}.pt") for rank in (0, 1)} == {"blocked"}
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+def test_numba_loops_run_whatever_the_thread_count_with_the_same_bits_on_every_rank(tmp_path):
+    """Lightning gives each rank cores / local ranks torch threads; the loops must not switch off with more than one.
+    Rank 0 runs two threads and rank 1 one: PowerSGD still agrees on numba's loops and int8 still takes them, and the
+    ranks end with identical parameters."""
+    import lightning.pytorch as pl
+
+    class Threads(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            torch.set_num_threads(2 if trainer.global_rank == 0 else 1)
+            self.loop_calls = 0
+            quantize = kernels.quantize_parameter
+
+            # int8's fused quantisation, counted (a forked rank's module: the parent keeps its own)
+            def counted(*args, **kwargs):
+                self.loop_calls += 1
+                return quantize(*args, **kwargs)
+
+            kernels.quantize_parameter = counted
+
+        def on_train_end(self, trainer, pl_module):
+            state = trainer.strategy.comm_state
+            path = state.kernels() if hasattr(state, "kernels") else self.loop_calls > 0
+            torch.save((torch.get_num_threads(), path), tmp_path / f"path{trainer.global_rank}.pt")
+
+    for hook in ("powersgd", "int8"):
+        strategy = OptimizedDDPStrategy(comm_hook=hook, start_method="fork")
+        ranks = fit_ddp(tmp_path / hook, strategy, callbacks=[Threads()], max_steps=4)
+        seen = [torch.load(tmp_path / f"path{rank}.pt") for rank in (0, 1)]
+        assert [threads for threads, _ in seen] == [2, 1]
+        assert {path for _, path in seen} == ({"numba"} if hook == "powersgd" else {True})
+        torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)

@@ -26,6 +26,8 @@ from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["CommProfiler"]
 
+#: A figure a rank does not have, while it travels through the gather (NaN before and after).
+_MISSING = -1.0
 _INTERVAL_FIELDS = ("step_time", "sync_time", "bytes_sent", "bytes_uncompressed", "sync_rounds", "transfer_hidden")
 
 
@@ -125,8 +127,10 @@ class CommProfiler(Callback):
             return
         device = pl_module.device
         # torchmetrics gathers every rank's values when computed: once per aggregation, never per step.
-        # NaN marks a figure a rank does not have (no ledger, no resolved step yet): kept, so rows keep their shape.
-        self._gather = {name: CatMetric(nan_strategy="disable").to(device) for name in ("per_rank", "step", "sync")}
+        # NaN marks a figure a rank does not have (no ledger, no resolved step yet). It must be kept, so that rows
+        # keep their shape: the metric carries it as a negative value (every figure here is >= 0), which every
+        # torchmetrics release supports, and `_gathered` turns it back into NaN.
+        self._gather = {name: CatMetric(nan_strategy=_MISSING).to(device) for name in ("per_rank", "step", "sync")}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -296,7 +300,7 @@ class CommProfiler(Callback):
         metric.update(torch.tensor(values, dtype=torch.float64, device=metric.device))
         result = metric.compute().flatten().double().cpu()
         metric.reset()
-        return result
+        return result.masked_fill(result < 0, math.nan)
 
     def _probe(self, device: torch.device, world_size: int) -> float:
         tensor = torch.ones(int(self.probe_mb * 1024 * 1024 / 4), dtype=torch.float32, device=device)

@@ -144,13 +144,16 @@ class StragglerDetector(Callback):
         self._step_batches: list[_Batch] = []
         self._unresolved: deque[list[_Batch]] = deque()  # host-closed steps, oldest first
         self._records: deque[StepRecord] = deque()  # ledger records not yet matched with their batches
-        # data, compute, wait, optimizer (seconds), resolved steps
-        self._totals = torch.zeros(len(PHASES) + 1, dtype=torch.float64)
+        # data, compute, wait, optimizer (seconds), resolved steps; made in `setup`, in the rank that writes it
+        self._totals: torch.Tensor | None = None
         self._steps_in_window = 0
         self._undecided = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Per-rank state is born in the rank: a tensor made in `__init__` is pickled into every rank that `spawn`
+        # starts, and torch moves its storage to shared memory, so all ranks would add into one tensor.
+        self._totals = torch.zeros(len(PHASES) + 1, dtype=torch.float64)
         self._active = trainer.world_size > 1
         if not self._active:
             self.no_verdict = "one process: no other rank to compare with"
@@ -281,11 +284,13 @@ class StragglerDetector(Callback):
                 data, gap_wait, busy, optimizer = data + t[0], gap_wait + t[1], busy + t[2], optimizer + t[3]
             sync = self._records.popleft().sync_time_s if self._cursor.ledger is not None else 0.0
             step = [data, max(busy - sync, 0.0), sync + gap_wait, optimizer, 1.0]
+            assert self._totals is not None  # made in setup
             self._totals += torch.tensor(step, dtype=torch.float64)
 
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
         # (world, phases + 1): every rank's sums over the steps it has resolved so far.
         # torch's own collective: the strategy's all_gather goes through a deprecated autograd-aware one that warns.
+        assert self._totals is not None  # made in setup
         local = self._totals.to(pl_module.device)
         gathered = [torch.empty_like(local) for _ in range(trainer.world_size)]
         torch.distributed.all_gather(gathered, local)

@@ -12,9 +12,11 @@ the new error ``M - P local_Q^T``, ``P Q^T``    28-40 ms       18-21 ms
 ==============================================  =============  ================
 
 Each loop takes a row of ``M`` (four rows for ``M^T P``) once, while it is in the L1 cache, and does all of its pass's
-arithmetic on it. They are used for row-major fp32 CPU matrices when every rank runs one torch thread and has numba
-(the strategy agrees it across ranks: the decompressed gradient must be the same bits everywhere); otherwise torch's
-kernels run. Their sums run in another order than BLAS's, so results agree with torch's to fp32 rounding.
+arithmetic on it. They are used for row-major fp32 CPU matrices when every rank has numba (the strategy agrees it
+across ranks: the decompressed gradient must be the same bits everywhere), whatever torch's thread count: a loop runs
+on the thread that calls it, and each row's arithmetic, so its bits, does not depend on how many threads there are.
+Without numba torch's kernels run. Their sums run in another order than BLAS's, so results agree with torch's to
+fp32 rounding.
 
 Install numba with the ``cpu-kernels`` extra: ``pip install 'lightning-ddpopt[cpu-kernels]'``.
 """

@@ -24,9 +24,9 @@ bit-exact, although DDP's buckets in the first step after it differ from the reb
 A block holding an inf or NaN gets a non-finite scale, so it comes back non-finite on every rank and the GradScaler
 skips the step everywhere; that round's errors are never committed (see :mod:`lightning_ddpopt.hooks.feedback`).
 
-On one CPU thread with numba installed, each stage (quantise with error feedback, sum and re-quantise, dequantise)
-runs as one fused pass (:mod:`lightning_ddpopt.hooks._kernels`), with the same arithmetic in the same order as the
-torch path below: the same bytes on the wire for every finite block.
+On the CPU with numba installed, each stage (quantise with error feedback, sum and re-quantise, dequantise) runs as
+one fused pass (:mod:`lightning_ddpopt.hooks._kernels`) whatever torch's thread count, with the same arithmetic in
+the same order as the torch path below: the same bytes on the wire for every finite block.
 
 Ordering and overlap:
 
@@ -234,8 +234,9 @@ class _BucketSync:
             devices=[self.buffer.device] if self.buffer.is_cuda else None
         )
         names, self.gradients = state.names_in(bucket), bucket.gradients()
-        # numba's loops on one CPU thread (the same bytes as the torch path, in one pass instead of about ten).
-        self.loops = _kernels.available() and torch.get_num_threads() == 1 and _kernels.fits(self.buffer.view(1, -1))
+        # numba's loops (the same bytes as the torch path, in one pass instead of about ten), whatever torch's
+        # thread count: blocks are independent and sums over ranks keep rank order.
+        self.loops = _kernels.available() and _kernels.fits(self.buffer.view(1, -1))
         if config.error_feedback and not self.loops:
             state.add_error_feedback(round_, names, self.gradients)
         block = self.block = config.block_size
@@ -417,8 +418,8 @@ def packed_size(numel: int, block: int) -> int:
 def quantize_packed(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``blocks`` (fp32 rows of one block each) as one packed row: the int8 payloads, then the fp32 scales as bytes.
 
-    Through numba's loop on one CPU thread, else torch's kernels: the same bytes. ``out``: a (1, packed size) int8
-    row to write into (see :func:`packed_size`), else a new one.
+    Through numba's loop where numba is installed, else torch's kernels: the same bytes. ``out``: a (1, packed size)
+    int8 row to write into (see :func:`packed_size`), else a new one.
     """
     rows, block = blocks.shape
     size = packed_size(blocks.numel(), block)
@@ -452,7 +453,7 @@ def average_packed(gathered: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _loops_fit(blocks: torch.Tensor) -> bool:
-    return _kernels.available() and torch.get_num_threads() == 1 and _kernels.fits(blocks)
+    return _kernels.available() and _kernels.fits(blocks)
 
 
 def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,8 +156,8 @@ class PowerSGDState(ErrorFeedbackState):
         A state built by hand with ``cpu_kernels=None`` decides per rank: give its ranks the same thread count and
         packages. The decompression's result must be the same bits on every rank, so every rank must compute it the
         same way:
-        ``"numba"`` (:mod:`~lightning_ddpopt.hooks._kernels`) where every rank runs one torch thread and has numba,
-        ``"blocked"`` with one thread and no numba somewhere, ``"blas"`` (whole-matrix kernels) with more threads.
+        ``"numba"`` (:mod:`~lightning_ddpopt.hooks._kernels`) where every rank has numba, else ``"blocked"`` where
+        every rank runs one torch thread, else ``"blas"`` (whole-matrix kernels).
         """
         return self.cpu_kernels if self.cpu_kernels is not None else local_cpu_kernels()
 
@@ -221,10 +221,14 @@ class PowerSGDState(ErrorFeedbackState):
 
 
 def local_cpu_kernels() -> CPUKernels:
-    """This process's choice for :meth:`PowerSGDState.kernels`, before agreeing it with the other ranks."""
-    if torch.get_num_threads() > 1:
-        return "blas"
-    return "numba" if _kernels.available() else "blocked"
+    """This process's choice for :meth:`PowerSGDState.kernels`, before agreeing it with the other ranks.
+
+    numba's loops whatever torch's thread count: each row's arithmetic is the same on any number of threads.
+    Without numba, row blocks on one thread and whole-matrix BLAS (which splits its sums by thread) on more.
+    """
+    if _kernels.available():
+        return "numba"
+    return "blas" if torch.get_num_threads() > 1 else "blocked"
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

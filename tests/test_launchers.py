@@ -1,0 +1,148 @@
+"""Every way users start the ranks: a script (Lightning's subprocess launcher), spawn, fork, torchrun, and a
+cluster launcher that starts each "node" itself. The same training script (tests/launcher_worker.py) runs the full
+callback set with a slow rank, the int8 and PowerSGD hooks, a save and resume, and local SGD under each."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.launcher_worker import SLOW_MS
+
+ROOT = Path(__file__).resolve().parents[1]
+FITS = ("callbacks", "int8", "powersgd", "powersgd_first", "powersgd_resumed", "localsgd")
+#: launcher -> the rank made slow (rank 0 as well as another) and the cluster environment Lightning should detect.
+LAUNCHERS = {
+    "script": (0, "LightningEnvironment"),
+    "spawn": (1, "LightningEnvironment"),
+    "fork": (0, "LightningEnvironment"),
+    "torchrun": (1, "TorchElasticEnvironment"),
+    "nodes": (0, "LightningEnvironment"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(launcher: str, out: Path, slow_rank: int) -> list[subprocess.Popen]:
+    """Start the worker as ``launcher`` starts it; each process in a session of its own, killed after the test."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK"):
+        env.pop(name, None)
+    worker = ["-m", "tests.launcher_worker", launcher, str(out), str(slow_rank)]
+    if launcher == "torchrun":
+        commands = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *worker]]
+        envs = [env]
+    elif launcher == "nodes":
+        port = str(_free_port())
+        commands = [[sys.executable, *worker] for _ in range(2)]
+        envs = [
+            {
+                **env,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "NODE_RANK": str(node),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+            }
+            for node in range(2)
+        ]
+    else:
+        commands = [[sys.executable, *worker]]
+        envs = [env]
+    return [
+        subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=process_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for command, process_env in zip(commands, envs, strict=True)
+    ]
+
+
+def _run(launcher: str, out: Path, slow_rank: int, timeout: float = 240) -> str:
+    processes = _start(launcher, out, slow_rank)
+    output = ""
+    try:
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            text, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1))
+            output += text
+            assert process.returncode == 0, f"{launcher}: exit {process.returncode}\n{output[-4000:]}"
+        # A rank started by Lightning's script launcher may still be writing after rank 0 has exited.
+        done = [out / f"done_rank{rank}" for rank in (range(1) if launcher in ("spawn", "fork") else range(2))]
+        while not all(path.exists() for path in done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(path.exists() for path in done), output[-4000:]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    return output
+
+
+def _records(out: Path, fit: str) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{fit}_rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_every_launcher(tmp_path, launcher):
+    slow_rank, environment = LAUNCHERS[launcher]
+    output = _run(launcher, tmp_path, slow_rank)
+    records = {fit: _records(tmp_path, fit) for fit in FITS}
+
+    for fit, ranks in records.items():
+        # Two distinct processes, ranks 0 and 1 of a world of 2, as the launcher set them up.
+        assert [r["global_rank"] for r in ranks] == [0, 1], fit
+        assert len({r["pid"] for r in ranks}) == 2, fit
+        assert {r["world_size"] for r in ranks} == {2}, fit
+        assert {r["environment"] for r in ranks} == {environment}, fit
+        if launcher == "nodes":
+            assert [(r["node_rank"], r["local_rank"]) for r in ranks] == [(0, 0), (1, 0)]
+        else:
+            assert [(r["node_rank"], r["local_rank"]) for r in ranks] == [(0, 0), (0, 1)]
+        # Nothing a rank writes is shared with the other rank (spawn pickles CPU tensors into shared memory).
+        assert ranks[0]["shared"] == [] and ranks[1]["shared"] == [], (fit, ranks[0]["shared"], ranks[1]["shared"])
+        # Data parallel: the ranks end with the same parameters.
+        torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0, msg=fit)
+
+    # The slow rank is named, in the phase where it is slow, from its own figures (not a mean of the ranks').
+    stragglers = [r["StragglerDetector"] for r in records["callbacks"]]
+    assert stragglers[0] == stragglers[1]
+    last = stragglers[0]["last"]
+    assert last is not None, stragglers[0]
+    assert last["slowest_rank"] == slow_rank and last["is_straggler"] and last["phase"] == "compute", last
+    compute = [last["per_rank_ms"][str(rank)]["compute"] for rank in range(2)]
+    assert compute[slow_rank] > compute[1 - slow_rank] + 0.7 * SLOW_MS, last
+    assert f"rank {slow_rank} is a straggler" in output
+    comm = records["callbacks"][0]["comm_metrics"]
+    assert comm["bytes_sent"] > 0 and comm["step_time_ms"] > 0, comm
+    assert records["callbacks"][0]["AMPMonitor"]["steps"] == 12
+
+    assert {r["comm_hook_name"] for r in records["int8"]} == {"int8"}
+    # PowerSGD resumed from the first epoch's checkpoint ends where the uninterrupted run ends, bit for bit, its
+    # state (error feedback, Q memories, iteration) restored on each rank.
+    for straight, resumed in zip(records["powersgd"], records["powersgd_resumed"], strict=True):
+        assert resumed["hook_iteration"] == straight["hook_iteration"] == 8
+        torch.testing.assert_close(resumed["params"], straight["params"], rtol=0, atol=0)
+    # Local SGD: 6 steps, a sync every 2: the ranks share the anchor they averaged last.
+    localsgd = records["localsgd"]
+    assert [r["local_sgd_syncs"] for r in localsgd] == [3, 3]
+    torch.testing.assert_close(localsgd[0]["anchor"], localsgd[1]["anchor"], rtol=0, atol=0)
