@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CoreBinding", "available_cores", "plan_core_sets", "validate_cpu_affinity"]
+__all__ = ["CoreBinding", "available_cores", "plan_core_sets", "plan_given_cores", "validate_cpu_affinity"]
 
 CpuAffinity = bool | Sequence[Sequence[int]]
 
@@ -74,19 +74,55 @@ def plan_core_sets(cores: Sequence[int], local_world_size: int) -> list[list[int
     return sets
 
 
+def plan_given_cores(given: Sequence[Sequence[int]]) -> tuple[list[list[int]], str]:
+    """Each local rank's cores for ``cpu_affinity=True``, from the cores each was given (in local-rank order).
+
+    Ranks that were all given the same cores (started by Lightning, or by a launcher that does not bind) split them
+    evenly; ranks a launcher or cgroup gave cores of their own (``srun --cpu-bind``, a container per rank) keep
+    them. No rank is ever given a core it could not use. Returns the sets and a sentence saying which it was.
+
+    Raises:
+        ValueError: when ranks given the same cores are more than those cores.
+    """
+    sets = [sorted(cores) for cores in given]
+    if len(sets) == 1:
+        return sets, f"one local rank, given cores {sets[0]}: kept"
+    if all(cores == sets[0] for cores in sets):
+        return plan_core_sets(sets[0], len(sets)), f"the local ranks were given the same cores {sets[0]}: split"
+    overlap = any(set(a) & set(b) for i, a in enumerate(sets) for b in sets[i + 1 :])
+    note = ", some of them shared (each rank stays within its own)" if overlap else ""
+    return sets, f"the launcher gave each local rank cores of its own{note}: kept"
+
+
 @dataclass
 class CoreBinding:
-    """Pins this process to ``cores`` and sets torch's intra-op threads to match; :meth:`release` undoes both."""
+    """Pins every thread of this process to ``cores`` and sets torch's intra-op threads to match.
+
+    Every thread: the process group's and torch's threads may be running already. :meth:`release` undoes both.
+    """
 
     cores: list[int]
 
     def __post_init__(self) -> None:
         self._previous_cores = os.sched_getaffinity(0)
         self._previous_threads = torch.get_num_threads()
-        os.sched_setaffinity(0, self.cores)
+        _pin_every_thread(self.cores)
         torch.set_num_threads(len(self.cores))
 
     def release(self) -> None:
         """Restore the affinity and thread count this process had before."""
-        os.sched_setaffinity(0, self._previous_cores)
+        _pin_every_thread(self._previous_cores)
         torch.set_num_threads(self._previous_threads)
+
+
+def _pin_every_thread(cores: Collection[int]) -> None:
+    """``sched_setaffinity`` for each thread of this process (a call with pid 0 pins the calling thread only)."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread, and the threads it starts from now on
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass

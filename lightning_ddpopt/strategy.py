@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
 import secrets
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -29,10 +27,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddpopt._compat import check_lightning_version
+from lightning_ddpopt._groups import destroy_group, destroy_process_group_at_exit, group_like
 from lightning_ddpopt._sigterm import SigtermAtSyncs
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_step
-from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, validate_cpu_affinity
+from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_given_cores, validate_cpu_affinity
 from lightning_ddpopt.buckets import (
     BucketAutotuner,
     BucketPlan,
@@ -219,16 +218,15 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Bind before the process group starts its threads, so they inherit the binding.
-        self._bind_cores()
         super().setup_environment()
+        self._bind_cores()
         # CUDA events on a GPU (host clocks would time kernel queueing), host clocks on CPU.
         self.ledger = CommLedger(timeline=timeline_for(self.root_device))
 
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        _destroy_process_group_at_exit()
+        destroy_process_group_at_exit()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -482,7 +480,8 @@ class OptimizedDDPStrategy(DDPStrategy):
                 self.comm_state.process_group = None
                 if isinstance(self.comm_state, Int8State):
                     self.comm_state.exchange_group = None
-                _destroy_group(self._hook_group)
+                if self._hook_group is not None:
+                    destroy_group(self._hook_group)
                 self._hook_group = None
             else:
                 rank_zero_warn(
@@ -490,7 +489,8 @@ class OptimizedDDPStrategy(DDPStrategy):
                 )
         if self.local_sgd is not None:
             self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it
-        _destroy_group(self._local_sgd_group)
+        if self._local_sgd_group is not None:
+            destroy_group(self._local_sgd_group)
         self._local_sgd_group = None
         if self.core_binding is not None:
             self.core_binding.release()
@@ -576,10 +576,7 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     def _group_of_own(self, model: DistributedDataParallel) -> torch.distributed.ProcessGroup:
         """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""
-        ranks = torch.distributed.get_process_group_ranks(model.process_group)
-        return torch.distributed.new_group(
-            ranks=ranks, backend=self._get_process_group_backend(), timeout=self._timeout
-        )
+        return group_like(model.process_group, self._get_process_group_backend(), self._timeout)
 
     def _sigterm_checks_at_syncs(self, trainer: pl.Trainer) -> None:
         """Between local SGD's syncs the ranks do not wait for each other: the SIGTERM check once a window, in passing.
@@ -683,13 +680,19 @@ class OptimizedDDPStrategy(DDPStrategy):
         return self.bucket_plan.cap_mb
 
     def _bind_cores(self) -> None:
+        """Pin this rank to its cores (every thread of it, the process group's too) once the ranks can talk.
+
+        ``cpu_affinity=True`` plans from the cores each local rank was given (``os.sched_getaffinity``): gathered
+        from the ranks, so that ranks a launcher bound keep their cores and ranks given the same cores split them.
+        """
         if self._cpu_affinity is False:
             return
         local_world_size = self.num_processes
         if self._cpu_affinity is True:
-            core_sets = plan_core_sets(available_cores(), local_world_size)
+            given = self._local_ranks_cores(available_cores())
+            core_sets, how = plan_given_cores(given)
         else:
-            core_sets = [list(cores) for cores in self._cpu_affinity]
+            core_sets, how = [list(cores) for cores in self._cpu_affinity], "as given"
             if len(core_sets) != local_world_size:
                 raise ValueError(
                     f"cpu_affinity gives {len(core_sets)} core sets but there are {local_world_size} local ranks; "
@@ -697,9 +700,18 @@ class OptimizedDDPStrategy(DDPStrategy):
                 )
         self.core_binding = CoreBinding(core_sets[self.local_rank])
         rank_zero_info(
-            f"ddpopt: cores per local rank {core_sets}, torch threads "
-            f"{[len(cores) for cores in core_sets]} (cpu_affinity={self._cpu_affinity})"
+            f"ddpopt: cores per local rank {core_sets}, torch threads {[len(cores) for cores in core_sets]} "
+            f"(cpu_affinity={self._cpu_affinity}: {how})"
         )
+
+    def _local_ranks_cores(self, own: list[int]) -> list[list[int]]:
+        """The cores each rank on this node was given, in local-rank order (one all-gather at setup)."""
+        if not torch.distributed.is_initialized() or self.world_size == 1:
+            return [own]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, (self.node_rank, self.local_rank, own))
+        on_this_node = sorted((local, cores) for node, local, cores in gathered if node == self.node_rank)
+        return [cores for _, cores in on_this_node]
 
     def _build_hook(self, model: DistributedDataParallel, backend: str) -> CommHook | None:
         if self._auto_hook and self._hook_spec is None:
@@ -896,35 +908,3 @@ class _FinalAverage(pl.Callback):
 
 def _to_cpu(state: Any) -> Any:
     return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.detach().cpu())
-
-
-_EXIT_HANDLER_REGISTERED = False
-
-
-def _destroy_group(group: torch.distributed.ProcessGroup | None) -> None:
-    """Destroy a group of our own, if there is one and the default group still exists."""
-    if group is not None and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group(group)
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the default process group at exit, while the interpreter still runs (once per process).
-
-    Lightning does this for NCCL only. A gloo group left to interpreter shutdown is destroyed there, and its worker
-    threads may still have Python callbacks of our comm hooks' futures to run or release; a thread that asks for the
-    GIL during shutdown is ended by Python mid-way and the process aborts ("terminate called without an active
-    exception", about 1 in 80 loaded runs). Destroyed from ``atexit``, the group's threads finish and are joined
-    first, provided nothing else still holds the group (the strategy's own references are gone after teardown; a
-    user's ``comm_state`` with an explicit group, or a DDP module kept alive, would keep it to shutdown).
-    """
-    global _EXIT_HANDLER_REGISTERED
-    if not _EXIT_HANDLER_REGISTERED:
-        atexit.register(_destroy_process_group)
-        _EXIT_HANDLER_REGISTERED = True
-
-
-def _destroy_process_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Collect reference cycles first: the group's threads are joined only when its last reference goes.
-        gc.collect()
-        torch.distributed.destroy_process_group()

@@ -2,9 +2,11 @@
 
 ``LAUNCHER`` is how the ranks start: ``script`` (Lightning starts the other ranks as subprocesses of this script),
 ``spawn`` and ``fork`` (Lightning's multiprocessing launcher), ``torchrun`` (every rank started by
-``torch.distributed.run``) or ``nodes`` (every rank started by the test, one per "node", with ``MASTER_ADDR``,
-``NODE_RANK`` and ``WORLD_SIZE`` set as a cluster launcher sets them). The script fits several times in a row, as
-users do, and every rank writes what it saw to ``OUT_DIR/<fit>_rank<r>.pt``; tests/test_launchers.py asserts on it.
+``torch.distributed.run``), ``nodes`` (every rank started by the test, one per "node", with ``MASTER_ADDR``,
+``NODE_RANK`` and ``WORLD_SIZE`` set as a cluster launcher sets them) or ``slurm`` (every rank started by the test
+with the variables ``srun`` sets, each bound to a core of its own as ``srun --cpu-bind=cores`` binds it). The script
+fits several times in a row, as users do, and every rank writes what it saw to ``OUT_DIR/<fit>_rank<r>.pt``;
+tests/test_launchers.py asserts on it.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ class Probe(pl.Callback):
             "world_size": trainer.world_size,
             "environment": type(environment).__name__,
             "pid": os.getpid(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads(),
             "shared": self.shared,
             "comm_hook_name": strategy.comm_hook_name,
             "hook_iteration": getattr(strategy.comm_state, "iteration", None),
@@ -170,7 +174,8 @@ def main(launcher: str, out: Path, slow_rank: int) -> None:
         launcher,
         out,
         "callbacks",
-        {"comm_hook": "allreduce"},
+        # Lightning's launchers give both ranks the same cores (split); srun gave each its own (kept).
+        {"comm_hook": "allreduce", "cpu_affinity": launcher in ("script", "slurm")},
         slow_rank=slow_rank,
         callbacks=[CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=100), AMPMonitor()],
         samples=192,

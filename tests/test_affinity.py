@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets
+from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, plan_given_cores
 
 
 def test_plan_splits_cores_evenly_and_disjointly():
@@ -32,3 +32,47 @@ def test_binding_pins_and_restores():
         binding.release()
     assert os.sched_getaffinity(0) == before_cores
     assert torch.get_num_threads() == before_threads
+
+
+def test_ranks_given_the_same_cores_split_them_and_ranks_given_their_own_keep_them():
+    # Started by Lightning (or torchrun, which does not bind): every local rank was given all of them.
+    assert plan_given_cores([[0, 1, 2, 3]] * 2) == (
+        [[0, 1], [2, 3]],
+        "the local ranks were given the same cores [0, 1, 2, 3]: split",
+    )
+    assert plan_given_cores([[5, 6]]) == ([[5, 6]], "one local rank, given cores [5, 6]: kept")
+    # Bound by the launcher (srun --cpu-bind=cores): never a core a rank was not given.
+    assert plan_given_cores([[3, 2], [0, 1]]) == (
+        [[2, 3], [0, 1]],
+        "the launcher gave each local rank cores of its own: kept",
+    )
+    sets, how = plan_given_cores([[0, 1, 2], [2, 3]])
+    assert sets == [[0, 1, 2], [2, 3]] and "some of them shared" in how
+    with pytest.raises(ValueError, match="2 local ranks but only 1 usable cores"):
+        plan_given_cores([[7], [7]])
+
+
+def test_binding_pins_threads_that_already_run():
+    import threading
+
+    core = available_cores()[-1]
+    before = os.sched_getaffinity(0)
+    seen: list[set[int]] = []
+    go, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        go.wait()
+        seen.append(os.sched_getaffinity(0))
+        done.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()  # before the binding, as a process group's threads are
+    binding = CoreBinding([core])
+    try:
+        go.set()
+        done.wait(10)
+        assert seen == [{core}]
+    finally:
+        binding.release()
+        thread.join()
+    assert os.sched_getaffinity(0) == before

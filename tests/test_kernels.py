@@ -3,6 +3,7 @@ strategy agreeing one path across ranks."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -93,7 +94,6 @@ def test_error_feedback_keeps_every_gradient_on_every_path(gloo_group, path):
 
 
 def test_the_strategy_agrees_one_path_across_ranks(tmp_path):
-    import lightning.pytorch as pl
 
     class WithoutNumbaOnRank1(pl.Callback):
         def setup(self, trainer, pl_module, stage):
@@ -111,34 +111,37 @@ def test_the_strategy_agrees_one_path_across_ranks(tmp_path):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
-def test_numba_loops_run_whatever_the_thread_count_with_the_same_bits_on_every_rank(tmp_path):
+class _Threads(pl.Callback):
+    """Rank 0 runs two torch threads, rank 1 one; records each rank's threads and kernel path at the end."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.loop_calls = 0
+
+    def setup(self, trainer, pl_module, stage):
+        torch.set_num_threads(2 if trainer.global_rank == 0 else 1)
+        quantize = kernels.quantize_parameter
+
+        def counted(*args, **kwargs):  # int8's fused quantisation, counted in this rank
+            self.loop_calls += 1
+            return quantize(*args, **kwargs)
+
+        kernels.quantize_parameter = counted
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.strategy.comm_state
+        path = state.kernels() if hasattr(state, "kernels") else self.loop_calls > 0
+        torch.save((torch.get_num_threads(), path), f"{self.out}/path{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("hook", ["powersgd", "int8"])
+def test_numba_loops_run_whatever_the_thread_count_with_the_same_bits_on_every_rank(tmp_path, hook):
     """Lightning gives each rank cores / local ranks torch threads; the loops must not switch off with more than one.
     Rank 0 runs two threads and rank 1 one: PowerSGD still agrees on numba's loops and int8 still takes them, and the
-    ranks end with identical parameters."""
-    import lightning.pytorch as pl
-
-    class Threads(pl.Callback):
-        def setup(self, trainer, pl_module, stage):
-            torch.set_num_threads(2 if trainer.global_rank == 0 else 1)
-            self.loop_calls = 0
-            quantize = kernels.quantize_parameter
-
-            # int8's fused quantisation, counted (a forked rank's module: the parent keeps its own)
-            def counted(*args, **kwargs):
-                self.loop_calls += 1
-                return quantize(*args, **kwargs)
-
-            kernels.quantize_parameter = counted
-
-        def on_train_end(self, trainer, pl_module):
-            state = trainer.strategy.comm_state
-            path = state.kernels() if hasattr(state, "kernels") else self.loop_calls > 0
-            torch.save((torch.get_num_threads(), path), tmp_path / f"path{trainer.global_rank}.pt")
-
-    for hook in ("powersgd", "int8"):
-        strategy = OptimizedDDPStrategy(comm_hook=hook, start_method="fork")
-        ranks = fit_ddp(tmp_path / hook, strategy, callbacks=[Threads()], max_steps=4)
-        seen = [torch.load(tmp_path / f"path{rank}.pt") for rank in (0, 1)]
-        assert [threads for threads, _ in seen] == [2, 1]
-        assert {path for _, path in seen} == ({"numba"} if hook == "powersgd" else {True})
-        torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+    ranks end with identical parameters. Spawned ranks: libgomp hangs in a forked child that starts more threads."""
+    strategy = OptimizedDDPStrategy(comm_hook=hook, start_method="spawn")
+    ranks = fit_ddp(tmp_path, strategy, callbacks=[_Threads(str(tmp_path))], max_steps=4)
+    seen = [torch.load(tmp_path / f"path{rank}.pt") for rank in (0, 1)]
+    assert [threads for threads, _ in seen] == [2, 1]
+    assert {path for _, path in seen} == ({"numba"} if hook == "powersgd" else {True})
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)

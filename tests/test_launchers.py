@@ -5,6 +5,7 @@ callback set with a slow rank, the int8 and PowerSGD hooks, a save and resume, a
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -28,7 +29,11 @@ LAUNCHERS = {
     "fork": (0, "LightningEnvironment"),
     "torchrun": (1, "TorchElasticEnvironment"),
     "nodes": (0, "LightningEnvironment"),
+    "slurm": (1, "SLURMEnvironment"),
 }
+#: The core srun binds each rank to under the ``slurm`` launcher: reversed, so a plan that split the cores anew
+#: (rank 0 the first) would differ from keeping them.
+SLURM_CORES = (1, 0)
 
 
 def _free_port() -> int:
@@ -60,9 +65,20 @@ def _start(launcher: str, out: Path, slow_rank: int) -> list[subprocess.Popen]:
             }
             for node in range(2)
         ]
+    elif launcher == "slurm":
+        port = str(_free_port())
+        commands = [[sys.executable, *worker] for _ in range(2)]
+        slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0"}
+        slurm.update(SLURM_JOB_NAME="train", SLURM_JOB_ID="4242", SLURM_NODELIST="localhost")
+        envs = [
+            {**env, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1"}
+            | {"MASTER_PORT": port}
+            for rank in range(2)
+        ]
     else:
         commands = [[sys.executable, *worker]]
         envs = [env]
+    cores = SLURM_CORES if launcher == "slurm" else (None,) * len(commands)
     return [
         subprocess.Popen(
             command,
@@ -72,8 +88,9 @@ def _start(launcher: str, out: Path, slow_rank: int) -> list[subprocess.Popen]:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=None if core is None else functools.partial(os.sched_setaffinity, 0, {core}),
         )
-        for command, process_env in zip(commands, envs, strict=True)
+        for command, process_env, core in zip(commands, envs, cores, strict=True)
     ]
 
 
@@ -132,6 +149,13 @@ def test_every_launcher(tmp_path, launcher):
     compute = [last["per_rank_ms"][str(rank)]["compute"] for rank in range(2)]
     assert compute[slow_rank] > compute[1 - slow_rank] + 0.7 * SLOW_MS, last
     assert f"rank {slow_rank} is a straggler" in output
+    # cpu_affinity=True: ranks given the same cores split them, ranks srun bound keep their own core.
+    if launcher in ("script", "slurm"):
+        expected = [[0], [1]] if launcher == "script" else [[core] for core in SLURM_CORES]
+        assert [r["cores"] for r in records["callbacks"]] == expected
+        assert [r["threads"] for r in records["callbacks"]] == [1, 1]
+        how = "the same cores [0, 1]: split" if launcher == "script" else "cores of its own: kept"
+        assert how in output, output[-3000:]
     comm = records["callbacks"][0]["comm_metrics"]
     assert comm["bytes_sent"] > 0 and comm["step_time_ms"] > 0, comm
     assert records["callbacks"][0]["AMPMonitor"]["steps"] == 12
