@@ -82,9 +82,7 @@ def main() -> None:
                 seconds = _step_seconds(hook, path, threads, args.steps, args.warmup)
                 own[(hook, path, threads)].append(seconds - base[threads])
         dist.destroy_process_group()
-    print(
-        "| hook | torch threads | numba's loops (ms) | torch's kernels (ms) | torch / numba |\n|---|---|---|---|---|"
-    )
+    print("| hook | torch threads | numba's loops (ms) | torch's kernels (ms) | torch / numba |\n|---|---|---|---|---|")
     for threads in (1, 2):
         for hook in ("int8", "powersgd"):
             numba = statistics.median(own[(hook, "numba", threads)]) * 1e3
