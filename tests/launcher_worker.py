@@ -44,8 +44,9 @@ class SlowStackModel(StackModel):
         return super().training_step(batch, batch_idx)
 
 
-def shared_tensors(root: object, name: str) -> list[str]:
-    """Paths of tensors reachable from ``root`` through this package's objects whose memory is shared.
+def shared_tensors(root: object, name: str, shared_only: bool = True) -> list[str]:
+    """Paths of tensors reachable from ``root`` through this package's objects whose memory is shared (or of all
+    tensors, with ``shared_only=False``).
 
     Under ``spawn`` torch moves a CPU tensor that is pickled into a rank to shared memory: every rank then writes
     into the same tensor. Only per-rank state created in the ranks is safe. Descends into this package's objects,
@@ -59,7 +60,7 @@ def shared_tensors(root: object, name: str) -> list[str]:
             return
         seen.add(id(value))
         if isinstance(value, torch.Tensor):
-            if value.device.type == "cpu" and value.is_shared():
+            if not shared_only or (value.device.type == "cpu" and value.is_shared()):
                 found.append(path)
             return
         if isinstance(value, dict):

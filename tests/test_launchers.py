@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.launcher_worker import SLOW_MS
+from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig
+from tests.launcher_worker import SLOW_MS, shared_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 FITS = ("callbacks", "int8", "powersgd", "powersgd_first", "powersgd_resumed", "localsgd")
@@ -170,3 +172,26 @@ def test_every_launcher(tmp_path, launcher):
     localsgd = records["localsgd"]
     assert [r["local_sgd_syncs"] for r in localsgd] == [3, 3]
     torch.testing.assert_close(localsgd[0]["anchor"], localsgd[1]["anchor"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"comm_hook": "allreduce"},
+        {"comm_hook": PowerSGDConfig(rank=2)},
+        {"comm_hook": Int8Config()},
+        {"comm_hook": "auto", "bucket_cap_mb": "autotune"},
+        {"local_sgd": LocalSGDConfig.diloco(8, overlap_steps=2, compression="int8"), "cpu_affinity": True},
+    ],
+    ids=["allreduce", "powersgd", "int8", "auto", "localsgd"],
+)
+def test_no_tensor_exists_before_the_ranks_start(options):
+    """What a launcher pickles into the ranks holds no tensor of ours: per-rank state is born in the ranks."""
+    objects = {
+        "strategy": OptimizedDDPStrategy(**options),
+        "CommProfiler": CommProfiler(probe_link=True),
+        "StragglerDetector": StragglerDetector(),
+        "AMPMonitor": AMPMonitor(),
+    }
+    for name, value in objects.items():
+        assert shared_tensors(value, name, shared_only=False) == []
