@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["destroy_group", "destroy_process_group_at_exit", "group_like"]
+__all__ = ["destroy_all_groups", "destroy_owned_group", "destroy_process_group_at_exit", "group_like"]
 
 _EXIT_HANDLER_REGISTERED = False
 
@@ -20,27 +20,45 @@ def group_like(group: dist.ProcessGroup | None, backend: str, timeout: timedelta
     return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
 
 
-def destroy_group(group: dist.ProcessGroup | None = None) -> None:
-    """Destroy ``group`` (``None``: the default group and every other), if the default group still exists.
+def destroy_owned_group(owner: object, attribute: str) -> None:
+    """Destroy the group that ``owner.attribute`` holds, which must be its last reference, and set it to ``None``.
 
-    gloo's backend joins its worker threads when it is destroyed. A worker may be finishing a future's Python
-    callback (a comm hook's chain, an overlapped sync), which needs the GIL. torch 2.4 destroys the backend with the
-    GIL held, from the process group's destructor: a deadlock. Here the backends' last references are held in
-    Python and released after torch has forgotten the group; torch releases the GIL while it destroys a backend
-    that way, so the callback runs and the join returns. Later torch releases are unaffected either way.
+    gloo's backend joins its worker threads when it is destroyed, and a worker may be finishing a future's Python
+    callback (a comm hook's chain, an overlapped sync), which needs the GIL. torch 2.4 destroys a group's backends
+    with the GIL held when the group itself goes: a deadlock. Here the backends' references are held in Python while
+    the group goes, and released after it; torch releases the GIL while it destroys a backend that way, so the
+    callback runs and the join returns. Later torch releases are unaffected either way.
     """
+    group = getattr(owner, attribute)
+    setattr(owner, attribute, None)
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    backends = _backends(group)
+    dist.destroy_process_group(group)
+    del group
+    backends.clear()
+
+
+def destroy_all_groups() -> None:
+    """Destroy the default group and every other, as :func:`destroy_owned_group` destroys one (if there are any)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    target = group if group is not None else dist.group.WORLD
-    backends = []
+    group = dist.group.WORLD
+    assert group is not None
+    backends = _backends(group)
+    dist.destroy_process_group()
+    del group
+    backends.clear()
+
+
+def _backends(group: dist.ProcessGroup) -> list[object]:
+    found: list[object] = []
     for device in ("cpu", "cuda"):
         try:
-            backends.append(target._get_backend(torch.device(device)))  # type: ignore[union-attr]
+            found.append(group._get_backend(torch.device(device)))
         except RuntimeError:  # no backend for this device type in this group
             pass
-    dist.destroy_process_group(group)
-    del target
-    backends.clear()
+    return found
 
 
 def destroy_process_group_at_exit() -> None:
@@ -62,4 +80,4 @@ def destroy_process_group_at_exit() -> None:
 def _destroy_at_exit() -> None:
     # Collect reference cycles first: the group's threads are joined only when its last reference goes.
     gc.collect()
-    destroy_group()
+    destroy_all_groups()

@@ -1,4 +1,4 @@
-"""CPU-core binding: give each local rank its own disjoint set of cores and a matching torch thread count."""
+"""CPU-core binding: each local rank gets its own cores, within those it was given, and as many torch threads."""
 
 from __future__ import annotations
 
@@ -77,9 +77,10 @@ def plan_core_sets(cores: Sequence[int], local_world_size: int) -> list[list[int
 def plan_given_cores(given: Sequence[Sequence[int]]) -> tuple[list[list[int]], str]:
     """Each local rank's cores for ``cpu_affinity=True``, from the cores each was given (in local-rank order).
 
-    Ranks that were all given the same cores (started by Lightning, or by a launcher that does not bind) split them
-    evenly; ranks a launcher or cgroup gave cores of their own (``srun --cpu-bind``, a container per rank) keep
-    them. No rank is ever given a core it could not use. Returns the sets and a sentence saying which it was.
+    Ranks that were given the same cores split them evenly: all of them when Lightning (or a launcher that does not
+    bind) started them, a socket's ranks under ``srun --cpu-bind=sockets``. A rank given cores no other rank was
+    given (``srun --cpu-bind=cores``, a container per rank) keeps them. No rank is ever given a core it could not
+    use. Returns the sets and a sentence saying which it was.
 
     Raises:
         ValueError: when ranks given the same cores are more than those cores.
@@ -87,11 +88,24 @@ def plan_given_cores(given: Sequence[Sequence[int]]) -> tuple[list[list[int]], s
     sets = [sorted(cores) for cores in given]
     if len(sets) == 1:
         return sets, f"one local rank, given cores {sets[0]}: kept"
-    if all(cores == sets[0] for cores in sets):
-        return plan_core_sets(sets[0], len(sets)), f"the local ranks were given the same cores {sets[0]}: split"
-    overlap = any(set(a) & set(b) for i, a in enumerate(sets) for b in sets[i + 1 :])
-    note = ", some of them shared (each rank stays within its own)" if overlap else ""
-    return sets, f"the launcher gave each local rank cores of its own{note}: kept"
+    sharing: dict[tuple[int, ...], list[int]] = {}
+    for rank, cores in enumerate(sets):
+        sharing.setdefault(tuple(cores), []).append(rank)
+    plan = list(sets)
+    for shared, ranks in sharing.items():
+        for rank, part in zip(ranks, plan_core_sets(shared, len(ranks)), strict=True):
+            plan[rank] = part
+    distinct = list(sharing)
+    overlap = any(set(a) & set(b) for i, a in enumerate(distinct) for b in distinct[i + 1 :])
+    note = " (some cores given to more than one of them: each rank stays within its own)" if overlap else ""
+    if len(sharing) == 1:
+        how = f"the local ranks were given the same cores {sets[0]}: split"
+    elif all(len(ranks) == 1 for ranks in sharing.values()):
+        how = f"the launcher gave each local rank cores of its own{note}: kept"
+    else:
+        others = ", the others keep theirs" if any(len(ranks) == 1 for ranks in sharing.values()) else ""
+        how = f"ranks given the same cores split them{others}{note}"
+    return plan, how
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddpopt._compat import check_lightning_version
-from lightning_ddpopt._groups import destroy_group, destroy_process_group_at_exit, group_like
+from lightning_ddpopt._groups import destroy_owned_group, destroy_process_group_at_exit, group_like
 from lightning_ddpopt._sigterm import SigtermAtSyncs
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_step
@@ -79,7 +79,7 @@ class OptimizedDDPStrategy(DDPStrategy):
       the plan at setup and the layout DDP actually built once it is final.
     * Every hook of the registry reports to a per-rank :class:`~lightning_ddpopt.ledger.CommLedger` (bytes before
       and after compression, sync time, sync rounds per optimizer step), which the callbacks read.
-    * ``cpu_affinity`` pins each local rank to its own cores.
+    * ``cpu_affinity`` pins each local rank to its own cores, within those its launcher gave it.
     * ``static_graph=True`` with gradient accumulation is refused (pytorch#143580 makes it compute wrong results).
 
     Every ``DDPStrategy`` argument keeps its name, position and default; the arguments this class adds are
@@ -113,7 +113,9 @@ class OptimizedDDPStrategy(DDPStrategy):
             and its memory; ``param.grad`` must then not be detached or resized in place). DDP's default is False.
         find_unused_parameters: see ``DistributedDataParallel``.
         static_graph: see ``DistributedDataParallel``.
-        cpu_affinity: ``True`` splits this process's usable cores evenly among the local ranks; a list gives
+        cpu_affinity: ``True`` gives each local rank its own cores within those it was given: ranks given the same
+            cores (``os.sched_getaffinity``) split them evenly, a rank a launcher bound keeps its own (see
+            :func:`lightning_ddpopt.affinity.plan_given_cores`), with torch's thread count to match; a list gives
             each local rank its cores explicitly; ``False`` (default) leaves affinity alone.
         checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
         local_sgd: a :class:`~lightning_ddpopt.localsgd.LocalSGDConfig` (e.g. ``LocalSGDConfig.diloco(16)``): after
@@ -480,18 +482,16 @@ class OptimizedDDPStrategy(DDPStrategy):
                 self.comm_state.process_group = None
                 if isinstance(self.comm_state, Int8State):
                     self.comm_state.exchange_group = None
-                if self._hook_group is not None:
-                    destroy_group(self._hook_group)
-                self._hook_group = None
+                destroy_owned_group(self, "_hook_group")
             else:
                 rank_zero_warn(
                     f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
                 )
         if self.local_sgd is not None:
             self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it
-        if self._local_sgd_group is not None:
-            destroy_group(self._local_sgd_group)
-        self._local_sgd_group = None
+            if self._local_sgd_group is not None:
+                self.local_sgd.process_group = None  # the group's last reference is the strategy's
+        destroy_owned_group(self, "_local_sgd_group")
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None
@@ -707,7 +707,7 @@ class OptimizedDDPStrategy(DDPStrategy):
     def _local_ranks_cores(self, own: list[int]) -> list[list[int]]:
         """The cores each rank on this node was given, in local-rank order (one all-gather at setup)."""
         if not torch.distributed.is_initialized() or self.world_size == 1:
-            return [own]
+            return [own] * self.num_processes  # no other rank to ask: as if each was given what this one was
         gathered: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gathered, (self.node_rank, self.local_rank, own))
         on_this_node = sorted((local, cores) for node, local, cores in gathered if node == self.node_rank)

@@ -16,7 +16,7 @@ PYTHON="${PYTHON:-python3}"
 if [ -n "$WANT_PYTHON" ]; then
   PYTHON=""
   # On PATH, or installed by pyenv but not activated (its shim then refuses to run).
-  for candidate in "python$WANT_PYTHON" "$(pyenv root 2>/dev/null)"/versions/"$WANT_PYTHON".*/bin/python; do
+  for candidate in "python$WANT_PYTHON" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$WANT_PYTHON".*/bin/python; do
     if "$candidate" -c "" >/dev/null 2>&1; then
       PYTHON="$candidate"
       break
@@ -25,6 +25,10 @@ if [ -n "$WANT_PYTHON" ]; then
   [ -n "$PYTHON" ] || { echo "$SET needs Python $WANT_PYTHON, which is not installed" >&2; exit 2; }
 fi
 VENV=".venv-$SET"
+VERSION_OF='import sys; print("%d.%d" % sys.version_info[:2])'
+if [ -x "$VENV/bin/python" ] && [ "$("$VENV/bin/python" -c "$VERSION_OF")" != "$("$PYTHON" -c "$VERSION_OF")" ]; then
+  rm -rf "$VENV"  # made with another Python
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi

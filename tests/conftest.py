@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from lightning_ddpopt._groups import destroy_group
+from lightning_ddpopt._groups import destroy_all_groups
 
 
 @pytest.fixture
@@ -16,14 +16,14 @@ def gloo_group(tmp_path):
     """A 1-rank gloo process group in this process, destroyed afterwards."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
-    destroy_group()
+    destroy_all_groups()
 
 
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group():
     """An in-process Trainer run leaves Lightning's default group behind; later tests need a clean slate."""
     yield
-    destroy_group()
+    destroy_all_groups()
 
 
 @pytest.fixture(autouse=True)

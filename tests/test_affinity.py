@@ -47,7 +47,13 @@ def test_ranks_given_the_same_cores_split_them_and_ranks_given_their_own_keep_th
         "the launcher gave each local rank cores of its own: kept",
     )
     sets, how = plan_given_cores([[0, 1, 2], [2, 3]])
-    assert sets == [[0, 1, 2], [2, 3]] and "some of them shared" in how
+    assert sets == [[0, 1, 2], [2, 3]] and "some cores given to more than one" in how
+    # srun --cpu-bind=sockets: two ranks per socket, each pair given its socket's cores.
+    assert plan_given_cores([[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]) == (
+        [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "ranks given the same cores split them",
+    )
+    assert plan_given_cores([[0, 1], [0, 1], [2]])[1] == "ranks given the same cores split them, the others keep theirs"
     with pytest.raises(ValueError, match="2 local ranks but only 1 usable cores"):
         plan_given_cores([[7], [7]])
 

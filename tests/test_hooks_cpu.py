@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt import OptimizedDDPStrategy
-from lightning_ddpopt._groups import destroy_group
+from lightning_ddpopt._groups import destroy_all_groups
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState, powersgd_hook, powersgd_spec
 from lightning_ddpopt.ledger import CommLedger
 from tests.helpers import LAYERS, WIDTH, StackModel, fit_ddp, jitter_backward, stack_gradient_bytes
@@ -111,7 +111,7 @@ def _multi_bucket_worker(rank: int, port: int, steps: int, out: str) -> None:
     if rank == 0:
         torch.save(results, out)
     del model, state  # see test_powersgd_state: the reducer must not destroy the group
-    destroy_group()
+    destroy_all_groups()
 
 
 def test_every_powersgd_variant_runs_multi_bucket_on_gloo(tmp_path):
@@ -190,7 +190,7 @@ def _pipelined_worker(rank: int, port: int, world_size: int, steps: int, jitter:
         del model, state  # see test_powersgd_state: the reducer must not destroy the group
     if rank == 0:
         torch.save(results, out)
-    destroy_group()
+    destroy_all_groups()
 
 
 def test_pipelined_powersgd_keeps_ranks_identical_whatever_the_timing(tmp_path):

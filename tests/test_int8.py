@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt import OptimizedDDPStrategy
-from lightning_ddpopt._groups import destroy_group
+from lightning_ddpopt._groups import destroy_all_groups
 from lightning_ddpopt.hooks import COMM_HOOKS, Int8Config, Int8State, int8_hook
 from lightning_ddpopt.ledger import CommLedger
 from tests.helpers import fit_ddp, jitter_backward, stack_gradient_bytes
@@ -78,7 +78,7 @@ def _parity_worker(rank: int, world_size: int, port: int, out: str) -> None:
             out,
         )
     del model, state  # the reducer must not be the one to destroy the group (see test_powersgd_state)
-    destroy_group()
+    destroy_all_groups()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -221,7 +221,7 @@ def _paths_worker(rank: int, world_size: int, port: int, out: str, loops: bool) 
     state.state_dict()  # seals the last round
     torch.save({"grads": grads, "errors": dict(state.errors)}, f"{out}.{rank}")
     del model, state
-    destroy_group()
+    destroy_all_groups()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -286,7 +286,7 @@ def _exchange_worker(rank: int, world_size: int, port: int, out: str) -> None:
         assert state.close()
         del model, state
     torch.save(results, f"{out}.{rank}")
-    destroy_group()
+    destroy_all_groups()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

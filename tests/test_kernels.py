@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning_ddpopt.hooks._kernels as kernels
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import PowerSGDConfig, PowerSGDState, powersgd_spec
-from tests.helpers import fit_ddp
+from tests.helpers import WIDTH, StackModel, fit_ddp
 
 pytest.importorskip("numba")
 
@@ -134,13 +134,22 @@ class _Threads(pl.Callback):
         torch.save((torch.get_num_threads(), path), f"{self.out}/path{trainer.global_rank}.pt")
 
 
+class _WideModel(StackModel):
+    """A 16384 x 256 weight: PowerSGD's P has 65536 values, above the size from which torch splits a sum by thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(WIDTH, 16384), nn.Tanh(), nn.Linear(16384, WIDTH))
+
+
 @pytest.mark.parametrize("hook", ["powersgd", "int8"])
 def test_numba_loops_run_whatever_the_thread_count_with_the_same_bits_on_every_rank(tmp_path, hook):
     """Lightning gives each rank cores / local ranks torch threads; the loops must not switch off with more than one.
     Rank 0 runs two threads and rank 1 one: PowerSGD still agrees on numba's loops and int8 still takes them, and the
     ranks end with identical parameters. Spawned ranks: libgomp hangs in a forked child that starts more threads."""
-    strategy = OptimizedDDPStrategy(comm_hook=hook, start_method="spawn")
-    ranks = fit_ddp(tmp_path, strategy, callbacks=[_Threads(str(tmp_path))], max_steps=4)
+    config = PowerSGDConfig(start_iter=2) if hook == "powersgd" else hook  # compressing from the third step
+    strategy = OptimizedDDPStrategy(comm_hook=config, start_method="spawn")
+    ranks = fit_ddp(tmp_path, strategy, model=_WideModel(), callbacks=[_Threads(str(tmp_path))], max_steps=6)
     seen = [torch.load(tmp_path / f"path{rank}.pt") for rank in (0, 1)]
     assert [threads for threads, _ in seen] == [2, 1]
     assert {path for _, path in seen} == ({"numba"} if hook == "powersgd" else {True})

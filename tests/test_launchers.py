@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt.affinity import available_cores, plan_core_sets
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig
 from tests.launcher_worker import SLOW_MS, shared_tensors
 
@@ -33,9 +34,9 @@ LAUNCHERS = {
     "nodes": (0, "LightningEnvironment"),
     "slurm": (1, "SLURMEnvironment"),
 }
-#: The core srun binds each rank to under the ``slurm`` launcher: reversed, so a plan that split the cores anew
-#: (rank 0 the first) would differ from keeping them.
-SLURM_CORES = (1, 0)
+#: The core srun binds each rank to under the ``slurm`` launcher: two of this process's cores, reversed, so that a
+#: plan that split the cores anew (rank 0 the first) would differ from keeping them.
+SLURM_CORES = tuple(available_cores()[:2][::-1])
 
 
 def _free_port() -> int:
@@ -46,9 +47,14 @@ def _free_port() -> int:
 
 def _start(launcher: str, out: Path, slow_rank: int) -> list[subprocess.Popen]:
     """Start the worker as ``launcher`` starts it; each process in a session of its own, killed after the test."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK"):
-        env.pop(name, None)
+    # Nothing of a cluster this test itself may run in: each launcher sets what it sets.
+    cluster = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in cluster and not name.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))
+    }
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     worker = ["-m", "tests.launcher_worker", launcher, str(out), str(slow_rank)]
     if launcher == "torchrun":
         commands = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *worker]]
@@ -81,34 +87,36 @@ def _start(launcher: str, out: Path, slow_rank: int) -> list[subprocess.Popen]:
         commands = [[sys.executable, *worker]]
         envs = [env]
     cores = SLURM_CORES if launcher == "slurm" else (None,) * len(commands)
-    return [
-        subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=process_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=None if core is None else functools.partial(os.sched_setaffinity, 0, {core}),
-        )
-        for command, process_env, core in zip(commands, envs, cores, strict=True)
-    ]
+    processes = []
+    for index, (command, process_env, core) in enumerate(zip(commands, envs, cores, strict=True)):
+        # Into files, not pipes: a process blocked on a full pipe would stall the other ranks in their collectives.
+        with open(out / f"output{index}.txt", "w") as output:
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    cwd=ROOT,
+                    env=process_env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=None if core is None else functools.partial(os.sched_setaffinity, 0, {core}),
+                )
+            )
+    return processes
 
 
 def _run(launcher: str, out: Path, slow_rank: int, timeout: float = 240) -> str:
+    out.mkdir(parents=True, exist_ok=True)
     processes = _start(launcher, out, slow_rank)
-    output = ""
     try:
         deadline = time.monotonic() + timeout
-        for process in processes:
-            text, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1))
-            output += text
-            assert process.returncode == 0, f"{launcher}: exit {process.returncode}\n{output[-4000:]}"
+        codes = [process.wait(timeout=max(deadline - time.monotonic(), 1)) for process in processes]
         # A rank started by Lightning's script launcher may still be writing after rank 0 has exited.
         done = [out / f"done_rank{rank}" for rank in (range(1) if launcher in ("spawn", "fork") else range(2))]
-        while not all(path.exists() for path in done) and time.monotonic() < deadline:
+        while codes == [0] * len(codes) and not all(path.exists() for path in done) and time.monotonic() < deadline:
             time.sleep(0.1)
+        output = "".join((out / f"output{index}.txt").read_text() for index in range(len(processes)))
+        assert codes == [0] * len(processes), f"{launcher}: exit codes {codes}\n{output[-4000:]}"
         assert all(path.exists() for path in done), output[-4000:]
     finally:
         for process in processes:
@@ -121,6 +129,7 @@ def _records(out: Path, fit: str) -> list[dict[str, Any]]:
     return [torch.load(out / f"{fit}_rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
+@pytest.mark.skipif(len(SLURM_CORES) < 2, reason="the cpu_affinity checks need two cores")
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_every_launcher(tmp_path, launcher):
     slow_rank, environment = LAUNCHERS[launcher]
@@ -153,10 +162,11 @@ def test_every_launcher(tmp_path, launcher):
     assert f"rank {slow_rank} is a straggler" in output
     # cpu_affinity=True: ranks given the same cores split them, ranks srun bound keep their own core.
     if launcher in ("script", "slurm"):
-        expected = [[0], [1]] if launcher == "script" else [[core] for core in SLURM_CORES]
+        given = available_cores()
+        expected = plan_core_sets(given, 2) if launcher == "script" else [[core] for core in SLURM_CORES]
         assert [r["cores"] for r in records["callbacks"]] == expected
-        assert [r["threads"] for r in records["callbacks"]] == [1, 1]
-        how = "the same cores [0, 1]: split" if launcher == "script" else "cores of its own: kept"
+        assert [r["threads"] for r in records["callbacks"]] == [len(cores) for cores in expected]
+        how = f"the same cores {given}: split" if launcher == "script" else "cores of its own: kept"
         assert how in output, output[-3000:]
     comm = records["callbacks"][0]["comm_metrics"]
     assert comm["bytes_sent"] > 0 and comm["step_time_ms"] > 0, comm

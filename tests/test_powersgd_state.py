@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_ddpopt.strategy as strategy_module
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
-from lightning_ddpopt._groups import destroy_group
+from lightning_ddpopt._groups import destroy_all_groups
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig, PowerSGDState, powersgd_spec
 from lightning_ddpopt.hooks.powersgd import _random_q
 from tests.helpers import OverflowModel, WarningsProbe, fit_ddp, uninterrupted_and_resumed
@@ -177,7 +177,7 @@ def _fp16_sum_worker(rank: int, port: int, seed: int, scale: float, out: str) ->
     # DDP's reducer must not hold the group's last reference: its destructor would join gloo's threads holding
     # the GIL, which a thread finishing its last work may need (a hang at exit).
     del model, state
-    destroy_group()
+    destroy_all_groups()
 
 
 def test_fp16_factors_are_averaged_before_the_sum(tmp_path):

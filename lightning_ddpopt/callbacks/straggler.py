@@ -153,7 +153,8 @@ class StragglerDetector(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Per-rank state is born in the rank: a tensor made in `__init__` is pickled into every rank that `spawn`
         # starts, and torch moves its storage to shared memory, so all ranks would add into one tensor.
-        self._totals = torch.zeros(len(PHASES) + 1, dtype=torch.float64)
+        if self._totals is None:
+            self._totals = torch.zeros(len(PHASES) + 1, dtype=torch.float64)
         self._active = trainer.world_size > 1
         if not self._active:
             self.no_verdict = "one process: no other rank to compare with"

@@ -36,6 +36,7 @@ __all__ = [
     "dequantize_parameter",
     "error_and_decompress",
     "fits",
+    "orthogonalize",
     "quantize_parameter",
     "reduce_and_requantize",
     "transposed_product",
@@ -89,6 +90,16 @@ def error_and_decompress(
     _compiled()[2](m.numpy(), _input(p), _input(local_q.t()), _input(q.t()), error.numpy())
 
 
+def orthogonalize(p: torch.Tensor, epsilon: float) -> None:
+    """Gram-Schmidt on the columns of ``p`` (rows x r, see fits), in place, with ``epsilon`` added to each norm.
+
+    Each dot product sums in row order in float64 on the calling thread: the same bits on every rank whatever its
+    torch thread count (torch's norms and QR split their sums by thread). A zero column stays zero.
+    """
+    assert fits(p)
+    _compiled()[3](p.numpy(), numpy.float64(epsilon))
+
+
 def _input(tensor: torch.Tensor) -> Any:
     """A row-major numpy array of ``tensor`` (its memory, or a row-major copy when it is not laid out so)."""
     return tensor.detach().contiguous().numpy()
@@ -105,6 +116,7 @@ def _compiled() -> tuple[Callable[..., None], ...]:
         _compile(_add_and_project_loop, fastmath={"reassoc"}),
         _compile(_transposed_product_loop),
         _compile(_error_and_decompress_loop),
+        _compile(_orthogonalize_loop),
     )
 
 
@@ -180,6 +192,26 @@ def _error_and_decompress_loop(m: Any, p: Any, local_qt: Any, qt: Any, error: An
             pk, basis = p[i, k], qt[k]
             for j in range(row.shape[0]):
                 row[j] += pk * basis[j]
+
+
+def _orthogonalize_loop(p: Any, epsilon: float) -> None:
+    """Modified Gram-Schmidt on the columns of P, sums in float64 in row order."""
+    rows, rank = p.shape
+    for i in range(rank):
+        total = 0.0
+        for row in range(rows):
+            value = numpy.float64(p[row, i])
+            total += value * value
+        norm = numpy.sqrt(total) + epsilon
+        scale = 1.0 / norm if norm > 0.0 else 0.0
+        for row in range(rows):
+            p[row, i] = numpy.float64(p[row, i]) * scale
+        for j in range(i + 1, rank):
+            dot = 0.0
+            for row in range(rows):
+                dot += numpy.float64(p[row, i]) * numpy.float64(p[row, j])
+            for row in range(rows):
+                p[row, j] = numpy.float64(p[row, j]) - dot * numpy.float64(p[row, i])
 
 
 # The int8 hook's loops (the block layout is :mod:`lightning_ddpopt.hooks.int8`'s: block ``g`` of a bucket is block

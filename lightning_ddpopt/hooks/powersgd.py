@@ -478,18 +478,18 @@ def _low_rank_allreduce(
     """
     config = state.config
     wire_dtype = _DTYPES[config.matrix_dtype]
+    fused = state.kernels() == "numba" and _kernels.fits(*matrices)
     qs = []
     for matrix, key in zip(matrices, keys, strict=True):
         shape = (matrix.shape[1], min(*matrix.shape, config.rank))
         q = state.q_memories.get(key) if config.warm_start else None
         if q is None or q.shape != shape:
-            q = _random_q(config, state.iteration, key, shape)
+            q = _random_q(config, state.iteration, key, shape, fused)
         qs.append(q.to(matrix))
 
     # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
     # (Q^T M^T)^T rather than M Q, and (P^T M)^T rather than M^T P below: BLAS streams the large matrix about 3x
     # faster in these forms (measured: 10 ms against 31 ms for 6 x 2048 x 2048 at rank 4 on one CPU thread).
-    fused = state.kernels() == "numba" and _kernels.fits(*matrices)
     feedback = [
         state.stored_error(round_, key, m) if add_feedback else None for m, key in zip(matrices, keys, strict=True)
     ]
@@ -504,7 +504,7 @@ def _low_rank_allreduce(
     ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
     finite = round_.check(ps)
     for p in ps:
-        _orthogonalize(p, config.orthogonalization_epsilon)
+        _orthogonalize(p, config.orthogonalization_epsilon, fused)
         # A non-finite local M makes the reduced P non-finite on every rank: hand back NaN everywhere, so the
         # overflow is seen (and the step skipped) on every rank alike.
         p.masked_fill_(~finite, math.nan)
@@ -530,12 +530,14 @@ def _low_rank_allreduce(
     return errors
 
 
-def _random_q(config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int]) -> torch.Tensor:
+def _random_q(
+    config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int], loops: bool = False
+) -> torch.Tensor:
     """The orthonormal start of the power iteration, seeded by (seed, iteration, key): the same on every rank."""
     # The CPU generator keeps only a seed's low 32 bits, so all three go through one 32-bit hash.
     seed = zlib.crc32(f"{config.seed}/{iteration}/{key}".encode())
     q = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    _orthogonalize(q, config.orthogonalization_epsilon)
+    _orthogonalize(q, config.orthogonalization_epsilon, loops)
     return q
 
 
@@ -582,8 +584,14 @@ def _allreduce_matrices(
     return out
 
 
-def _orthogonalize(matrix: torch.Tensor, epsilon: float) -> None:
-    """Make the columns of ``matrix`` orthonormal, in place, computing in fp32."""
+def _orthogonalize(matrix: torch.Tensor, epsilon: float, loops: bool = False) -> None:
+    """Make the columns of ``matrix`` orthonormal, in place, computing in fp32.
+
+    ``loops``: through numba's loop, the same bits whatever the thread count.
+    """
+    if loops and _kernels.fits(matrix):
+        _kernels.orthogonalize(matrix, epsilon)
+        return
     work = matrix.float()
     if epsilon == 0:
         work = torch.linalg.qr(work, mode="reduced").Q
