@@ -154,3 +154,25 @@ def test_numba_loops_run_whatever_the_thread_count_with_the_same_bits_on_every_r
     assert [threads for threads, _ in seen] == [2, 1]
     assert {path for _, path in seen} == ({"numba"} if hook == "powersgd" else {True})
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("true_rank", [4, 2])
+def test_orthogonalize_gives_orthonormal_columns_even_below_full_rank(true_rank):
+    """Gram-Schmidt with a second pass: orthonormal to rounding, as QR is, also when P has lower rank than its
+    columns (one pass left errors of about 1e-3 there); the same span as QR's; a zero column stays zero."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.randn(5000, true_rank, generator=generator) @ torch.randn(true_rank, 4, generator=generator)
+    reference = torch.linalg.qr(p.double()).Q
+    kernels.orthogonalize(p, 0.0)
+    torch.testing.assert_close(p.t() @ p, torch.eye(4), rtol=0, atol=1e-5)
+    if true_rank == 4:  # full rank: P spans what QR's Q spans, column by column up to sign
+        torch.testing.assert_close(p.double().abs(), reference.abs(), rtol=0, atol=1e-5)
+    zero = torch.zeros(64, 2)
+    kernels.orthogonalize(zero, 0.0)
+    assert torch.equal(zero, torch.zeros(64, 2))
+
+
+def test_orthogonalize_adds_epsilon_to_each_norm_as_the_torch_path_does():
+    p = torch.tensor([[3.0, 1.0], [4.0, 0.0]])
+    kernels.orthogonalize(p, 1.0)  # the first column's norm is 5: divided by 6
+    torch.testing.assert_close(p[:, 0], torch.tensor([0.5, 4.0 / 6.0]))

@@ -108,15 +108,18 @@ def _start(launcher: str, out: Path, slow_rank: int) -> list[subprocess.Popen]:
 def _run(launcher: str, out: Path, slow_rank: int, timeout: float = 240) -> str:
     out.mkdir(parents=True, exist_ok=True)
     processes = _start(launcher, out, slow_rank)
+    # A rank started by Lightning's script launcher may still be writing after rank 0 has exited.
+    done = [out / f"done_rank{rank}" for rank in (range(1) if launcher in ("spawn", "fork") else range(2))]
     try:
         deadline = time.monotonic() + timeout
-        codes = [process.wait(timeout=max(deadline - time.monotonic(), 1)) for process in processes]
-        # A rank started by Lightning's script launcher may still be writing after rank 0 has exited.
-        done = [out / f"done_rank{rank}" for rank in (range(1) if launcher in ("spawn", "fork") else range(2))]
-        while codes == [0] * len(codes) and not all(path.exists() for path in done) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process in processes]
+            failed = any(code not in (None, 0) for code in codes)  # its peers may wait for it in a collective
+            if failed or (codes == [0] * len(codes) and all(path.exists() for path in done)):
+                break
+            time.sleep(0.2)
         output = "".join((out / f"output{index}.txt").read_text() for index in range(len(processes)))
-        assert codes == [0] * len(processes), f"{launcher}: exit codes {codes}\n{output[-4000:]}"
+        assert codes == [0] * len(processes), f"{launcher}: exit codes {codes} (None: still running)\n{output[-4000:]}"
         assert all(path.exists() for path in done), output[-4000:]
     finally:
         for process in processes:

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -151,10 +152,13 @@ class StragglerDetector(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Per-rank state is born in the rank: a tensor made in `__init__` is pickled into every rank that `spawn`
-        # starts, and torch moves its storage to shared memory, so all ranks would add into one tensor.
-        if self._totals is None:
+        # Per-rank state is born in the rank, anew for each fit: a tensor made in `__init__` (or in a fit in the
+        # launching process) is pickled into every rank that `spawn` starts, and torch moves its storage to shared
+        # memory, so all ranks would add into one tensor.
+        if stage == TrainerFn.FITTING or self._totals is None:
             self._totals = torch.zeros(len(PHASES) + 1, dtype=torch.float64)
+            self._steps_in_window, self._undecided = 0, False
+            self._step_batches, self._unresolved, self._records = [], deque(), deque()
         self._active = trainer.world_size > 1
         if not self._active:
             self.no_verdict = "one process: no other rank to compare with"

@@ -77,7 +77,9 @@ class PowerSGDConfig:
         warm_start: start each step's power iteration from the last step's Q instead of a fresh random one.
         batched: treat each whole bucket as one square matrix (fewer, larger matmuls; usually less accurate).
         matrix_dtype: the dtype in which P and Q are sent: "fp32", or "fp16"/"bf16" for half the bytes.
-        orthogonalization_epsilon: added to column norms when orthogonalising (0 uses a QR decomposition).
+        orthogonalization_epsilon: added to column norms when orthogonalising (with 0 and without numba, a QR
+            decomposition; with numba, Gram-Schmidt with a second pass: the same bits on every rank whatever its
+            thread count).
         seed: seeds the random projections, identically on every rank.
     """
 
