@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -40,15 +41,9 @@ def destroy_owned_group(owner: object, attribute: str) -> None:
 
 
 def destroy_all_groups() -> None:
-    """Destroy the default group and every other, as :func:`destroy_owned_group` destroys one (if there are any)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    group = dist.group.WORLD
-    assert group is not None
-    backends = _backends(group)
-    dist.destroy_process_group()
-    del group
-    backends.clear()
+    """Destroy the default group and with it every other (torch's rule for the default group), as above."""
+    if dist.is_available() and dist.is_initialized():
+        destroy_owned_group(SimpleNamespace(group=dist.group.WORLD), "group")
 
 
 def _backends(group: dist.ProcessGroup) -> list[object]:
