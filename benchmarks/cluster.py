@@ -51,6 +51,8 @@ BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
 LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_int8_overlap")
 DIGITS_VARIANTS = ("stock", "fp16", "powersgd_r4", "diloco16")
+#: A variant with this suffix runs with CommProfiler, StragglerDetector and AMPMonitor attached.
+CALLBACKS_SUFFIX = "+callbacks"
 PREFIX = "ddpopt-"
 SUBNET = "10.77.0"
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -190,6 +192,8 @@ def can_emulate() -> str | None:
 def run_variant(cluster: Cluster, variant: str, port: int, worker_args: Sequence[str], timeout: float) -> dict:
     """Start one worker per host and return rank 0's result.
 
+    A variant named ``NAME+callbacks`` is ``NAME`` with the three measuring callbacks attached.
+
     The compute reference runs one independent process per host at the same time (no process group, no sync):
     what the hosts compute when nothing waits, sharing the machine's memory bandwidth as the other variants do. Its
     result holds every host's step times (``host_step_times_s``): the hosts need not compute at the same pace.
@@ -207,7 +211,9 @@ def run_variant(cluster: Cluster, variant: str, port: int, worker_args: Sequence
                 WORLD_SIZE=str(len(hosts)),
                 GLOO_SOCKET_IFNAME=host.interface,
             )
-        command = [sys.executable, str(WORKER), "--variant", variant, "--num-nodes", str(len(hosts)), *worker_args]
+        name = variant.removesuffix(CALLBACKS_SUFFIX)
+        flags = ["--callbacks"] if name != variant else []
+        command = [sys.executable, str(WORKER), "--variant", name, "--num-nodes", str(len(hosts)), *flags, *worker_args]
         if host.namespace is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]
         processes.append(
@@ -341,6 +347,26 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
         lines += [
             f"- {r['variant']}: {', '.join(_fmt(f, '.2f') for f in r['rounds_of_compute_limit'])}" for r in per_round
         ]
+    by_name = {r["variant"]: r for r in rows}
+    pairs = [
+        (by_name[plain], measured)
+        for name, measured in by_name.items()
+        if (plain := name.removesuffix(CALLBACKS_SUFFIX)) != name and plain in by_name
+    ]
+    if pairs:
+        lines += [
+            "",
+            "The measuring callbacks' cost (`CommProfiler() + StragglerDetector() + AMPMonitor()`), each variant run "
+            "without and then with them, back to back:",
+            "",
+            "| variant | samples/s without | samples/s with | throughput kept |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {plain['variant']} | {plain['samples_per_s']:.1f} | {measured['samples_per_s']:.1f} | "
+            f"{measured['samples_per_s'] / plain['samples_per_s']:.3f} |"
+            for plain, measured in pairs
+        ]
     breakdowns = [r for r in rows if r.get("hook_breakdown")]
     if breakdowns:
         lines += [
@@ -464,6 +490,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run the variants this many times, in turn; each figure is the median over the rounds, every ratio "
         "taken within its round (default 1)",
     )
+    parser.add_argument(
+        "--callbacks",
+        choices=("off", "on", "both"),
+        default="off",
+        help="attach CommProfiler, StragglerDetector and AMPMonitor: off (default), on, or both: each variant "
+        "without and then with them, back to back, and their cost as a throughput ratio",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="cluster", help="report file stem (default cluster)")
     args = parser.parse_args(argv)
@@ -484,6 +517,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(known))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(known)}")
+    if args.callbacks != "off" and args.task == "digits":
+        parser.error("--callbacks measures throughput; use it without --task digits")
+    if args.callbacks == "on":
+        variants = [v if v == "compute" else v + CALLBACKS_SUFFIX for v in variants]
+    elif args.callbacks == "both":
+        variants = [name for v in variants for name in ((v,) if v == "compute" else (v, v + CALLBACKS_SUFFIX))]
     loopback = args.loopback
     reason = None if loopback else can_emulate()
     if reason:

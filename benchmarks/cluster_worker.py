@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
+from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.buckets import autotune_candidates
 from lightning_ddpopt.hooks import PowerSGDConfig
 
@@ -166,6 +166,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--task", choices=("throughput", "digits"), default="throughput")
     parser.add_argument("--epochs", type=int, default=10, help="--task digits: epochs to train")
+    parser.add_argument(
+        "--callbacks", action="store_true", help="attach CommProfiler, StragglerDetector and AMPMonitor (defaults)"
+    )
     args = parser.parse_args()
     threads = os.environ.get("DDPOPT_BENCH_THREADS", "1")
     # Lightning's DDP sets torch's threads to cores / local processes unless OMP_NUM_THREADS says otherwise, which
@@ -195,9 +198,10 @@ def main() -> None:
         torch.randn(samples, args.width, generator=generator), torch.randn(samples, args.width, generator=generator)
     )
     timer = StepTimer()
+    measuring: list[pl.Callback] = [CommProfiler(), StragglerDetector(), AMPMonitor()] if args.callbacks else []
     pl.seed_everything(0, verbose=False)
     trainer = _quiet_trainer(
-        num_nodes, make_strategy(), [timer], max_steps=args.steps, accumulate_grad_batches=accumulate
+        num_nodes, make_strategy(), [timer, *measuring], max_steps=args.steps, accumulate_grad_batches=accumulate
     )
     trainer.fit(MLP(args.width, args.layers), DataLoader(data, batch_size=args.batch_size))
     if trainer.global_rank != 0:

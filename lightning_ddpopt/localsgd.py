@@ -181,6 +181,8 @@ class LocalSGD:
         self.anchor: torch.Tensor | None = None
         self.momentum: torch.Tensor | None = None
         self.averaged_at_end = False
+        #: Whether the ranks met in the current batch: its gradients synced (warm-up) or its step synced parameters.
+        self.met_in_batch = True
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
         self._wire: torch.Tensor | None = None
@@ -204,6 +206,7 @@ class LocalSGD:
 
     def before_batch(self) -> bool:
         """Anchor the parameters when the local phase begins; return whether this batch's gradients sync."""
+        self.met_in_batch = not self.local
         if not self.local:
             return True
         if self.anchor is None:  # identical on every rank: DDP synced them until now (or broadcast them at start)
@@ -242,12 +245,14 @@ class LocalSGD:
         self.skipped_inner_steps += int(skipped)
         self._steps_off_anchor += 1
         if self._in_flight is not None and self.steps == self._in_flight.apply_at:
+            self.met_in_batch = True
             return self._apply_in_flight()
         if (self.steps - self.config.warmup_steps) % self.config.sync_every:
             return None
         if self.config.overlap_steps:
-            self._start_sync()
+            self._start_sync()  # sent while the ranks train on: they meet when it is applied
             return None
+        self.met_in_batch = True
         return self.sync()
 
     def sync(self) -> ParameterSync:

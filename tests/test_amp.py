@@ -146,7 +146,7 @@ def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path):
     for rank in (0, 1):
         record = torch.load(tmp_path / f"amp{rank}.pt")
         # All-reduced by DDP, the NaN reaches net.4.weight on both ranks; both stop after that step.
-        assert record["reports"] == [{"step": 2, "names": {0: ["net.4.weight"], 1: ["net.4.weight"]}}]
+        assert record["reports"] == [{"step": 2, "steps": [2], "names": {0: ["net.4.weight"], 1: ["net.4.weight"]}}]
         assert record["global_step"] == 2
         # The message names every rank's parameters: rank 0 prints it, once.
         expected = [

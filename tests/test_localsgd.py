@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,7 +20,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt import (
+    AMPMonitor,
+    CommProfiler,
+    LocalSGDConfig,
+    OptimizedDDPStrategy,
+    StragglerDetector,
+    fp16_mixed_precision,
+)
 from lightning_ddpopt.diagnosis import diagnose, summarize
 from lightning_ddpopt.localsgd import LocalSGD
 from lightning_ddpopt.units import format_bytes
@@ -708,3 +716,103 @@ def test_a_sigterm_on_any_rank_stops_every_rank_within_two_sync_windows(tmp_path
     # every rank reads it at step 10 and stops after that batch (of 12).
     stopped = [stop.read_text() if stop.exists() else None for stop in stops]
     assert stopped == ["SIGTERMException 11"] * 2, stderr[-3000:]
+
+
+class _LateRank(pl.Callback):
+    """``late_rank`` sleeps at the end of one local step; every rank notes when it ended each step, and what the
+    measuring callbacks concluded."""
+
+    def __init__(self, out: Path, late_rank: int, sleep_after_step: int, seconds: float) -> None:
+        self.out, self.late_rank, self.sleep_after_step, self.seconds = out, late_rank, sleep_after_step, seconds
+        self.ended: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == self.late_rank and trainer.global_step == self.sleep_after_step:
+            time.sleep(self.seconds)
+        self.ended[trainer.global_step] = time.time()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        found = {type(c).__name__: c for c in trainer.callbacks}
+        record = {
+            "ended": self.ended,
+            "comm": found["CommProfiler"].last_metrics,
+            "straggler_windows": found["StragglerDetector"].windows,
+            "amp_steps": found["AMPMonitor"].steps,
+            "nonfinite_steps": found["AMPMonitor"].nonfinite_steps,
+        }
+        torch.save(record, self.out / f"late{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, late_rank):
+    # H = 4 after a warm-up of 2: parameter syncs at steps 6 and 10. The callbacks want to meet every step
+    # (every_n_steps=1; AMPMonitor's check of every step); between syncs they keep their figures and exchange them
+    # at the next sync. The late rank sleeps 3 s after step 3: the other rank ends steps 4 and 5 meanwhile, and
+    # waits at step 6's sync. Before, AMPMonitor's per-step all-reduce made it wait at step 4.
+    late = _LateRank(tmp_path, late_rank, sleep_after_step=3, seconds=3.0)
+    measuring = [CommProfiler(every_n_steps=1, probe_link=False), StragglerDetector(every_n_steps=1), AMPMonitor()]
+    config = LocalSGDConfig(sync_every=4, warmup_steps=2)
+    ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[late, *measuring])  # 12 steps
+    records = [torch.load(tmp_path / f"late{rank}.pt") for rank in range(2)]
+    other = 1 - late_rank
+    assert records[other]["ended"][5] < records[late_rank]["ended"][3], "a callback made the ranks meet"
+    assert records[other]["ended"][6] > records[late_rank]["ended"][3]  # the sync waits for the late rank
+    torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
+    for record in records:  # the figures still arrive: every warm-up step, the syncs at 6 and 10, the end of fit
+        assert record["amp_steps"] == 12 and record["nonfinite_steps"] == 0
+        assert record["straggler_windows"] == 5
+        assert record["comm"]["step_time_ms"] > 0
+
+
+class _NaNOnRank1AtStep5(StackModel):
+    """Rank 1 puts a NaN into net.4.weight's gradient at optimizer step 5 (a local step: gradients do not sync)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.trainer.global_step == 4:
+            self._hook = self.net[4].weight.register_hook(lambda grad: grad + float("nan"))
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self):
+        if getattr(self, "_hook", None) is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+class _AMPReport(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer, pl_module):
+        self._catcher = warnings.catch_warnings(record=True)
+        self.caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer, pl_module):
+        self._catcher.__exit__(None, None, None)
+        (monitor,) = [c for c in trainer.callbacks if isinstance(c, AMPMonitor)]
+        warned = [str(w.message) for w in self.caught if "non-finite gradients" in str(w.message)]
+        record = {"reports": monitor.nonfinite_reports, "global_step": trainer.global_step, "warned": warned}
+        torch.save(record, self.out / f"amp{trainer.global_rank}.pt")
+
+
+def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stops_all(tmp_path):
+    # The NaN at step 5 stays on rank 1 (no gradient sync), which then trains on NaN weights; at step 6's parameter
+    # sync every rank learns of steps 5 and 6, with rank 1's offending parameters, and every rank stops there.
+    config = LocalSGDConfig(sync_every=4, warmup_steps=2)
+    _fit(
+        tmp_path,
+        config,
+        model=_NaNOnRank1AtStep5(),
+        max_epochs=3,
+        callbacks=[AMPMonitor(on_nonfinite="stop"), _AMPReport(tmp_path)],
+    )
+    first_five = [name for name, _ in StackModel().named_parameters()][:5]
+    for rank in (0, 1):
+        record = torch.load(tmp_path / f"amp{rank}.pt")
+        assert record["reports"] == [{"step": 5, "steps": [5, 6], "names": {0: [], 1: first_five}}]
+        assert record["global_step"] == 6
+        expected = [
+            "ddpopt: non-finite gradients at optimizer steps 5, 6 (rank 0 reporting), first offending parameters - "
+            f"rank 0: none; rank 1: {', '.join(first_five)}"
+        ]
+        assert record["warned"] == (expected if rank == 0 else [])

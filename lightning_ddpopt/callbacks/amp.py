@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
+from lightning_ddpopt.meetings import ranks_meet
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -30,9 +31,13 @@ class AMPMonitor(Callback):
     With fp16 and a GradScaler (e.g. :func:`lightning_ddpopt.precision.fp16_mixed_precision`), every optimizer step
     is classified exactly: the scaler skips it when its unscaled gradients hold inf/NaN (an *overflow*, followed
     by a scale backoff). These are AMP's expected overflows, counted, not reported as failures. Without a scaler
-    (bf16, fp32) a cheap check - one fused finiteness test per parameter on the device, one all-reduced flag and one
-    host sync per step - finds non-finite gradients and names the first offending parameters; every rank takes
-    the same decision, so ``on_nonfinite="stop"`` or ``"raise"`` cannot deadlock the others.
+    (bf16, fp32) a cheap check - one sum per gradient on the device, a flag per step exchanged with the other ranks
+    - finds non-finite gradients and names the offending parameters; every rank takes the same decision, so
+    ``on_nonfinite="stop"`` or ``"raise"`` cannot deadlock the others. A gradient whose finite values sum beyond
+    float32's range (3.4e38) counts as non-finite. The flags travel only where the ranks meet anyway
+    (:func:`lightning_ddpopt.meetings.ranks_meet`): at every step that synchronises gradients; under local SGD,
+    whose ranks train apart between syncs, at the next parameter sync (or the end of fit), which then reports
+    every step since, and ``"stop"`` / ``"raise"`` act there.
 
     Logged at every optimizer step (``on_step``), through the Trainer's loggers:
 
@@ -115,6 +120,10 @@ class AMPMonitor(Callback):
         self._last_step_skipped = False
         self._warned_unclassified = False
         self._scaler: torch.amp.GradScaler | None = None
+        # Non-finite checks not yet exchanged with the other ranks: (optimizer step, this rank's flag on the device)
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._pending_bad: torch.Tensor | None = None  # per parameter: non-finite in any pending step
+        self._pending_names: list[str] = []
         self._patched_module: pl.LightningModule | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -139,6 +148,7 @@ class AMPMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._pending, self._pending_bad, self._pending_names = [], None, []
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scaler = scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
@@ -182,7 +192,16 @@ class AMPMonitor(Callback):
             self._check_nonfinite(trainer, pl_module)
 
     @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending and ranks_meet(trainer):
+            self._exchange_nonfinite(trainer, pl_module)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending:  # every rank checked the same steps: the end of fit is a meeting
+            self._exchange_nonfinite(trainer, pl_module, log=False)  # Lightning takes no logs at the end of fit
         report_if_last(trainer, self)
 
     @override
@@ -271,29 +290,51 @@ class AMPMonitor(Callback):
             )
 
     def _check_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        # A rank without gradients still joins the reduce: every rank must take the same branch.
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-        local = (~finite).to(device=pl_module.device, dtype=torch.float32)
-        ranks_with_nonfinite = trainer.strategy.reduce(local, reduce_op="sum")
-        if float(ranks_with_nonfinite) > 0:
-            self.nonfinite_steps += 1
-            self._report_nonfinite(trainer, pl_module)
-        pl_module.log("ddpopt/amp/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
+        named = [(name, p.grad) for name, p in pl_module.named_parameters() if p.grad is not None]
+        # One sum per gradient, on the device: a NaN or an infinity makes the sum non-finite, and a sum of finite
+        # values is finite unless it overflows float32 (3.4e38). A pass over the values, where an elementwise
+        # test writes and reads a mask as large as the gradient (several times the cost).
+        sums = [grad.sum(dtype=torch.float32) for _, grad in named]
+        bad = ~torch.stack(sums).isfinite() if sums else torch.zeros(0, dtype=torch.bool, device=pl_module.device)
+        # A rank without gradients still takes part: every rank must take the same branch.
+        self._pending.append((self.steps, bad.any()))
+        names = [name for name, _ in named]
+        same_parameters = self._pending_bad is not None and names == self._pending_names
+        self._pending_bad = self._pending_bad | bad if same_parameters else bad  # type: ignore[operator]
+        self._pending_names = names
+        if ranks_meet(trainer):
+            self._exchange_nonfinite(trainer, pl_module)
 
-    def _report_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        names = [
-            name for name, p in pl_module.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()
-        ][: self.max_names]
+    def _exchange_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool = True) -> None:
+        """Decide, on every rank alike, which of the steps checked since the last exchange had non-finite gradients.
+
+        Called where the ranks meet anyway (:func:`~lightning_ddpopt.meetings.ranks_meet`): at every step that
+        synchronises gradients, and between local SGD's syncs at the next one, so it adds no barrier.
+        """
+        steps = [step for step, _ in self._pending]
+        flags = torch.stack([flag for _, flag in self._pending]).to(device=pl_module.device, dtype=torch.float32)
+        bad = self._pending_bad
+        self._pending, self._pending_bad = [], None
+        ranks_with_nonfinite = trainer.strategy.reduce(flags, reduce_op="sum").tolist()
+        nonfinite = [step for step, ranks in zip(steps, ranks_with_nonfinite, strict=True) if ranks > 0]
+        if nonfinite:
+            self.nonfinite_steps += len(nonfinite)
+            names = [] if bad is None else [n for n, b in zip(self._pending_names, bad.tolist(), strict=True) if b]
+            self._report_nonfinite(trainer, nonfinite, names[: self.max_names])
+        if log:
+            pl_module.log("ddpopt/amp/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
+
+    def _report_nonfinite(self, trainer: pl.Trainer, steps: list[int], names: list[str]) -> None:
         per_rank: list[list[str]] = [names]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             per_rank = [[] for _ in range(trainer.world_size)]
             dist.all_gather_object(per_rank, names)
         by_rank = dict(enumerate(per_rank))
-        self.nonfinite_reports.append({"step": self.steps, "names": by_rank})
+        self.nonfinite_reports.append({"step": steps[0], "steps": steps, "names": by_rank})
         where = "; ".join(f"rank {rank}: {', '.join(n) or 'none'}" for rank, n in by_rank.items())
+        when = f"optimizer step {steps[0]}" if len(steps) == 1 else f"optimizer steps {', '.join(map(str, steps))}"
         message = (
-            f"ddpopt: non-finite gradients at optimizer step {self.steps} (rank {trainer.global_rank} reporting), "
+            f"ddpopt: non-finite gradients at {when} (rank {trainer.global_rank} reporting), "
             f"first offending parameters - {where}"
         )
         if self.on_nonfinite == "raise":

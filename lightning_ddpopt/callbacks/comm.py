@@ -22,6 +22,7 @@ from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.meetings import ranks_meet
 from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["CommProfiler"]
@@ -37,7 +38,8 @@ class CommProfiler(Callback):
     Reads the :class:`~lightning_ddpopt.ledger.CommLedger` of :class:`~lightning_ddpopt.OptimizedDDPStrategy`
     (with Lightning's stock ``DDPStrategy`` only step times and jitter are available; on one device it warns
     once and steps aside). Every ``every_n_steps`` optimizer steps the ranks' figures are aggregated with
-    torchmetrics (one small gather) and logged; nothing else communicates during training.
+    torchmetrics (one small gather) and logged (under local SGD at the next parameter sync, where the ranks meet
+    anyway: see :func:`lightning_ddpopt.meetings.ranks_meet`); nothing else communicates during training.
 
     ====================================  ==========================================================================
     key                                   meaning (over the last ``every_n_steps`` steps, all ranks)
@@ -175,7 +177,7 @@ class CommProfiler(Callback):
             self._take_records(trainer, clock, resolved)
         # The host's step count decides when to aggregate: the same step on every rank, whatever each device's lag.
         self._since_log += steps
-        if self._since_log >= self.every_n_steps:
+        if self._since_log >= self.every_n_steps and ranks_meet(trainer):
             self._since_log = 0
             self.last_metrics = self._aggregate(trainer.world_size)
             for key, value in self.last_metrics.items():
@@ -215,9 +217,12 @@ class CommProfiler(Callback):
         self._take_records(trainer, self._cursor.ledger, self._cursor.new_records(wait=True))
         if self._step_clock is not None:
             self._take_records(trainer, self._step_clock, self._step_clock.flush())
-        # Steps since the last log point, or records that resolved after it on some rank: one more aggregation.
+        # Steps since the last log point, or records that resolved after it on some rank: one more aggregation, if
+        # they synced (local SGD's steps after its last sync would stand for its whole run with nothing sent) or
+        # nothing was aggregated yet.
         unlogged = bool(self._interval["step_time"] or self._interval["sync_time"])
-        if trainer.strategy.reduce_boolean_decision(self._since_log > 0 or unlogged, all=False):
+        synced = self._cursor.ledger is None or any(self._interval["sync_rounds"]) or not self.last_metrics
+        if trainer.strategy.reduce_boolean_decision((self._since_log > 0 or unlogged) and synced, all=False):
             self._since_log = 0
             self.last_metrics = self._aggregate(trainer.world_size)
         series: list[Any] = [self._series]

@@ -18,6 +18,7 @@ from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.ledger import StepRecord
+from lightning_ddpopt.meetings import ranks_meet
 from lightning_ddpopt.timing import Mark, Timeline
 
 __all__ = ["StragglerDetector"]
@@ -78,8 +79,9 @@ class StragglerDetector(Callback):
     that exceeds the median of the other ranks by both ``min_excess_ms`` and ``min_excess_fraction`` of the median
     step. The phase named is the own phase in which it exceeds the others most. A rank's wait is not compared:
     whoever is slow makes the others wait, wherever their next sync point is. Every ``every_n_steps`` steps the
-    per-rank means are gathered (one small all-gather); at the end of fit the steps since the last window get a
-    verdict too, so a run shorter than one window still gets one.
+    per-rank means are gathered (one small all-gather; under local SGD at the next parameter sync, where the ranks
+    meet anyway: see :func:`lightning_ddpopt.meetings.ranks_meet`); at the end of fit the steps since the last
+    window get a verdict too, so a run shorter than one window still gets one.
 
     On CPU the phases are host times. On a GPU every boundary is a CUDA event on the current stream, read back a
     step or so later without a host sync: data is then the time the device sat idle while the host fetched,
@@ -218,7 +220,7 @@ class StragglerDetector(Callback):
         self._records.extend(self._cursor.new_records())
         self._resolve(wait=False)
         self._steps_in_window += steps
-        if self._steps_in_window >= self.every_n_steps:
+        if self._steps_in_window >= self.every_n_steps and ranks_meet(trainer):
             self._analyse(trainer, pl_module)
 
     @override
