@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks.feedback import config_mismatch
-from lightning_ddpopt.hooks.int8 import all_gather_async, average_packed, packed_size, quantize_packed
+from lightning_ddpopt.hooks.int8_codec import all_gather_async, average_packed, packed_size, quantize_packed
 
 __all__ = ["LocalSGD", "LocalSGDConfig", "ParameterSync"]
 

@@ -169,7 +169,7 @@ def test_loading_state_of_another_config_is_refused(gloo_group):
 
 
 def test_blocks_too_small_for_their_scale_quantise_to_zero_and_stay_finite():
-    from lightning_ddpopt.hooks.int8 import _quantize_into, dequantize_blocks, quantize_blocks
+    from lightning_ddpopt.hooks.int8_codec import dequantize_blocks, quantize_blocks, quantize_into
 
     # 127 / peak overflows float32 below about 3.7e-37: such blocks are sent as zeros, their values stay in the
     # error (finite), instead of becoming inf and NaN that a finite scale would let into the committed state.
@@ -177,7 +177,7 @@ def test_blocks_too_small_for_their_scale_quantise_to_zero_and_stay_finite():
     payload, scales = quantize_blocks(rows)
     assert payload[:2].eq(0).all() and payload[2].tolist() == [64, -127, 32, 0]
     packed = torch.empty(1, rows.numel() + 4 * rows.shape[0], dtype=torch.int8)
-    dequantized = _quantize_into(rows.clone(), packed, rows.numel())
+    dequantized = quantize_into(rows.clone(), packed, rows.numel())
     assert bool(dequantized.isfinite().all()) and dequantized[:2].eq(0).all()
     assert bool(dequantize_blocks(payload, scales).isfinite().all())
     # Non-finite blocks keep it in their scale.
@@ -312,7 +312,7 @@ def test_point_to_point_exchange_gives_the_collectives_bits_whatever_the_timing(
 def test_numba_block_quantisation_matches_torch_on_edge_cases():
     pytest.importorskip("numba")
     import lightning_ddpopt.hooks._kernels as kernels
-    from lightning_ddpopt.hooks.int8 import _quantize_into
+    from lightning_ddpopt.hooks.int8_codec import quantize_into
 
     inf, nan = float("inf"), float("nan")
     # Blocks of 4: too small for a finite 127 / peak, ordinary with a tie at .5, +inf, -inf, NaN after an inf,
@@ -323,7 +323,7 @@ def test_numba_block_quantisation_matches_torch_on_edge_cases():
     )
     rows = torch.cat([gradient, torch.zeros(2)]).view(-1, 4) / 3  # 3 ranks
     reference = torch.empty(3, 8 + 4 * 2, dtype=torch.int8)  # 6 blocks of 4 over 3 ranks: 2 blocks each, 2 scales
-    dequantized = _quantize_into(rows.clone(), reference, 8)
+    dequantized = quantize_into(rows.clone(), reference, 8)
     packed = torch.empty_like(reference)
     scales = torch.zeros(3, 2)
     errors = torch.empty(24)
@@ -342,7 +342,7 @@ def test_numba_block_quantisation_matches_torch_on_edge_cases():
 @pytest.mark.parametrize("world_size", [2, 3, 20])
 def test_the_owners_sum_is_the_same_bytes_through_numba_and_torch(world_size):
     pytest.importorskip("numba")
-    from lightning_ddpopt.hooks.int8 import _quantize_into, reduce_and_requantize
+    from lightning_ddpopt.hooks.int8_codec import quantize_into, reduce_and_requantize
 
     # 20 ranks: torch's sum(dim=0) would reorder the additions; both paths add in rank order. One block is all -0.0.
     generator = torch.Generator().manual_seed(world_size)
@@ -352,7 +352,7 @@ def test_the_owners_sum_is_the_same_bytes_through_numba_and_torch(world_size):
     )
     values[:, 2] = -0.0
     received = torch.empty(world_size, per_rank * block + 4 * per_rank, dtype=torch.int8)
-    _quantize_into(values.view(-1, block), received, per_rank * block)
+    quantize_into(values.view(-1, block), received, per_rank * block)
     fast = reduce_and_requantize(received, per_rank * block, block, loops=True)
     reference = reduce_and_requantize(received, per_rank * block, block, loops=False)
     assert torch.equal(fast, reference)
@@ -365,7 +365,7 @@ def test_packed_rows_and_their_mean_are_the_same_bits_through_numba_and_torch(mo
     # gathered rows in rank order. Each rank may take either path: both must give the same bytes and the same mean.
     pytest.importorskip("numba")
     import lightning_ddpopt.hooks._kernels as kernels
-    from lightning_ddpopt.hooks.int8 import average_packed, quantize_packed
+    from lightning_ddpopt.hooks.int8_codec import average_packed, quantize_packed
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     generator = torch.Generator().manual_seed(ranks)

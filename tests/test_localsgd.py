@@ -457,7 +457,7 @@ def _local_step(module: nn.Module) -> torch.Tensor:
 
 def _int8_round_trip(delta: torch.Tensor) -> torch.Tensor:
     """One rank's change as an int8 sync carries it: quantised in 1024-value blocks, then dequantised."""
-    from lightning_ddpopt.hooks.int8 import average_packed, quantize_packed
+    from lightning_ddpopt.hooks.int8_codec import average_packed, quantize_packed
 
     blocks = torch.zeros(math.ceil(delta.numel() / 1024), 1024)
     blocks.view(-1)[: delta.numel()] = delta

@@ -21,7 +21,7 @@ import lightning_ddpopt.strategy as strategy_module
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt._groups import destroy_all_groups
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig, PowerSGDState, powersgd_spec
-from lightning_ddpopt.hooks.powersgd import _random_q
+from lightning_ddpopt.hooks.lowrank import random_q
 from tests.helpers import OverflowModel, WarningsProbe, fit_ddp, uninterrupted_and_resumed
 
 BUCKET_CAP_MB = 0.3  # three buckets of two Linear(256, 256) layers each
@@ -183,10 +183,8 @@ def _fp16_sum_worker(rank: int, port: int, seed: int, scale: float, out: str) ->
 def test_fp16_factors_are_averaged_before_the_sum(tmp_path):
     # Every rank's gradient is scale * ones(4, 256), so P = M q has every entry scale * sum(q). Pick the seed and
     # scale so that P's entries are 26000: fp16 holds one rank's P and the mean, but not a 3-rank sum (78000).
-    seed = next(
-        s for s in range(1000) if abs(float(_random_q(PowerSGDConfig(seed=s), 0, "weight", (256, 1)).sum())) > 2
-    )
-    scale = 26000 / abs(float(_random_q(PowerSGDConfig(seed=seed), 0, "weight", (256, 1)).sum()))
+    seed = next(s for s in range(1000) if abs(float(random_q(PowerSGDConfig(seed=s), 0, "weight", (256, 1)).sum())) > 2)
+    scale = 26000 / abs(float(random_q(PowerSGDConfig(seed=seed), 0, "weight", (256, 1)).sum()))
     out = str(tmp_path / "grad.pt")
     mp.start_processes(_fp16_sum_worker, args=(29537, seed, scale, out), nprocs=3, start_method="fork")
     grad = torch.load(out)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, _worth_compressing
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
 from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["AUTO_HOOK", "HookChoice", "choose_hook", "measure_hook_costs"]
@@ -70,7 +70,7 @@ def measure_hook_costs(
         estimates[name] = _time_hook(name, [(probe,)], process_group, device, repeats) * elements / probe
     rank = PowerSGDConfig().rank
     matrices = [(p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() > 1]
-    compressible = [shape for shape in matrices if _worth_compressing(*shape, PowerSGDConfig())]
+    compressible = [shape for shape in matrices if PowerSGDConfig().compresses(*shape)]
     if compressible:
         shapes = _largest_within(compressible, _PROBE_ELEMENTS, min_rows=2 * rank)
         probed = sum(rows * cols for rows, cols in shapes)
