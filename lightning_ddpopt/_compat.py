@@ -1,29 +1,78 @@
-"""Version checks for torch and Lightning, in one place; warned on rank 0 only."""
+"""Every private Lightning and torch API the package touches, in one place, each failing loudly when it changes.
+
+A release of Lightning or torch may rename or drop any of these; each accessor below then raises a
+``RuntimeError`` that names the API and the installed version (or, where the package can go on without it, warns
+once and says what is lost), instead of failing somewhere downstream or doing nothing. ``tests/test_compat.py``
+exercises each against the installed releases; CI runs it on the oldest and newest supported ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 import lightning
+import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
+from lightning.fabric.utilities.types import _PATH as PathType
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.imports import compare_version
+from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["LIGHTNING_TESTED_RANGE", "check_lightning_version"]
+__all__ = [
+    "DDP_STRATEGY_INTERNALS",
+    "LIGHTNING_TESTED_RANGE",
+    "PathType",
+    "StrategyRegistryType",
+    "attached_comm_hook",
+    "bucket_assignment",
+    "check_versions",
+    "data_fetcher",
+    "default_store",
+    "found_inf_per_device",
+    "group_backends",
+    "last_batch_of_epoch",
+    "say_during_training",
+    "scaler_scale",
+    "sigterm_hooks",
+    "zeros_like_grad_buckets",
+]
 
 #: The Lightning releases whose private ``DDPStrategy`` methods the strategy overrides and that CI tests.
 LIGHTNING_TESTED_RANGE = ("2.6.0", "2.7.0")
 
+#: What :class:`~lightning_ddpopt.OptimizedDDPStrategy` overrides or reads of Lightning's ``DDPStrategy``.
+DDP_STRATEGY_INTERNALS = (
+    "_setup_model",
+    "_register_ddp_hooks",
+    "_get_process_group_backend",
+)
+#: Instance attributes of ``DDPStrategy`` it reads or writes.
+DDP_STRATEGY_ATTRIBUTES = ("_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_state", "_ddp_comm_wrapper", "_timeout")
+
 _TORCH_GREATER_EQUAL_2_4 = compare_version("torch", lambda a, b: a >= b, "2.4.0")
 
 
-def check_lightning_version() -> None:
-    """Warn once when the installed Lightning is outside the range whose private methods we override."""
+def _changed(package: str, api: str, what: str) -> RuntimeError:
+    version = lightning.__version__ if package == "lightning" else torch.__version__
+    return RuntimeError(
+        f"lightning_ddpopt uses {package}'s private {api} ({what}), which {package} {version} lacks or changed; "
+        f"install a {package} release that CI tests (see the README's compatibility section)"
+    )
+
+
+def check_versions(strategy: DDPStrategy) -> None:
+    """At construction: warn outside the tested Lightning range; raise if a ``DDPStrategy`` internal is gone."""
     low, high = LIGHTNING_TESTED_RANGE
-    installed = lightning.__version__
     in_range = compare_version("lightning", lambda a, b: a >= b, low) and not compare_version(
         "lightning", lambda a, b: a >= b, high
     )
     if not in_range:
         rank_zero_warn(
-            f"lightning_ddpopt is tested with lightning>={low},<{high}; lightning {installed} is installed. "
-            "OptimizedDDPStrategy overrides private DDPStrategy methods that may have changed.",
+            f"lightning_ddpopt is tested with lightning>={low},<{high}; lightning {lightning.__version__} is "
+            "installed. OptimizedDDPStrategy overrides private DDPStrategy methods that may have changed.",
             category=RuntimeWarning,
             stacklevel=6,
         )
@@ -33,3 +82,138 @@ def check_lightning_version() -> None:
             category=RuntimeWarning,
             stacklevel=6,
         )
+    for name in DDP_STRATEGY_INTERNALS:
+        if not callable(getattr(DDPStrategy, name, None)):
+            raise _changed("lightning", f"DDPStrategy.{name}", "OptimizedDDPStrategy overrides or calls it")
+    for name in DDP_STRATEGY_ATTRIBUTES:
+        if not hasattr(strategy, name):
+            raise _changed("lightning", f"DDPStrategy.{name}", "set by DDPStrategy.__init__, read by the strategy")
+
+
+def attached_comm_hook(model: DistributedDataParallel) -> str | None:
+    """The qualified name of the comm hook DDP reports attached (``None`` for its built-in allreduce)."""
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        raise _changed("torch", "DistributedDataParallel._get_ddp_logging_data", "to check the hook is attached")
+    return logging_data().get("comm_hook")
+
+
+def bucket_assignment(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+    """The bucket layout DDP gives ``tensors`` (in the order DDP passes them) at ``cap_bytes``: DDP's own function."""
+    assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if assign is None:
+        raise _changed("torch", "torch.distributed._compute_bucket_assignment_by_size", "to predict DDP's buckets")
+    assignment, _ = assign(tensors, [cap_bytes], [False] * len(tensors))
+    return [list(bucket) for bucket in assignment]
+
+
+def zeros_like_grad_buckets(model: DistributedDataParallel) -> list[dist.GradBucket]:
+    """Zero copies of the gradient buckets DDP's reducer holds now (to read their sizes)."""
+    zeros = getattr(getattr(model, "reducer", None), "_get_zeros_like_grad_buckets", None)
+    if zeros is None:
+        raise _changed("torch", "Reducer._get_zeros_like_grad_buckets", "to read DDP's bucket layout")
+    return list(zeros())
+
+
+def default_store() -> dist.Store:
+    """The default process group's key-value store (checkpoint meetings with a timeout)."""
+    from torch.distributed import distributed_c10d
+
+    get_store = getattr(distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        raise _changed("torch", "distributed_c10d._get_default_store", "for checkpoint meetings with a timeout")
+    return get_store()
+
+
+def group_backends(group: dist.ProcessGroup) -> list[object]:
+    """The backend objects of ``group`` (CPU and CUDA), to hold their Python references while it is destroyed."""
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is None:
+        raise _changed("torch", "ProcessGroup._get_backend", "to destroy a group without a deadlock on torch 2.4")
+    found: list[object] = []
+    for device in ("cpu", "cuda"):
+        try:
+            found.append(get_backend(torch.device(device)))
+        except RuntimeError:  # no backend for this device type in this group
+            pass
+    return found
+
+
+def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+    """What ``GradScaler.step`` reads to decide whether to skip: filled by ``unscale_`` (empty if not unscaled)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        raise _changed("torch", "GradScaler._per_optimizer_states", "to tell skipped steps")
+    return states[id(optimizer)].get("found_inf_per_device", {})
+
+
+def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scaler's own scale tensor, on the device (``get_scale()`` would sync the host); ``None`` before use."""
+    if not hasattr(scaler, "_scale"):
+        raise _changed("torch", "GradScaler._scale", "the loss scale without a host sync")
+    return scaler._scale
+
+
+def last_batch_of_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the batch running now is the epoch's last (manual accumulation ends its group there)."""
+    reached = getattr(trainer.fit_loop.epoch_loop, "_num_ready_batches_reached", None)
+    if reached is None:
+        raise _changed("lightning", "_TrainingEpochLoop._num_ready_batches_reached", "for manual accumulation")
+    return bool(reached())
+
+
+_warned: set[str] = set()
+
+
+def _lost(api: str, consequence: str) -> None:
+    if api not in _warned:
+        _warned.add(api)
+        rank_zero_warn(f"ddpopt: Lightning {lightning.__version__} has no {api}; {consequence}")
+
+
+def data_fetcher(trainer: pl.Trainer) -> Any | None:
+    """The fit loop's data fetcher, with the ``_start_profiler`` / ``_stop_profiler`` it calls around each fetch.
+
+    ``None`` (and one warning) when this Lightning has none: data time is then the gap between batches.
+    """
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is None:
+        return None  # before the loop's first epoch
+    if not all(callable(getattr(fetcher, name, None)) for name in ("_start_profiler", "_stop_profiler")):
+        _lost("_DataFetcher._start_profiler/_stop_profiler", "StragglerDetector counts the whole gap as data time")
+        return None
+    return fetcher
+
+
+def sigterm_hooks(trainer: pl.Trainer) -> tuple[Any, Any] | None:
+    """The epoch loop (``_broadcast_sigterm_tensor``) and signal connector (``_sigterm_notifier_fn``) to replace.
+
+    ``None`` (and one warning) when this Lightning lacks either: its per-batch SIGTERM barrier then stays.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    connector = getattr(trainer, "_signal_connector", None)
+    if (
+        connector is None
+        or getattr(type(loop), "_broadcast_sigterm_tensor", None) is None
+        or getattr(type(connector), "_sigterm_notifier_fn", None) is None
+    ):
+        _lost(
+            "_broadcast_sigterm_tensor / _sigterm_notifier_fn",
+            "local SGD's ranks meet before every batch (Lightning's SIGTERM check), as without this package",
+        )
+        return None
+    return loop, connector
+
+
+def say_during_training(module: pl.LightningModule | None, is_global_zero: bool, message: str) -> None:
+    """Log ``message`` on rank 0; through the progress bar while one is drawn, so the line does not cut it."""
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    bar = trainer.progress_bar_callback if trainer is not None and trainer.training else None
+    try:  # Lightning's TQDM bar raises TypeError before its train bar exists; other bars have none
+        train_bar = bar.train_progress_bar if bar is not None else None
+    except (AttributeError, TypeError):
+        train_bar = None
+    if bar is not None and train_bar is not None and not getattr(train_bar, "disable", True) and is_global_zero:
+        bar.print(message)
+    else:
+        rank_zero_info(message)

@@ -7,8 +7,9 @@ import gc
 from datetime import timedelta
 from types import SimpleNamespace
 
-import torch
 import torch.distributed as dist
+
+from lightning_ddpopt._compat import group_backends
 
 __all__ = ["destroy_all_groups", "destroy_owned_group", "destroy_process_group_at_exit", "group_like"]
 
@@ -34,7 +35,7 @@ def destroy_owned_group(owner: object, attribute: str) -> None:
     setattr(owner, attribute, None)
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return
-    backends = _backends(group)
+    backends = group_backends(group)
     dist.destroy_process_group(group)
     del group
     backends.clear()
@@ -44,16 +45,6 @@ def destroy_all_groups() -> None:
     """Destroy the default group and with it every other (torch's rule for the default group), as above."""
     if dist.is_available() and dist.is_initialized():
         destroy_owned_group(SimpleNamespace(group=dist.group.WORLD), "group")
-
-
-def _backends(group: dist.ProcessGroup) -> list[object]:
-    found: list[object] = []
-    for device in ("cpu", "cuda"):
-        try:
-            found.append(group._get_backend(torch.device(device)))
-        except RuntimeError:  # no backend for this device type in this group
-            pass
-    return found
 
 
 def destroy_process_group_at_exit() -> None:

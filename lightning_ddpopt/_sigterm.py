@@ -17,7 +17,7 @@ deadlock), so with local SGD on more than one rank:
   window's meeting is not acted on: training ends as planned.
 
 Installed on one trainer's loop and signal connector (instance attributes) before Lightning registers its handlers,
-removed at teardown; with a Lightning that lacks either method nothing is changed.
+removed at teardown; with a Lightning that lacks either method nothing is changed (and a warning says so).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+
+from lightning_ddpopt._compat import sigterm_hooks
 
 __all__ = ["SigtermAtSyncs"]
 
@@ -46,8 +48,8 @@ class SigtermAtSyncs:
 
     def __init__(self, trainer: pl.Trainer, phase: Phase, device: torch.device) -> None:
         self.trainer, self.phase, self.device = trainer, phase, device
-        self.loop: Any = trainer.fit_loop.epoch_loop
-        self.connector: Any = trainer._signal_connector
+        self.loop: Any = None
+        self.connector: Any = None
         self.pending = False  # this rank received a SIGTERM
         # The local phase's meeting still travelling: its work and every rank's flag, all-reduced into it.
         self._travelling: tuple[dist.Work, torch.Tensor] | None = None
@@ -55,10 +57,10 @@ class SigtermAtSyncs:
 
     def install(self) -> bool:
         """Replace the check and the handler on this trainer (before Lightning registers its handlers)."""
-        loop_check = getattr(type(self.loop), "_broadcast_sigterm_tensor", None)
-        notifier = getattr(type(self.connector), "_sigterm_notifier_fn", None)
-        if loop_check is None or notifier is None:
+        hooks = sigterm_hooks(self.trainer)
+        if hooks is None:
             return False
+        self.loop, self.connector = hooks
         self.loop._broadcast_sigterm_tensor = self._check
         self.connector._sigterm_notifier_fn = self._notify
         return True

@@ -1,12 +1,16 @@
-"""Gradient accumulation for manual optimization: which micro-batch syncs and steps."""
+"""Gradient accumulation for manual optimization: which micro-batch syncs and steps, and the warning when all do."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_ddpopt._compat import last_batch_of_epoch
 from lightning_ddpopt._validate import require_int
 
-__all__ = ["AccumulationStep", "next_accumulation_step"]
+__all__ = ["AccumulationStep", "ManualAccumulation", "next_accumulation_step"]
 
 
 @dataclass(frozen=True)
@@ -35,3 +39,39 @@ def next_accumulation_step(previous_micro_batch: int, every: int, last_batch_of_
     require_int("every", every, 1, " (the number of micro-batches per optimizer step)")
     micro_batch = previous_micro_batch + 1
     return AccumulationStep(micro_batch, every, micro_batch >= every or last_batch_of_epoch)
+
+
+class ManualAccumulation:
+    """The strategy's ``accumulate()`` for manual optimization, and the warning for loops that sync every batch."""
+
+    def __init__(self) -> None:
+        self._micro_batch_in_group = 0
+        self._warned_extra_syncs = False
+
+    def next_step(self, module: pl.LightningModule | None, every: int, static_graph: bool) -> AccumulationStep:
+        """The current micro-batch's step; raises for automatic optimization and for DDP's static graph."""
+        if module is None or module.automatic_optimization:
+            raise RuntimeError(
+                "OptimizedDDPStrategy.accumulate() is for manual optimization; with automatic optimization use "
+                "Trainer(accumulate_grad_batches=K), which already syncs once per optimizer step"
+            )
+        if static_graph and every != 1:
+            raise ValueError(
+                f"accumulate(every={every}) cannot run with static_graph=True: DDP's static graph mode mis-syncs "
+                "gradients under no_sync (pytorch#143580). Use static_graph=False."
+            )
+        step = next_accumulation_step(self._micro_batch_in_group, every, last_batch_of_epoch(module.trainer))
+        self._micro_batch_in_group = 0 if step.should_step else step.micro_batch
+        return step
+
+    def check_syncs_per_step(self, module: pl.LightningModule | None, sync_rounds: int, micro_batches: int) -> None:
+        """Warn once when a manual-optimization loop synchronised gradients on more than one micro-batch."""
+        if self._warned_extra_syncs or sync_rounds <= 1 or module is None or module.automatic_optimization:
+            return
+        self._warned_extra_syncs = True
+        rank_zero_warn(
+            f"ddpopt: this manual-optimization loop synchronised gradients {sync_rounds} times for one optimizer "
+            f"step ({micro_batches} micro-batches): every micro-batch paid a full allreduce. Run forward and "
+            "manual_backward inside `with self.trainer.strategy.accumulate(every=K) as step:` and call "
+            "opt.step() only `if step.should_step`, so only the last micro-batch of each group syncs."
+        )

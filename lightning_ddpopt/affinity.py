@@ -5,10 +5,20 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-__all__ = ["CoreBinding", "available_cores", "plan_core_sets", "plan_given_cores", "validate_cpu_affinity"]
+__all__ = [
+    "CoreBinding",
+    "available_cores",
+    "bind_cores",
+    "plan_core_sets",
+    "plan_given_cores",
+    "validate_cpu_affinity",
+]
 
 CpuAffinity = bool | Sequence[Sequence[int]]
 
@@ -140,3 +150,44 @@ def _pin_every_thread(cores: Collection[int]) -> None:
             os.sched_setaffinity(tid, cores)
         except ProcessLookupError:  # the thread ended meanwhile
             pass
+
+
+def bind_cores(
+    cpu_affinity: CpuAffinity, *, local_rank: int, local_world_size: int, node_rank: int, world_size: int
+) -> CoreBinding | None:
+    """Pin this rank to its cores (every thread of it, the process group's too) once the ranks can talk.
+
+    ``cpu_affinity=True`` plans from the cores each local rank was given (``os.sched_getaffinity``): gathered
+    from the ranks, so that ranks a launcher bound keep their cores and ranks given the same cores split them.
+    ``None`` with ``cpu_affinity=False``.
+    """
+    if cpu_affinity is False:
+        return None
+    if cpu_affinity is True:
+        given = _local_ranks_cores(available_cores(), local_rank, local_world_size, node_rank, world_size)
+        core_sets, how = plan_given_cores(given)
+    else:
+        core_sets, how = [list(cores) for cores in cpu_affinity], "as given"
+        if len(core_sets) != local_world_size:
+            raise ValueError(
+                f"cpu_affinity gives {len(core_sets)} core sets but there are {local_world_size} local ranks; "
+                "pass one list of cores per local rank"
+            )
+    binding = CoreBinding(core_sets[local_rank])
+    rank_zero_info(
+        f"ddpopt: cores per local rank {core_sets}, torch threads {[len(cores) for cores in core_sets]} "
+        f"(cpu_affinity={cpu_affinity}: {how})"
+    )
+    return binding
+
+
+def _local_ranks_cores(
+    own: list[int], local_rank: int, local_world_size: int, node_rank: int, world_size: int
+) -> list[list[int]]:
+    """The cores each rank on this node was given, in local-rank order (one all-gather at setup)."""
+    if not dist.is_initialized() or world_size == 1:
+        return [own] * local_world_size  # no other rank to ask: as if each was given what this one was
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (node_rank, local_rank, own))
+    on_this_node = sorted((local, cores) for node, local, cores in gathered if node == node_rank)
+    return [cores for _, cores in on_this_node]

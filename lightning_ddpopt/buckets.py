@@ -1,21 +1,31 @@
-"""Bucket planning: an explicit cap, the "auto" heuristic, measured autotuning, and DDP's bucket layout."""
+"""Bucket planning: an explicit cap, the "auto" heuristic, measured autotuning, and DDP's bucket layout.
+
+:class:`BucketController` is the strategy's one owner of DDP's buckets: it plans the cap at setup (or reuses a
+checkpoint's autotuned one), runs ``"autotune"``'s search during the first optimizer steps (rewrapping the model
+with each candidate cap), and logs the plan and, once DDP has settled it, the layout DDP built.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddpopt.units import MIB
+from lightning_ddpopt._compat import bucket_assignment, zeros_like_grad_buckets
+from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = [
     "BUCKET_CAP_CHOICES",
     "BucketAutotuner",
+    "BucketController",
     "BucketPlan",
     "auto_bucket_cap_mb",
     "autotune_candidates",
@@ -115,8 +125,9 @@ def plan_buckets(module: torch.nn.Module, requested: BucketCap, world_size: int)
     if params:
         cap_bytes = int(cap_mb * MIB)
         ordered: list[torch.Tensor] = list(reversed(params))
-        assignment, _ = dist._compute_bucket_assignment_by_size(ordered, [cap_bytes], [False] * len(ordered))
-        predicted = tuple(gradient_bytes(ordered[i] for i in bucket) for bucket in assignment)
+        predicted = tuple(
+            gradient_bytes(ordered[i] for i in bucket) for bucket in bucket_assignment(ordered, cap_bytes)
+        )
     return BucketPlan(requested, cap_mb, grad_bytes, predicted)
 
 
@@ -214,5 +225,118 @@ def choose_cap(scores: dict[float, float]) -> float:
 
 def built_bucket_bytes(model: DistributedDataParallel) -> tuple[int, ...]:
     """The bucket sizes, in bytes and DDP's order, that DDP's reducer holds now."""
-    buckets = model.reducer._get_zeros_like_grad_buckets()
+    buckets = zeros_like_grad_buckets(model)
     return tuple(b.buffer().numel() * b.buffer().element_size() for b in buckets)
+
+
+#: DDP settles its bucket layout after its first synchronised step; by the end of the second the layout is final.
+LAYOUT_FINAL_AFTER_STEPS = 2
+
+
+class BucketController:
+    """DDP's bucket cap from plan to layout: planned at setup, autotuned in the first steps, logged on rank 0.
+
+    Args:
+        requested: the validated ``bucket_cap_mb`` (a number of MiB, ``"auto"`` or ``"autotune"``).
+    """
+
+    def __init__(self, requested: BucketCap) -> None:
+        self.requested = requested
+        self.plan: BucketPlan | None = None
+        self.layout: tuple[int, ...] | None = None
+        self.autotuner: BucketAutotuner | None = None
+        self._layout_due_step = LAYOUT_FINAL_AFTER_STEPS
+        self._world_size = 1
+        self._device = torch.device("cpu")
+        self._backend = ""
+        self._hook_name: str | None = None
+
+    def cap_for(self, module: torch.nn.Module, world_size: int, device: torch.device, reused: float | None) -> float:
+        """Plan the cap DDP wraps ``module`` with; ``reused``: a checkpoint's autotuned cap that still applies."""
+        self._world_size, self._device = world_size, device
+        if reused is not None:
+            self.plan = dataclasses.replace(plan_buckets(module, reused, world_size), requested="autotune")
+            rank_zero_info(f"ddpopt: bucket_cap_mb='autotune' reuses the checkpoint's cap of {reused:g} MiB")
+        else:
+            self.plan = plan_buckets(module, self.requested, world_size)
+            if self.requested == "autotune" and world_size > 1:
+                self.autotuner = BucketAutotuner(autotune_candidates(module, world_size))
+        return self.plan.cap_mb
+
+    def log_plan(self, backend: str, hook_name: str | None) -> None:
+        """Log the plan on rank 0 (once the hook is known)."""
+        assert self.plan is not None
+        self._backend, self._hook_name = backend, hook_name
+        note = f", auto for {self._world_size} ranks" if self.plan.requested == "auto" else ""
+        if self.autotuner is not None:
+            tried = ", ".join(f"{cap:g}" for cap in self.autotuner.candidates)
+            note = f", autotune tries [{tried}] MiB over {self.autotuner.total_steps} steps"
+        rank_zero_info(f"ddpopt: plan {self._describe(self.plan.predicted_bucket_bytes, note)} on {backend}")
+
+    def after_step(
+        self,
+        model: DistributedDataParallel,
+        ledger: CommLedger,
+        say: Callable[[str], None],
+        rewrap: Callable[[float], DistributedDataParallel],
+        local_phase: bool = False,
+    ) -> None:
+        """After each optimizer step: log the layout once it is final; count and score an autotune candidate.
+
+        ``rewrap(cap)`` wraps the module in a new DDP with ``cap`` (the hook registered on it) and returns it.
+        """
+        if self.layout is None and ledger.closed_steps >= self._layout_due_step:
+            self.log_layout(model, ledger, say, local_phase)
+        tuner = self.autotuner
+        if tuner is None or tuner.done or not tuner.observe():
+            return
+        # The candidate's measured steps are the ledger's latest: wait for the device once per candidate, so
+        # they are timed on the device's clock (host times on a GPU would be queueing times).
+        ledger.flush()
+        times = [record.step_time_s for record in list(ledger.steps)[-tuner.measure_steps :]]
+        local = tuner.score([t for t in times if t is not None])
+        # Every rank scores a candidate by the slowest rank's median, so every rank takes the same decision.
+        score = torch.tensor([local], dtype=torch.float64, device=self._device)
+        dist.all_reduce(score, op=dist.ReduceOp.MAX)
+        previous = tuner.current
+        next_cap = tuner.advance(float(score))
+        if tuner.done:
+            scores = ", ".join(f"{cap:g} MiB: {t * 1e3:.1f} ms" for cap, t in tuner.scores.items())
+            rank_zero_info(
+                f"ddpopt: autotune chose bucket_cap_mb={tuner.best:g} after {tuner.total_steps} steps "
+                f"(median step time per cap: {scores})"
+            )
+        if next_cap != previous:
+            assert self.plan is not None
+            module = rewrap(next_cap).module
+            replanned = plan_buckets(module, next_cap, self._world_size)
+            self.plan = dataclasses.replace(replanned, requested=self.plan.requested)
+            self.layout = None
+            self._layout_due_step = ledger.closed_steps + LAYOUT_FINAL_AFTER_STEPS
+
+    def log_layout(
+        self, model: DistributedDataParallel, ledger: CommLedger | None, say: Callable[[str], None], local_phase: bool
+    ) -> None:
+        """Log the bucket sizes DDP built, from the ledger's latest record of them (else DDP's reducer)."""
+        # The latest record shows the buckets the hooks saw, unless a step closed since is still on the device; a
+        # local SGD parameter sync's round is not a bucket layout.
+        last = ledger.steps[-1] if ledger is not None and ledger.steps and not ledger.pending_steps else None
+        recorded = last.bucket_bytes if last is not None and not local_phase else ()
+        self.layout = recorded or built_bucket_bytes(model)
+        sizes = ", ".join(format_bytes(size) for size in self.layout)
+        say(f"ddpopt: {self._describe(self.layout)} on {self._backend}, bucket sizes [{sizes}]")
+
+    def autotuned_cap(self) -> float | None:
+        """The cap ``bucket_cap_mb="autotune"`` settled on (measured now or reused), ``None`` while it searches."""
+        if self.requested != "autotune" or self.plan is None:
+            return None
+        if self.autotuner is not None and not self.autotuner.done:
+            return None
+        return self.plan.cap_mb
+
+    def _describe(self, sizes: tuple[int, ...], cap_note: str = "") -> str:
+        assert self.plan is not None
+        count = f"{len(sizes)} bucket" + ("" if len(sizes) == 1 else "s")
+        hook = self._hook_name or "none (DDP built-in allreduce)"
+        cap = f"cap {self.plan.cap_mb:g} MiB{cap_note}"
+        return f"{format_bytes(sum(sizes))} of gradients in {count} ({cap}), hook {hook}"

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_store
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_ddpopt._compat import default_store
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.base import CommHookState
 
-__all__ = ["CHECKPOINT_KEY", "SavedRun", "gather_hook_states", "restore_hook_state"]
+__all__ = ["CHECKPOINT_KEY", "RankStates", "SavedRun", "gather_hook_states", "restore_hook_state"]
 
 CHECKPOINT_KEY = "ddpopt"
 
@@ -83,6 +84,42 @@ class SavedRun:
         if self.world_size != world_size:
             return f"the checkpoint was saved with world size {self.world_size} and this run has {world_size}"
         return None
+
+    def reused(self, name: Literal["hook_choice", "bucket_cap_mb"], world_size: int) -> Any:
+        """The measured decision ``name`` if a run on ``world_size`` ranks may reuse it; says why when it may not."""
+        if getattr(self, name) is None:
+            return None
+        note = self.decision_note(world_size)
+        if note is not None:
+            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb='autotune'"
+            rank_zero_info(f"ddpopt: {what} measures again: {note}")
+            return None
+        return getattr(self, name)
+
+
+class RankStates:
+    """Gathers a per-rank state to rank 0 at a save; each gather's meeting has a name of its own on the store.
+
+    Args:
+        timeout_s: how long a gather waits for every rank before it raises.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._run = ""
+        self._gathers = 0
+
+    def name_run(self, nonce: str) -> None:
+        """Name this run's meetings (the same ``nonce`` on every rank): the store outlives a Trainer."""
+        self._run = nonce
+
+    def gather(self, state: dict[str, Any], *, rank: int, world_size: int) -> list[dict[str, Any]]:
+        """Every rank's ``state`` on rank 0, an empty list on the others; every rank must call it."""
+        self._gathers += 1
+        gathered = gather_hook_states(
+            state, rank=rank, world_size=world_size, timeout_s=self.timeout_s, tag=f"{self._run}/{self._gathers}"
+        )
+        return gathered or []
 
 
 def gather_hook_states(
@@ -137,7 +174,7 @@ def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> 
     every rank follows, so a rank arriving late cannot enter the gather alone. Without rank 0, the others give up
     after twice ``timeout_s``.
     """
-    store = _get_default_store()
+    store = default_store()
     arrived = [f"ddpopt/checkpoint/{tag}/arrived/{other}" for other in range(world_size)]
     verdict_key = f"ddpopt/checkpoint/{tag}/verdict"
     store.set(arrived[rank], "1")

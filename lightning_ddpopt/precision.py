@@ -7,6 +7,7 @@ import math
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
+from lightning_ddpopt._compat import scaler_scale
 from lightning_ddpopt._validate import require_int
 
 __all__ = ["bf16_supported", "current_loss_scale", "fp16_mixed_precision", "native_bf16"]
@@ -84,4 +85,4 @@ def current_loss_scale(precision_plugin: Precision | None) -> torch.Tensor | Non
     scaler = getattr(precision_plugin, "scaler", None)
     if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
         return None
-    return scaler._scale  # private, see above; None until the scaler's first scale()
+    return scaler_scale(scaler)

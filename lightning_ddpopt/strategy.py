@@ -1,8 +1,11 @@
-"""OptimizedDDPStrategy: Lightning's DDPStrategy with planned buckets, comm hooks on every backend, and a ledger."""
+"""OptimizedDDPStrategy: Lightning's DDPStrategy with planned buckets, comm hooks on every backend, and a ledger.
+
+The strategy is wiring: each concern lives in the component that owns its rules, and the methods below are
+Lightning's hooks in the order Lightning calls them, each handing over to the components (see the design page).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -13,57 +16,31 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpopt._compat import check_lightning_version
-from lightning_ddpopt._groups import destroy_owned_group, destroy_process_group_at_exit, group_like
-from lightning_ddpopt._sigterm import SigtermAtSyncs
+from lightning_ddpopt._compat import PathType, StrategyRegistryType, check_versions, say_during_training
+from lightning_ddpopt._groups import destroy_process_group_at_exit, group_like
 from lightning_ddpopt._validate import require_number
-from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_step
-from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_given_cores, validate_cpu_affinity
-from lightning_ddpopt.buckets import (
-    BucketAutotuner,
-    BucketPlan,
-    autotune_candidates,
-    built_bucket_bytes,
-    plan_buckets,
-    validate_bucket_cap_mb,
-)
-from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, SavedRun, gather_hook_states, restore_hook_state
-from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
-from lightning_ddpopt.hooks.base import CommHookState
-from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
-from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
-from lightning_ddpopt.hooks.registry import (
-    TESTED_BACKENDS,
-    HookSpec,
-    get_hook_spec,
-    int8_spec,
-    powersgd_spec,
-    validate_hook_callable,
-)
-from lightning_ddpopt.ledger import CommHook, CommLedger
-from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig
+from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
+from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
+from lightning_ddpopt.buckets import BucketController, validate_bucket_cap_mb
+from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, RankStates, SavedRun
+from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
+from lightning_ddpopt.hooks.int8 import Int8Config
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
 from lightning_ddpopt.precision import current_loss_scale
 from lightning_ddpopt.timing import timeline_for
-from lightning_ddpopt.units import format_bytes
 
 __all__ = ["OptimizedDDPStrategy"]
-
-_DEFAULT_COMM_HOOK = "allreduce"
-#: DDP settles its bucket layout after its first synchronised step; by the end of the second the layout is final.
-_LAYOUT_FINAL_AFTER_STEPS = 2
 
 
 class OptimizedDDPStrategy(DDPStrategy):
@@ -146,7 +123,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
-        comm_hook: str | PowerSGDConfig | Int8Config | Callable | None = _DEFAULT_COMM_HOOK,
+        comm_hook: str | PowerSGDConfig | Int8Config | Callable | None = DEFAULT_COMM_HOOK,
         comm_state: object | None = None,
         bucket_cap_mb: float | Literal["auto", "autotune"] = "auto",
         gradient_as_bucket_view: bool = True,
@@ -157,17 +134,15 @@ class OptimizedDDPStrategy(DDPStrategy):
         local_sgd: LocalSGDConfig | None = None,
         **kwargs: Any,
     ) -> None:
-        check_lightning_version()
-        _validate_local_sgd(local_sgd, comm_hook, ddp_comm_hook, model_averaging_period, bucket_cap_mb)
-        self._hook_spec, self._hook_callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
-        self._auto_hook = comm_hook == AUTO_HOOK
-        if ddp_comm_hook is not None:
-            validate_hook_callable(ddp_comm_hook, "ddp_comm_hook")
-        if ddp_comm_wrapper is not None and ddp_comm_hook is None:
-            raise ValueError(
-                f"ddp_comm_wrapper={ddp_comm_wrapper!r} wraps ddp_comm_hook, which is not given; pass "
-                "ddp_comm_hook too, or use comm_hook="
-            )
+        validate_local_sgd(
+            local_sgd,
+            comm_hook=comm_hook,
+            default_hook=DEFAULT_COMM_HOOK,
+            ddp_comm_hook=ddp_comm_hook,
+            model_averaging_period=model_averaging_period,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self._hooks = HookInstaller(comm_hook, comm_state, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -183,6 +158,7 @@ class OptimizedDDPStrategy(DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
+        check_versions(self)
         # DistributedDataParallel gets only what differs from its own defaults (all False).
         ddp_flags = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -190,33 +166,30 @@ class OptimizedDDPStrategy(DDPStrategy):
             "static_graph": static_graph,
         }
         self._ddp_kwargs.update((name, True) for name, value in ddp_flags.items() if value)
-        self._comm_state_arg = comm_state
-        self._bucket_cap_mb = validate_bucket_cap_mb(bucket_cap_mb)
+        self._buckets = BucketController(validate_bucket_cap_mb(bucket_cap_mb))
         self._cpu_affinity = validate_cpu_affinity(cpu_affinity)
-        self._checkpoint_timeout = require_number("checkpoint_timeout", checkpoint_timeout)
-        self._checkpoint_saves = 0
-        self._checkpoint_nonce = ""
-        self._owns_comm_state = False
+        self._checkpoints = RankStates(require_number("checkpoint_timeout", checkpoint_timeout))
+        self._local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
+        self._accumulation = ManualAccumulation()
         self.ledger: CommLedger | None = None
-        self.comm_state: object | None = None
-        self.comm_hook_name: str | None = None
-        self.bucket_plan: BucketPlan | None = None
-        self.bucket_layout: tuple[int, ...] | None = None
         self.core_binding: CoreBinding | None = None
+        # A loaded checkpoint's entry, and which of its parts still wait for the component that restores them.
         self._saved: SavedRun | None = None
         self._hook_state_pending = False
         self._local_sgd_pending = False
-        self._micro_batch_in_group = 0
-        self._warned_extra_syncs = False
-        self.autotuner: BucketAutotuner | None = None
-        self.hook_choice: HookChoice | None = None
-        self._registered_hook: CommHook | None = None
-        self._layout_due_step = _LAYOUT_FINAL_AFTER_STEPS
-        self._local_sgd_config = local_sgd
-        self._hook_group: torch.distributed.ProcessGroup | None = None
-        self._local_sgd_group: torch.distributed.ProcessGroup | None = None
-        self.local_sgd: LocalSGD | None = None
-        self._sigterm: SigtermAtSyncs | None = None
+
+    # What the components hold, under the names users and callbacks read.
+    comm_state = property(lambda self: self._hooks.comm_state, doc="The comm hook's state (``None`` without one).")
+    comm_hook_name = property(lambda self: self._hooks.comm_hook_name, doc="The registered hook's name.")
+    hook_choice = property(lambda self: self._hooks.hook_choice, doc="What ``comm_hook='auto'`` chose, and why.")
+    bucket_plan = property(lambda self: self._buckets.plan, doc="The planned bucket cap and predicted layout.")
+    bucket_layout = property(lambda self: self._buckets.layout, doc="The bucket sizes DDP built, once final.")
+    autotuner = property(lambda self: self._buckets.autotuner, doc="``bucket_cap_mb='autotune'``'s search.")
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        """Local SGD's outer loop (anchor, counters), once the model is wrapped; ``None`` without local SGD."""
+        return self._local_sgd.loop if self._local_sgd is not None else None
 
     @override
     def setup_environment(self) -> None:
@@ -224,6 +197,15 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._bind_cores()
         # CUDA events on a GPU (host clocks would time kernel queueing), host clocks on CPU.
         self.ledger = CommLedger(timeline=timeline_for(self.root_device))
+
+    def _bind_cores(self) -> None:
+        self.core_binding = bind_cores(
+            self._cpu_affinity,
+            local_rank=self.local_rank,
+            local_world_size=self.num_processes,
+            node_rank=self.node_rank,
+            world_size=self.world_size,
+        )
 
     @override
     def setup_distributed(self) -> None:
@@ -244,116 +226,39 @@ class OptimizedDDPStrategy(DDPStrategy):
         super().setup(trainer)
         if self.world_size > 1:
             # Names this run's checkpoint meetings on the store, which outlives a Trainer in the same processes.
-            self._checkpoint_nonce = self.broadcast(secrets.token_hex(8))
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        if self._local_sgd_config is not None and not any(isinstance(c, _FinalAverage) for c in callbacks):
-            # First in line, so that the callbacks' and the module's on_train_end see the averaged model.
-            callbacks.insert(0, _FinalAverage())
-        if self._local_sgd_config is not None and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
-            self._sigterm_checks_at_syncs(trainer)
+            self._checkpoints.name_run(self.broadcast(secrets.token_hex(8)))
+        if self._local_sgd is not None:
+            self._local_sgd.setup(trainer, self.world_size, self.root_device)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        reused = self._reused_decision("bucket_cap_mb") if self._bucket_cap_mb == "autotune" else None
-        if reused is not None:
-            replanned = plan_buckets(model, reused, self.world_size)
-            self.bucket_plan = dataclasses.replace(replanned, requested="autotune")
-            rank_zero_info(f"ddpopt: bucket_cap_mb='autotune' reuses the checkpoint's cap of {reused:g} MiB")
-        else:
-            self.bucket_plan = plan_buckets(model, self._bucket_cap_mb, self.world_size)
-            if self._bucket_cap_mb == "autotune" and self.world_size > 1:
-                self.autotuner = BucketAutotuner(autotune_candidates(model, self.world_size))
-        self._ddp_kwargs["bucket_cap_mb"] = self.bucket_plan.cap_mb
+        reused = self._reused_decision("bucket_cap_mb") if self._buckets.requested == "autotune" else None
+        self._ddp_kwargs["bucket_cap_mb"] = self._buckets.cap_for(model, self.world_size, self.root_device, reused)
         return super()._setup_model(model)
-
-    def _reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb"]) -> Any:
-        """The checkpoint's measured decision ``name`` if this run may reuse it; says why when it may not."""
-        saved = self._saved
-        if saved is None or getattr(saved, name) is None:
-            return None
-        note = saved.decision_note(self.world_size)
-        if note is not None:
-            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb='autotune'"
-            rank_zero_info(f"ddpopt: {what} measures again: {note}")
-            return None
-        return getattr(saved, name)
 
     @override
     def _register_ddp_hooks(self) -> None:
         model = self.model
-        assert isinstance(model, DistributedDataParallel)
-        self._check_post_local_sgd(self.root_device)
+        assert isinstance(model, DistributedDataParallel) and self.ledger is not None
         backend = self._get_process_group_backend()
-        hook = self._build_hook(model, backend)
-        if hook is not None:
-            if backend not in TESTED_BACKENDS:
-                rank_zero_warn(
-                    f"ddpopt: comm hook {self.comm_hook_name!r} registered on backend {backend!r}, which is not "
-                    f"tested ({', '.join(TESTED_BACKENDS)} are); check its results."
-                )
-            assert self.ledger is not None
-            self._registered_hook = self.ledger.record_hook(hook)
-            model.register_comm_hook(self.comm_state, self._registered_hook)
-            attached = model._get_ddp_logging_data().get("comm_hook")
-            if attached != hook.__qualname__:
-                raise RuntimeError(
-                    f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
-                )
-            self._restore_hook_state()
-        if self._local_sgd_config is not None:
-            group = model.process_group
-            if self._local_sgd_config.overlap_steps:
-                # The change travels while training goes on: on a group of its own, so that what training issues
-                # meanwhile (the SIGTERM meeting, validation's collectives) does not queue behind it.
-                group = self._local_sgd_group = self._group_of_own(model)
-            self.local_sgd = LocalSGD(self._local_sgd_config, model.module, group)
+        self._hooks.install(
+            model,
+            backend=backend,
+            ledger=self.ledger,
+            device=self.root_device,
+            world_size=self.world_size,
+            loss_scale=self._loss_scale,
+            own_group=self._group_of_own,
+            reused_choice=self._reused_decision("hook_choice") if self._hooks.auto else None,
+        )
+        self._restore_hook_state()
+        if self._local_sgd is not None:
+            self._local_sgd.start(model, self._group_of_own)
             self._restore_local_sgd()
-        self._log_plan(backend)
+        self._buckets.log_plan(backend, self.comm_hook_name)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Add the hook's state (every rank's, gathered to rank 0) and the measured decisions to the checkpoint.
-
-        Every rank must call this, as with Lightning's ``DDPStrategy``; with a stateful hook a call on fewer ranks
-        raises within ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
-        """
-        state = self.comm_state.state_dict() if isinstance(self.comm_state, CommHookState) else {}
-        states: list[dict[str, Any]] | None = []
-        if state:  # the same hook on every rank, so every rank takes this branch or none does
-            self._checkpoint_saves += 1
-            states = gather_hook_states(
-                state,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                timeout_s=self._checkpoint_timeout,
-                tag=f"{self._checkpoint_nonce}/{self._checkpoint_saves}",
-            )
-        local_states: list[dict[str, Any]] | None = []
-        if self.local_sgd is not None and "optimizer_states" in checkpoint:  # not for weights-only checkpoints
-            # Each rank's inner optimizer state: local, as in DiLoCo. On the CPU, like the hook states, so that rank
-            # 0 does not materialise the other ranks' tensors on their devices.
-            self._checkpoint_saves += 1
-            local_states = gather_hook_states(
-                {"optimizer_states": [_to_cpu(optimizer.state_dict()) for optimizer in self.optimizers]},
-                rank=self.global_rank,
-                world_size=self.world_size,
-                timeout_s=self._checkpoint_timeout,
-                tag=f"{self._checkpoint_nonce}/{self._checkpoint_saves}",
-            )
-        if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = SavedRun(
-                world_size=self.world_size,
-                comm_hook=self.comm_hook_name,
-                hook_states=states or [],
-                hook_choice=self.hook_choice if self._auto_hook else None,
-                bucket_cap_mb=self._autotuned_cap(),
-                local_sgd=self.local_sgd.state_dict() if self.local_sgd is not None else None,
-                local_sgd_ranks=local_states or [],
-            ).to_checkpoint()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathType, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         entry = checkpoint.get(CHECKPOINT_KEY)
         self._saved = SavedRun.from_checkpoint(entry) if entry else None
@@ -367,7 +272,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         # With local SGD each rank's inner optimizer state is its own: load this rank's, saved beside rank 0's.
         saved = self._saved
         if (
-            self.local_sgd is not None
+            self._local_sgd is not None
             and saved is not None
             and saved.world_size == self.world_size
             and len(saved.local_sgd_ranks) == self.world_size
@@ -383,13 +288,8 @@ class OptimizedDDPStrategy(DDPStrategy):
             except (MisconfigurationException, RecursionError):
                 samples = None
             self.ledger.add_micro_batch(samples, first_of_epoch=batch_idx == 0)
-        if self.local_sgd is not None and isinstance(self.model, DistributedDataParallel):
-            sync = self.local_sgd.before_batch()
-            # DDP reads these in forward: no reducer preparation (so no bucket reaches a hook) and no buffer
-            # broadcast; Lightning's no_sync for accumulation restores what is set here.
-            self.model.require_backward_grad_sync = sync
-            if not sync:
-                self.model.require_forward_param_sync = False
+        if self._local_sgd is not None and isinstance(self.model, DistributedDataParallel):
+            self._local_sgd.before_batch(self.model)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -400,26 +300,24 @@ class OptimizedDDPStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        scale = self._loss_scale() if self.local_sgd is not None else None
+        scale = self._loss_scale() if self._local_sgd is not None else None
         scale_before = scale.detach().clone() if scale is not None else None
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        ledger = self.ledger if isinstance(self.model, DistributedDataParallel) else None
-        if self.local_sgd is not None:
-            self._local_sgd_step(scale_before)
-        if ledger is None:
+        ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
+        if self._local_sgd is not None:
+            self._local_sgd.after_optimizer_step(scale_before, self._loss_scale(), self.ledger if ddp else None)
+        if ddp is None or self.ledger is None:
             return output
         # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
-        for record in ledger.close_step():
-            self._check_syncs_per_step(record.sync_rounds, record.micro_batches)
+        for record in self.ledger.close_step():
+            self._accumulation.check_syncs_per_step(self.lightning_module, record.sync_rounds, record.micro_batches)
             if record.samples and self.lightning_module is not None:
                 # Assumes every rank runs batches of the same size, as DistributedSampler makes them.
                 self.lightning_module.log(
                     "ddpopt/effective_batch_size", float(record.samples * self.world_size), on_step=True, on_epoch=False
                 )
-        if self.bucket_layout is None and ledger.closed_steps >= self._layout_due_step:
-            self._log_layout()
-        if self.autotuner is not None and not self.autotuner.done:
-            self._autotune_step(ledger)
+        local_phase = self.local_sgd is not None and self.local_sgd.local
+        self._buckets.after_step(ddp, self.ledger, self._say, self._rewrap, local_phase)
         return output
 
     @contextmanager
@@ -445,60 +343,62 @@ class OptimizedDDPStrategy(DDPStrategy):
             RuntimeError: the LightningModule uses automatic optimization (use
                 ``Trainer(accumulate_grad_batches=K)`` there).
         """
-        module = self.lightning_module
-        if module is None or module.automatic_optimization:
-            raise RuntimeError(
-                "OptimizedDDPStrategy.accumulate() is for manual optimization; with automatic optimization use "
-                "Trainer(accumulate_grad_batches=K), which already syncs once per optimizer step"
-            )
-        if self._ddp_kwargs.get("static_graph") and every != 1:
-            raise ValueError(
-                f"accumulate(every={every}) cannot run with static_graph=True: DDP's static graph mode mis-syncs "
-                "gradients under no_sync (pytorch#143580). Use static_graph=False."
-            )
-        last_batch = module.trainer.fit_loop.epoch_loop._num_ready_batches_reached()
-        step = next_accumulation_step(self._micro_batch_in_group, every, last_batch)
-        self._micro_batch_in_group = 0 if step.should_step else step.micro_batch
+        static_graph = bool(self._ddp_kwargs.get("static_graph"))
+        step = self._accumulation.next_step(self.lightning_module, every, static_graph)
         with nullcontext() if step.should_step else self.block_backward_sync():
             yield step
 
     @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
+    ) -> None:
+        """Add the hook's state (every rank's, gathered to rank 0) and the measured decisions to the checkpoint.
+
+        Every rank must call this, as with Lightning's ``DDPStrategy``; with a stateful hook a call on fewer ranks
+        raises within ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
+        """
+        rank, world_size = self.global_rank, self.world_size
+        hook_state = self._hooks.state_dict()
+        # The same hook on every rank, so every rank gathers or none does.
+        states = self._checkpoints.gather(hook_state, rank=rank, world_size=world_size) if hook_state else []
+        local_states: list[dict[str, Any]] = []
+        if self._local_sgd is not None and "optimizer_states" in checkpoint:  # not for weights-only checkpoints
+            local_states = self._checkpoints.gather(
+                self._local_sgd.rank_state(self.optimizers), rank=rank, world_size=world_size
+            )
+        if self.is_global_zero:
+            checkpoint[CHECKPOINT_KEY] = SavedRun(
+                world_size=world_size,
+                comm_hook=self.comm_hook_name,
+                hook_states=states,
+                hook_choice=self.hook_choice if self._hooks.auto else None,
+                bucket_cap_mb=self._buckets.autotuned_cap(),
+                local_sgd=self.local_sgd.state_dict() if self.local_sgd is not None else None,
+                local_sgd_ranks=local_states,
+            ).to_checkpoint()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
     def on_train_end(self) -> None:
         if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
-            self._log_layout()
+            local_phase = self.local_sgd is not None and self.local_sgd.local
+            self._buckets.log_layout(self.model, self.ledger, self._say, local_phase)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
-        sigterm, self._sigterm = self._sigterm, None
-        if sigterm is not None:
-            sigterm.remove()  # Lightning's own again, should the trainer fit once more
         super().teardown()
-        # Nothing of ours may keep the process group alive past Lightning's exit-time destroy_process_group: a
-        # gloo group destroyed later, during interpreter shutdown, can abort the process with its threads running.
-        # The hook state keeps its figures (for a checkpoint saved after fit) and falls back to the default group.
-        if self._owns_comm_state and isinstance(self.comm_state, CommHookState):
-            if self.comm_state.close():
-                self.comm_state.process_group = None
-                if isinstance(self.comm_state, Int8State):
-                    self.comm_state.exchange_group = None
-                destroy_owned_group(self, "_hook_group")
-            else:
-                rank_zero_warn(
-                    f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
-                )
-        if self.local_sgd is not None:
-            self.local_sgd.abandon_in_flight()  # only after a failure: fit's end applies it
-            if self._local_sgd_group is not None:
-                self.local_sgd.process_group = None  # the group's last reference is the strategy's
-        destroy_owned_group(self, "_local_sgd_group")
+        # Nothing of ours may keep a process group alive past Lightning's exit-time destroy_process_group.
+        self._hooks.close()
+        if self._local_sgd is not None:
+            self._local_sgd.teardown()
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         """Register ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets such as ``ddp_optimized_fp16``."""
         start_methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
         for suffix, start_method in start_methods.items():
@@ -518,106 +418,34 @@ class OptimizedDDPStrategy(DDPStrategy):
                     start_method=start_methods[suffix],
                 )
 
-    def _check_post_local_sgd(self, device: torch.device) -> None:
-        """Refuse a post-local SGD state that would fail mid-training on this device."""
-        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+    def _loss_scale(self) -> torch.Tensor | None:
+        return current_loss_scale(self.precision_plugin)
 
-        state = self._ddp_comm_state
-        if (
-            isinstance(state, PostLocalSGDState)
-            and state.subgroup is None
-            and state.post_local_gradient_allreduce
-            and device.type != "cuda"
-        ):
-            raise ValueError(
-                "ddp_comm_state=PostLocalSGDState(subgroup=None, post_local_gradient_allreduce=True) makes torch "
-                f"build one subgroup per node from the CUDA device count, which is 0 on {device.type}, and fails "
-                "once local SGD starts. Pass post_local_gradient_allreduce=False (no gradient sync between "
-                "averagings) or an explicit subgroup."
-            )
-
-    def _autotune_step(self, ledger: CommLedger) -> None:
-        """Count one step for the autotuner; score the candidate and switch DDP's buckets when it is complete."""
-        tuner = self.autotuner
-        assert tuner is not None
-        if not tuner.observe():
-            return
-        # The candidate's measured steps are the ledger's latest: wait for the device once per candidate, so
-        # they are timed on the device's clock (host times on a GPU would be queueing times).
-        ledger.flush()
-        times = [record.step_time_s for record in list(ledger.steps)[-tuner.measure_steps :]]
-        local = tuner.score([t for t in times if t is not None])
-        # Every rank scores a candidate by the slowest rank's median, so every rank takes the same decision.
-        score = torch.tensor([local], dtype=torch.float64, device=self.root_device)
-        torch.distributed.all_reduce(score, op=torch.distributed.ReduceOp.MAX)
-        previous = tuner.current
-        next_cap = tuner.advance(float(score))
-        if tuner.done:
-            scores = ", ".join(f"{cap:g} MiB: {t * 1e3:.1f} ms" for cap, t in tuner.scores.items())
-            rank_zero_info(
-                f"ddpopt: autotune chose bucket_cap_mb={tuner.best:g} after {tuner.total_steps} steps "
-                f"(median step time per cap: {scores})"
-            )
-        if next_cap != previous:
-            self._rebuild_buckets(next_cap)
-
-    def _rebuild_buckets(self, cap_mb: float) -> None:
-        """Wrap the module in a new DDP with ``cap_mb``; the parameters, optimizer state and hook state stay."""
-        assert isinstance(self.model, DistributedDataParallel) and self.bucket_plan is not None
-        module = self.model.module
-        self._ddp_kwargs["bucket_cap_mb"] = cap_mb
-        self.model = super()._setup_model(module)
-        if self._registered_hook is not None:
-            self.model.register_comm_hook(self.comm_state, self._registered_hook)
-        replanned = plan_buckets(module, cap_mb, self.world_size)
-        self.bucket_plan = dataclasses.replace(replanned, requested=self.bucket_plan.requested)
-        self.bucket_layout = None
-        self._layout_due_step = (self.ledger.closed_steps if self.ledger is not None else 0) + _LAYOUT_FINAL_AFTER_STEPS
-
-    def _group_of_own(self, model: DistributedDataParallel) -> torch.distributed.ProcessGroup:
+    def _group_of_own(self) -> torch.distributed.ProcessGroup:
         """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""
-        return group_like(model.process_group, self._get_process_group_backend(), self._timeout)
+        assert isinstance(self.model, DistributedDataParallel)
+        return group_like(self.model.process_group, self._get_process_group_backend(), self._timeout)
 
-    def _sigterm_checks_at_syncs(self, trainer: pl.Trainer) -> None:
-        """Between local SGD's syncs the ranks do not wait for each other: the SIGTERM check once a window, in passing.
+    def _rewrap(self, cap_mb: float) -> DistributedDataParallel:
+        """Wrap the module in a new DDP with ``cap_mb``; the parameters, optimizer state and hook state stay."""
+        assert isinstance(self.model, DistributedDataParallel)
+        self._ddp_kwargs["bucket_cap_mb"] = cap_mb
+        self.model = super()._setup_model(self.model.module)
+        self._hooks.register(self.model)
+        return self.model
 
-        Lightning's check makes every batch a barrier, so each local step lasted as long as the slowest rank's
-        (measured: 4-7% of the local steps' time on the emulated cluster); in the local phase the check once a window
-        does not wait either. See :mod:`lightning_ddpopt._sigterm`.
-        """
+    def _say(self, message: str) -> None:
+        say_during_training(self.lightning_module, self.is_global_zero, message)
 
-        def phase() -> tuple[bool, bool, int]:
-            local = self.local_sgd
-            if local is None:
-                return False, True, 0
-            return local.local, local.window_starts, local.steps
+    def _reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb"]) -> Any:
+        return self._saved.reused(name, self.world_size) if self._saved is not None else None
 
-        sigterm = SigtermAtSyncs(trainer, phase, self.root_device)
-        if sigterm.install():
-            self._sigterm = sigterm
-
-    def _finish_local_sgd(self) -> None:
-        """Ranks that trained alone since the last sync end with their average: one model on every rank."""
-        if self.local_sgd is None:
+    def _restore_hook_state(self) -> None:
+        """Load this rank's saved hook state once both the checkpoint and the registered hook exist."""
+        if self._saved is None or not self._hook_state_pending or not isinstance(self.model, DistributedDataParallel):
             return
-        if self.local_sgd.finish() is not None:
-            self._say_during_training(
-                "ddpopt: local SGD averaged the ranks' parameters at the end of training (they had trained apart "
-                "since the last sync)"
-            )
-
-    def _local_sgd_step(self, scale_before: torch.Tensor | None) -> None:
-        """Count the optimizer step for local SGD (skipped if the GradScaler backed off) and record its sync."""
-        assert self.local_sgd is not None
-        scale = self._loss_scale()
-        # A GradScaler backs off exactly when it skipped the step (a host read: only with fp16 AMP in local SGD).
-        skipped = scale_before is not None and scale is not None and bool(scale < scale_before)
-        start = self.ledger.timeline.mark() if self.ledger is not None else None
-        sync = self.local_sgd.after_optimizer_step(skipped)
-        if sync is not None and self.ledger is not None and start is not None:
-            self.ledger.add_parameter_sync(
-                sync.num_elements, sync.logical_bytes, sync.wire_bytes, start, transfer_hidden=sync.overlapped
-            )
+        self._hook_state_pending = False
+        self._hooks.restore(self._saved, self.world_size, self.global_rank)
 
     def _restore_local_sgd(self) -> None:
         """Load the saved outer loop once both the checkpoint and this fit's local SGD loop exist.
@@ -625,286 +453,10 @@ class OptimizedDDPStrategy(DDPStrategy):
         A checkpoint is loaded before setup: a loop left by an earlier fit (its model unwrapped at teardown) waits for
         the one this fit builds.
         """
-        saved = self._saved
-        if saved is None or self.local_sgd is None or not self._local_sgd_pending:
+        if self._saved is None or self.local_sgd is None or not self._local_sgd_pending:
             return
         if not isinstance(self.model, DistributedDataParallel):
             return
         self._local_sgd_pending = False
-        if saved.local_sgd is None:
-            rank_zero_warn("ddpopt: the checkpoint holds no local SGD state; the outer loop starts from the weights")
-            return
-        problem = self.local_sgd.load_state_dict(saved.local_sgd)
-        if problem is not None:
-            rank_zero_warn(f"ddpopt: {problem}")
-
-    def _check_syncs_per_step(self, sync_rounds: int, micro_batches: int) -> None:
-        """Warn once when a manual-optimization loop synchronised gradients on more than one micro-batch."""
-        module = self.lightning_module
-        if self._warned_extra_syncs or sync_rounds <= 1 or module is None or module.automatic_optimization:
-            return
-        self._warned_extra_syncs = True
-        rank_zero_warn(
-            f"ddpopt: this manual-optimization loop synchronised gradients {sync_rounds} times for one optimizer "
-            f"step ({micro_batches} micro-batches): every micro-batch paid a full allreduce. Run forward and "
-            "manual_backward inside `with self.trainer.strategy.accumulate(every=K) as step:` and call "
-            "opt.step() only `if step.should_step`, so only the last micro-batch of each group syncs."
-        )
-
-    def _restore_hook_state(self) -> None:
-        """Load this rank's saved hook state once both the checkpoint and the registered hook exist."""
-        saved = self._saved
-        if saved is None or not self._hook_state_pending or not isinstance(self.model, DistributedDataParallel):
-            return
-        self._hook_state_pending = False
-        if not saved.hook_states:
-            return
-        if isinstance(self.comm_state, CommHookState):
-            problem = restore_hook_state(
-                self.comm_state, saved, hook_name=self.comm_hook_name, world_size=self.world_size, rank=self.global_rank
-            )
-        else:
-            problem = (
-                f"the checkpoint holds state of comm hook {saved.comm_hook!r}; this run's hook "
-                f"{self.comm_hook_name!r} keeps no state of this package's kind, so the saved state is not used"
-            )
-        if problem is not None:
-            rank_zero_warn(f"ddpopt: {problem}")
-
-    def _autotuned_cap(self) -> float | None:
-        """The cap ``bucket_cap_mb="autotune"`` settled on (measured now or reused), ``None`` while it searches."""
-        if self._bucket_cap_mb != "autotune" or self.bucket_plan is None:
-            return None
-        if self.autotuner is not None and not self.autotuner.done:
-            return None
-        return self.bucket_plan.cap_mb
-
-    def _bind_cores(self) -> None:
-        """Pin this rank to its cores (every thread of it, the process group's too) once the ranks can talk.
-
-        ``cpu_affinity=True`` plans from the cores each local rank was given (``os.sched_getaffinity``): gathered
-        from the ranks, so that ranks a launcher bound keep their cores and ranks given the same cores split them.
-        """
-        if self._cpu_affinity is False:
-            return
-        local_world_size = self.num_processes
-        if self._cpu_affinity is True:
-            given = self._local_ranks_cores(available_cores())
-            core_sets, how = plan_given_cores(given)
-        else:
-            core_sets, how = [list(cores) for cores in self._cpu_affinity], "as given"
-            if len(core_sets) != local_world_size:
-                raise ValueError(
-                    f"cpu_affinity gives {len(core_sets)} core sets but there are {local_world_size} local ranks; "
-                    "pass one list of cores per local rank"
-                )
-        self.core_binding = CoreBinding(core_sets[self.local_rank])
-        rank_zero_info(
-            f"ddpopt: cores per local rank {core_sets}, torch threads {[len(cores) for cores in core_sets]} "
-            f"(cpu_affinity={self._cpu_affinity}: {how})"
-        )
-
-    def _local_ranks_cores(self, own: list[int]) -> list[list[int]]:
-        """The cores each rank on this node was given, in local-rank order (one all-gather at setup)."""
-        if not torch.distributed.is_initialized() or self.world_size == 1:
-            return [own] * self.num_processes  # no other rank to ask: as if each was given what this one was
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, (self.node_rank, self.local_rank, own))
-        on_this_node = sorted((local, cores) for node, local, cores in gathered if node == self.node_rank)
-        return [cores for _, cores in on_this_node]
-
-    def _build_hook(self, model: DistributedDataParallel, backend: str) -> CommHook | None:
-        if self._auto_hook and self._hook_spec is None:
-            reused: HookChoice | None = self._reused_decision("hook_choice")
-            if reused is not None:
-                self.hook_choice = reused
-                rank_zero_info(f"ddpopt: comm_hook='auto' reuses the checkpoint's choice {reused.name!r}")
-            elif self.world_size > 1:
-                costs = measure_hook_costs(model.module, model.process_group, self.root_device)
-                self.hook_choice = choose_hook(costs)
-            else:
-                self.hook_choice = HookChoice("allreduce", {}, "one process: nothing to communicate")
-            if reused is None:
-                rank_zero_info(f"ddpopt: comm_hook='auto' chose {self.hook_choice.name!r}: {self.hook_choice.reason}")
-            self._hook_spec = get_hook_spec(self.hook_choice.name)
-        if self._hook_spec is not None:
-            reason = self._hook_spec.unsupported_reason(backend)
-            if reason is not None:
-                raise ValueError(f"comm_hook={self._hook_spec.name!r} cannot run on backend {backend!r}: {reason}")
-            self.comm_state = self._hook_spec.build(model.process_group, self.ledger)
-            self._owns_comm_state = True
-            self.comm_state.loss_scale = self._loss_scale
-            self.comm_state.bind_module(model.module)
-            self.comm_hook_name = self._hook_spec.name
-            if isinstance(self.comm_state, PowerSGDState) and self.root_device.type == "cpu":
-                # PowerSGD's chains run on a worker thread beside the backward pass, in a group of their own: the
-                # backward pass may issue collectives on the model's group meanwhile (DDP's unused-parameter map
-                # with find_unused_parameters=True, a loss's all_gather), which must not interleave with them.
-                self.comm_state.process_group = self._hook_group = self._group_of_own(model)
-                self.comm_state.pipelined = True
-                # The decompression must give the same bits on every rank: computed the same way everywhere, the
-                # way the least able rank can ("blas" with more threads somewhere, else "blocked" without numba).
-                order: tuple[CPUKernels, ...] = ("numba", "blocked", "blas")
-                kernels = torch.tensor([order.index(local_cpu_kernels())], device=self.root_device)
-                torch.distributed.all_reduce(kernels, op=torch.distributed.ReduceOp.MAX, group=model.process_group)
-                self.comm_state.cpu_kernels = order[int(kernels)]
-            elif isinstance(self.comm_state, Int8State) and self.root_device.type == "cpu":
-                # int8's stages travel point to point, driven by worker threads beside the backward pass: on a
-                # group of their own, which nothing else uses meanwhile.
-                self.comm_state.exchange_group = self._hook_group = self._group_of_own(model)
-            return self._hook_spec.hook
-        hook: Callable | None = self._hook_callable
-        self.comm_state = self._comm_state_arg
-        self._owns_comm_state = False
-        if hook is None and self._ddp_comm_hook is not None:
-            hook = self._ddp_comm_hook
-            self.comm_state = self._ddp_comm_state
-            if self._ddp_comm_wrapper is not None:
-                hook = self._ddp_comm_wrapper(hook)
-        self.comm_hook_name = hook.__qualname__ if hook is not None else None
-        if isinstance(self.comm_state, CommHookState):
-            self.comm_state.bind_module(model.module)
-            if self.comm_state.ledger is None:
-                self.comm_state.ledger = self.ledger
-            if self.comm_state.loss_scale is None:
-                self.comm_state.loss_scale = self._loss_scale
-        return hook
-
-    def _loss_scale(self) -> torch.Tensor | None:
-        return current_loss_scale(self.precision_plugin)
-
-    def _log_plan(self, backend: str) -> None:
-        plan = self.bucket_plan
-        assert plan is not None
-        auto = f", auto for {self.world_size} ranks" if plan.requested == "auto" else ""
-        if self.autotuner is not None:
-            tried = ", ".join(f"{cap:g}" for cap in self.autotuner.candidates)
-            auto = f", autotune tries [{tried}] MiB over {self.autotuner.total_steps} steps"
-        rank_zero_info(f"ddpopt: plan {self._describe_buckets(plan.predicted_bucket_bytes, auto)} on {backend}")
-
-    def _log_layout(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
-        ledger = self.ledger
-        # The latest record shows the buckets the hooks saw, unless a step closed since is still on the device.
-        last = ledger.steps[-1] if ledger is not None and ledger.steps and not ledger.pending_steps else None
-        if self.local_sgd is not None and self.local_sgd.local:
-            last = None  # a parameter sync's round is not a bucket layout
-        recorded = last.bucket_bytes if last is not None else ()
-        self.bucket_layout = recorded or built_bucket_bytes(self.model)
-        sizes = ", ".join(format_bytes(size) for size in self.bucket_layout)
-        self._say_during_training(
-            f"ddpopt: {self._describe_buckets(self.bucket_layout)} on {self._get_process_group_backend()}, "
-            f"bucket sizes [{sizes}]"
-        )
-
-    def _say_during_training(self, message: str) -> None:
-        """Log ``message`` on rank 0; through the progress bar while one is drawn, so the line does not cut it."""
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        bar = trainer.progress_bar_callback if trainer is not None and trainer.training else None
-        try:  # Lightning's TQDM bar raises TypeError before its train bar exists; other bars have none
-            train_bar = bar.train_progress_bar if bar is not None else None  # type: ignore[attr-defined]
-        except (AttributeError, TypeError):
-            train_bar = None
-        if (
-            bar is not None
-            and train_bar is not None
-            and not getattr(train_bar, "disable", True)
-            and self.is_global_zero
-        ):
-            bar.print(message)
-        else:
-            rank_zero_info(message)
-
-    def _describe_buckets(self, sizes: tuple[int, ...], cap_note: str = "") -> str:
-        assert self.bucket_plan is not None
-        count = f"{len(sizes)} bucket" + ("" if len(sizes) == 1 else "s")
-        hook = self.comm_hook_name or "none (DDP built-in allreduce)"
-        cap = f"cap {self.bucket_plan.cap_mb:g} MiB{cap_note}"
-        return f"{format_bytes(sum(sizes))} of gradients in {count} ({cap}), hook {hook}"
-
-
-def _validate_comm_hook(
-    comm_hook: object, comm_state: object, ddp_comm_hook: Callable | None
-) -> tuple[HookSpec | None, Callable | None]:
-    """Check ``comm_hook`` at construction; return its registry entry or the callable."""
-    if ddp_comm_hook is not None and comm_hook not in (None, _DEFAULT_COMM_HOOK):
-        raise ValueError(
-            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_comm_hook!r} both given; pass one of them "
-            "(comm_hook takes a registry name or a callable)"
-        )
-    if isinstance(comm_hook, PowerSGDConfig):
-        return powersgd_spec(comm_hook), None
-    if isinstance(comm_hook, Int8Config):
-        return int8_spec(comm_hook), None
-    if isinstance(comm_hook, str):
-        if comm_state is not None:
-            raise ValueError(
-                f"comm_state={comm_state!r} is only used with a callable comm_hook; registry hooks such as "
-                f"{comm_hook!r} build their own state"
-            )
-        if ddp_comm_hook is not None or comm_hook == AUTO_HOOK:
-            return None, None
-        return get_hook_spec(comm_hook), None
-    if comm_hook is None:
-        if comm_state is not None:
-            raise ValueError(f"comm_state={comm_state!r} given without a callable comm_hook to receive it")
-        return None, None
-    if not callable(comm_hook):
-        raise TypeError(
-            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, an Int8Config, "
-            "a callable hook(state, bucket), or None"
-        )
-    validate_hook_callable(comm_hook)
-    return None, comm_hook
-
-
-def _validate_local_sgd(
-    local_sgd: object,
-    comm_hook: object,
-    ddp_comm_hook: Callable | None,
-    model_averaging_period: int | None,
-    bucket_cap_mb: object,
-) -> None:
-    """Refuse local SGD settings that cannot apply, at construction."""
-    if local_sgd is None:
-        return
-    if not isinstance(local_sgd, LocalSGDConfig):
-        raise TypeError(f"local_sgd={local_sgd!r} must be a LocalSGDConfig (e.g. LocalSGDConfig.diloco(16)) or None")
-    if model_averaging_period is not None:
-        raise ValueError(
-            f"local_sgd and model_averaging_period={model_averaging_period} both given: they are two local SGD "
-            "schemes; use local_sgd=LocalSGDConfig.post_local_sgd(...) for Lightning's post-local SGD"
-        )
-    if bucket_cap_mb == "autotune":
-        raise ValueError(
-            "bucket_cap_mb='autotune' with local_sgd: autotune rewraps the model in a new DDP, which broadcasts rank "
-            "0's parameters over the other ranks' local progress, and most local steps do not sync at all; use "
-            "bucket_cap_mb='auto' or a number"
-        )
-    if comm_hook == AUTO_HOOK:
-        raise ValueError(
-            "comm_hook='auto' with local_sgd: auto picks a gradient hook for every step, but with local SGD gradients "
-            "sync only during the warm-up; name the warm-up's hook (e.g. comm_hook='fp16') or leave the default"
-        )
-    custom_hook = ddp_comm_hook is not None or comm_hook not in (None, _DEFAULT_COMM_HOOK)
-    if custom_hook and local_sgd.warmup_steps == 0:
-        hook = ddp_comm_hook if ddp_comm_hook is not None else comm_hook
-        raise ValueError(
-            f"comm_hook={hook!r} would never run: with local_sgd and warmup_steps=0 no gradient is ever "
-            "synchronised. Set LocalSGDConfig(warmup_steps=N) to run it for the first N steps, or drop it; "
-            f"the parameter syncs are compressed by LocalSGDConfig(compression=...) ({local_sgd.compression!r} now)"
-        )
-
-
-class _FinalAverage(pl.Callback):
-    """Local SGD's end-of-training average, run before the other callbacks' ``on_train_end``."""
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        if isinstance(strategy, OptimizedDDPStrategy):
-            strategy._finish_local_sgd()
-
-
-def _to_cpu(state: Any) -> Any:
-    return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.detach().cpu())
+        assert self._local_sgd is not None
+        self._local_sgd.restore(self._saved.local_sgd)

@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import lightning_ddpopt.strategy as strategy_module
+import lightning_ddpopt.buckets as buckets_module
+import lightning_ddpopt.hooks.install as install_module
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt._groups import destroy_all_groups
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig, PowerSGDState, powersgd_spec
@@ -281,8 +282,8 @@ def test_auto_hook_and_autotuned_cap_are_reused_on_resume(tmp_path, monkeypatch)
     assert saved["hook_choice"]["name"] in ("allreduce", "fp16", "int8", "powersgd")
     assert saved["bucket_cap_mb"] > 0
     # Forked ranks inherit these: a resume that measured again would fail.
-    monkeypatch.setattr(strategy_module, "measure_hook_costs", _refuse)
-    monkeypatch.setattr(strategy_module, "BucketAutotuner", _refuse)
+    monkeypatch.setattr(install_module, "measure_hook_costs", _refuse)
+    monkeypatch.setattr(buckets_module, "BucketAutotuner", _refuse)
     resumed = OptimizedDDPStrategy(comm_hook="auto", bucket_cap_mb="autotune", start_method="fork")
     ranks = fit_ddp(tmp_path / "resumed", resumed, max_epochs=2, samples=512, ckpt_path=str(tmp_path / "last.ckpt"))
     assert ranks[0]["comm_hook_name"] == saved["hook_choice"]["name"]

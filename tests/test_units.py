@@ -8,8 +8,7 @@ import pytest
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 
-from lightning_ddpopt import OptimizedDDPStrategy
-from lightning_ddpopt.buckets import plan_buckets
+from lightning_ddpopt.buckets import BucketController, plan_buckets
 from lightning_ddpopt.cli import main as ddpopt
 from lightning_ddpopt.units import MIB, byte_unit, format_bytes
 from tests.helpers import StackModel
@@ -50,9 +49,9 @@ def test_sizes_agree_with_lightnings_model_summary():
 
 def test_layout_line_writes_bytes_in_mb_and_the_cap_in_mib():
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 8.4 MB of gradients
-    strategy = OptimizedDDPStrategy(bucket_cap_mb=5)
-    strategy.bucket_plan = plan_buckets(model, 5, world_size=2)
-    line = strategy._describe_buckets(strategy.bucket_plan.predicted_bucket_bytes)
+    buckets = BucketController(5.0)
+    buckets.plan = plan_buckets(model, 5, world_size=2)
+    line = buckets._describe(buckets.plan.predicted_bucket_bytes)
     assert line == "8.4 MB of gradients in 1 bucket (cap 5 MiB), hook none (DDP built-in allreduce)"
 
 

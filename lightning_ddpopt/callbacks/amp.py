@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_ddpopt._compat import found_inf_per_device
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
@@ -245,7 +246,7 @@ class AMPMonitor(Callback):
         self._last_scale = scale
         # What GradScaler.step itself reads to decide whether to skip: filled in by unscale_, which Lightning
         # runs before this hook. The values are synced to the host by GradScaler.step anyway.
-        found_inf = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found_inf = found_inf_per_device(scaler, optimizer)
         if not found_inf and not self._warned_unclassified:
             # Optimizers that unscale inside step() (fused ones) leave nothing to read before the step.
             self._warned_unclassified = True

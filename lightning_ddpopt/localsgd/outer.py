@@ -1,134 +1,23 @@
-"""Local SGD and DiLoCo: each rank takes ``H`` optimizer steps on its own, then the ranks average what changed.
+"""Local SGD's outer loop: each rank's parameter change averaged every ``H`` steps, the outer step, the anchor.
 
-When even compressed gradient syncs cost more than the compute, syncing less often is the lever: after
-``warmup_steps`` ordinary synchronous steps, gradients are not all-reduced at all (DDP's backward sync is off, so
-no bucket reaches a hook), and every ``sync_every`` optimizer steps the ranks all-reduce the change of their
-parameters since the last sync (the *outer gradient* ``anchor - params``), take one outer optimizer step on the
-anchor (SGD, optionally with Nesterov momentum: DiLoCo, Douillard et al. 2023) and all continue from the new
-anchor, identical on every rank. With ``outer_lr=1`` and no momentum that is plain parameter averaging (post-local
-SGD, Lin et al. 2020). Floating-point buffers (batch-norm statistics) are averaged at the same point, others
-broadcast from rank 0.
-
-The schedule counts optimizer step *calls*, the same on every rank: under fp16 AMP a rank whose GradScaler skips
-an inner step (in the local phase each rank's scaler sees only its own gradients) still counts it, so every rank
-reaches each sync together; skipped inner steps are counted per sync window.
-
-Inner optimizer state (momentum, Adam moments) stays local to each rank, as in DiLoCo; the strategy saves every
-rank's in the checkpoint, with the anchor and the outer momentum, so a resume at a sync boundary continues
-exactly. A resume between syncs continues from rank 0's parameters on every rank (the checkpoint holds one copy
-of the weights): the ranks' local progress since the last sync is replaced by rank 0's.
+See :mod:`lightning_ddpopt.localsgd` for the method; :class:`LocalSGD` is driven by
+:class:`~lightning_ddpopt.localsgd.driver.LocalSGDDriver`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks.feedback import config_mismatch
 from lightning_ddpopt.hooks.int8_codec import all_gather_async, average_packed, packed_size, quantize_packed
+from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
 
-__all__ = ["LocalSGD", "LocalSGDConfig", "ParameterSync"]
-
-Compression = Literal["fp32", "fp16", "bf16", "int8"]
-_WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_COMPRESSIONS = (*_WIRE_DTYPES, "int8")
-#: int8 blocks of the parameter change, each with its fp32 scale (as the int8 gradient hook's default).
-_INT8_BLOCK = 1024
-BufferSync = Literal["average", "broadcast"]
-
-
-@dataclass(kw_only=True)
-class LocalSGDConfig:
-    """How often and how the ranks sync their parameters; see the module doc.
-
-    Args:
-        sync_every: ``H``, optimizer steps between two parameter syncs (>= 1; 1 with ``outer_lr=1`` and no momentum
-            is parameter averaging after every step).
-        warmup_steps: ordinary synchronous DDP steps first (gradients all-reduced, through the strategy's hook).
-        outer_lr: the outer optimizer's learning rate (> 0); 1 without momentum is plain averaging.
-        outer_momentum: the outer optimizer's momentum, in [0, 1).
-        nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        compression: how the parameter change travels: all-reduced in ``"fp32"``, ``"fp16"`` or ``"bf16"``, or
-            ``"int8"``: blocks of 1024 values quantised to int8 with an fp32 scale each and all-gathered, every rank
-            dequantising and averaging all ranks' blocks alike. An all-gather moves (n - 1) payloads per rank
-            against a ring all-reduce's 2 (n - 1) / n: int8 sends less than fp32 below 8 ranks (a quarter at 2 ranks,
-            half at 4) and less than fp16 below 4.
-        buffers: ``"average"`` floating-point buffers at each sync, or ``"broadcast"`` rank 0's.
-        overlap_steps: ``tau``, inner steps the parameter change travels while the ranks train on (0: they wait for
-            it). With ``tau >= 1`` (< ``sync_every``) the all-reduce (int8: the all-gather) starts at the sync point
-            and is applied ``tau`` steps later (Streaming DiLoCo's overlap, Douillard et al. 2025): the
-            outer step moves the anchor, the same on every rank, and each rank's parameters become
-            ``overlap_mixing x`` its own ``+ (1 - overlap_mixing) x`` the new anchor, so they differ by what each
-            rank learned meanwhile until the next sync.
-        overlap_mixing: ``alpha`` in [0, 1], the weight of a rank's own parameters when a travelling sync is applied
-            (0.5 as in Streaming DiLoCo; measured on digits, H = 16, tau = 4: 0.9722 against 0.9528 for adding the
-            rank's progress since the sync to the new anchor, and 0.9583 for the anchor alone).
-    """
-
-    sync_every: int = 16
-    warmup_steps: int = 0
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    nesterov: bool = False
-    compression: Compression = "fp32"
-    buffers: BufferSync = "average"
-    overlap_steps: int = 0
-    overlap_mixing: float = 0.5
-
-    def __post_init__(self) -> None:
-        require_int("LocalSGDConfig sync_every", self.sync_every, 1, " (optimizer steps between parameter syncs)")
-        require_int("LocalSGDConfig warmup_steps", self.warmup_steps, 0, " (synchronous steps first)")
-        if not _is_number(self.outer_lr) or not math.isfinite(self.outer_lr) or self.outer_lr <= 0:
-            raise ValueError(f"LocalSGDConfig outer_lr={self.outer_lr!r} must be a positive, finite number")
-        if not _is_number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"LocalSGDConfig outer_momentum={self.outer_momentum!r} must be in [0, 1)")
-        if not isinstance(self.nesterov, bool):
-            raise ValueError(f"LocalSGDConfig nesterov={self.nesterov!r} must be True or False")
-        if self.nesterov and self.outer_momentum == 0:
-            raise ValueError("LocalSGDConfig nesterov=True needs outer_momentum > 0 (0.9 in DiLoCo)")
-        if self.compression not in _COMPRESSIONS:
-            raise ValueError(
-                f"LocalSGDConfig compression={self.compression!r} is not valid; choose one of {list(_COMPRESSIONS)}"
-            )
-        if self.buffers not in ("average", "broadcast"):
-            raise ValueError(
-                f"LocalSGDConfig buffers={self.buffers!r} is not valid; choose one of ['average', 'broadcast']"
-            )
-        require_int("LocalSGDConfig overlap_steps", self.overlap_steps, 0, " (inner steps a sync travels)")
-        if self.overlap_steps >= self.sync_every:
-            raise ValueError(
-                f"LocalSGDConfig overlap_steps={self.overlap_steps} must be below sync_every={self.sync_every}: a "
-                "sync is applied before the next one starts"
-            )
-        if not _is_number(self.overlap_mixing) or not 0 <= self.overlap_mixing <= 1:
-            raise ValueError(f"LocalSGDConfig overlap_mixing={self.overlap_mixing!r} must be in [0, 1]")
-
-    @classmethod
-    def diloco(cls, sync_every: int = 16, **overrides: Any) -> LocalSGDConfig:
-        """DiLoCo: outer SGD with Nesterov momentum 0.9 and learning rate 0.7 (Douillard et al.), changes in fp16.
-
-        OpenDiLoCo all-reduces the parameter change in fp16 without a loss in quality; pass
-        ``compression="fp32"`` (or ``"int8"``) to change that.
-        """
-        settings: dict[str, Any] = {
-            "outer_lr": 0.7,
-            "outer_momentum": 0.9,
-            "nesterov": True,
-            "compression": "fp16",
-            **overrides,
-        }
-        return cls(sync_every=sync_every, **settings)
-
-    @classmethod
-    def post_local_sgd(cls, sync_every: int = 16, **overrides: Any) -> LocalSGDConfig:
-        """Plain parameter averaging every ``sync_every`` steps (post-local SGD after ``warmup_steps``)."""
-        return cls(sync_every=sync_every, **overrides)
+__all__ = ["LocalSGD", "ParameterSync"]
 
 
 @dataclass(frozen=True)
@@ -233,7 +122,7 @@ class LocalSGD:
         if self.config.compression == "int8":
             self._int8_buffers()
             # With numba, its loops compile at their first call (about half a second): here, not in the first sync.
-            block = torch.zeros(1, _INT8_BLOCK, device=self.anchor.device)
+            block = torch.zeros(1, INT8_BLOCK, device=self.anchor.device)
             average_packed(quantize_packed(block).repeat(self.world_size, 1), block)
 
     def after_optimizer_step(self, skipped: bool = False) -> ParameterSync | None:
@@ -376,7 +265,7 @@ class LocalSGD:
     def _wire_buffer(self) -> torch.Tensor:
         """The parameter-sized buffer a sync travels in (half precision, or fp32 overlapped), kept between syncs."""
         assert self.anchor is not None
-        dtype = _WIRE_DTYPES[self.config.compression]
+        dtype = WIRE_DTYPES[self.config.compression]
         if self._wire is None or self._wire.device != self.anchor.device:
             self._wire = torch.zeros(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
         return self._wire
@@ -390,7 +279,7 @@ class LocalSGD:
         """
         assert self._work is not None
         device = self._work.device
-        size = packed_size(self._work.numel(), _INT8_BLOCK)
+        size = packed_size(self._work.numel(), INT8_BLOCK)
         if self._packed is None or self._packed.device != device:
             self._packed = torch.zeros(1, size, dtype=torch.int8, device=device)
         gathered = self._gathered
@@ -408,7 +297,7 @@ class LocalSGD:
         """
         assert self.anchor is not None
         if self._work is None or self._work.device != self.anchor.device:
-            padded = self.anchor.numel() + -self.anchor.numel() % _INT8_BLOCK
+            padded = self.anchor.numel() + -self.anchor.numel() % INT8_BLOCK
             self._work = torch.zeros(padded, device=self.anchor.device)
         return self._work[: self.anchor.numel()]
 
@@ -496,7 +385,7 @@ class LocalSGD:
     def _int8_blocks(self) -> torch.Tensor:
         """The work buffer as rows of one int8 block each: the change and its zero padding."""
         assert self._work is not None
-        return self._work.view(-1, _INT8_BLOCK)
+        return self._work.view(-1, INT8_BLOCK)
 
     def _average_packed(self, gathered: torch.Tensor) -> torch.Tensor:
         """The mean of every rank's packed row into the work buffer (returned, unpadded), the same bits everywhere.
@@ -548,7 +437,3 @@ class LocalSGD:
                 dist.broadcast(buffer, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0)
             sent += buffer.numel() * buffer.element_size()
         return sent
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

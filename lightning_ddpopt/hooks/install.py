@@ -1,0 +1,290 @@
+"""Choosing, building and registering the strategy's comm hook on DDP, on every backend; its state's lifetime.
+
+:class:`HookInstaller` is the strategy's one owner of the hook: it checks ``comm_hook`` at construction, picks the
+hook at setup (a registry entry, a config, ``"auto"``'s measured choice, a user's callable or Lightning's
+``ddp_comm_hook``), builds its state, gives hooks that run beside the backward pass a process group of their own
+(and, for PowerSGD, the CPU kernels every rank can run alike), registers it through the ledger, checks that DDP
+reports it attached, restores its saved state, and closes it at teardown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddpopt._compat import attached_comm_hook
+from lightning_ddpopt._groups import destroy_owned_group
+from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
+from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
+from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
+from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
+from lightning_ddpopt.hooks.registry import (
+    TESTED_BACKENDS,
+    HookSpec,
+    get_hook_spec,
+    int8_spec,
+    powersgd_spec,
+    validate_hook_callable,
+)
+from lightning_ddpopt.ledger import CommHook, CommLedger
+
+__all__ = ["DEFAULT_COMM_HOOK", "HookInstaller"]
+
+DEFAULT_COMM_HOOK = "allreduce"
+
+
+class HookInstaller:
+    """The strategy's comm hook, from its arguments to its registration on DDP and its teardown.
+
+    Args:
+        comm_hook: see :class:`~lightning_ddpopt.OptimizedDDPStrategy`.
+        comm_state: the state of a callable ``comm_hook``.
+        ddp_comm_hook: Lightning's name for a callable hook (with ``ddp_comm_state`` and ``ddp_comm_wrapper``).
+        ddp_comm_state: its state.
+        ddp_comm_wrapper: a wrapper applied around ``ddp_comm_hook``.
+
+    Raises:
+        ValueError, TypeError: at construction, for arguments that cannot work together, naming them.
+    """
+
+    def __init__(
+        self,
+        comm_hook: object,
+        comm_state: object | None,
+        ddp_comm_hook: Callable | None,
+        ddp_comm_state: object | None,
+        ddp_comm_wrapper: Callable | None,
+    ) -> None:
+        self._spec, self._callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
+        if ddp_comm_hook is not None:
+            validate_hook_callable(ddp_comm_hook, "ddp_comm_hook")
+        if ddp_comm_wrapper is not None and ddp_comm_hook is None:
+            raise ValueError(
+                f"ddp_comm_wrapper={ddp_comm_wrapper!r} wraps ddp_comm_hook, which is not given; pass "
+                "ddp_comm_hook too, or use comm_hook="
+            )
+        self.auto = comm_hook == AUTO_HOOK
+        self._comm_state_arg = comm_state
+        self._ddp_hook, self._ddp_state, self._ddp_wrapper = ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper
+        self.comm_state: object | None = None
+        self.comm_hook_name: str | None = None
+        self.hook_choice: HookChoice | None = None
+        self.registered: CommHook | None = None
+        self._owns_state = False
+        self._group: dist.ProcessGroup | None = None
+
+    def install(
+        self,
+        model: DistributedDataParallel,
+        *,
+        backend: str,
+        ledger: CommLedger,
+        device: torch.device,
+        world_size: int,
+        loss_scale: Callable[[], torch.Tensor | None],
+        own_group: Callable[[], dist.ProcessGroup],
+        reused_choice: HookChoice | None,
+    ) -> bool:
+        """Build the hook and register it on ``model``; ``False`` when there is none (DDP's built-in allreduce).
+
+        ``own_group`` makes a process group over the model's ranks for a hook that runs beside the backward pass;
+        ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies.
+        """
+        self._check_post_local_sgd(device)
+        if self.auto and self._spec is None:
+            self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
+        hook = self._build(model, backend, ledger, device, loss_scale, own_group)
+        if hook is None:
+            return False
+        if backend not in TESTED_BACKENDS:
+            rank_zero_warn(
+                f"ddpopt: comm hook {self.comm_hook_name!r} registered on backend {backend!r}, which is not "
+                f"tested ({', '.join(TESTED_BACKENDS)} are); check its results."
+            )
+        self.registered = ledger.record_hook(hook)
+        self.register(model)
+        attached = attached_comm_hook(model)
+        if attached != hook.__qualname__:
+            raise RuntimeError(
+                f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
+            )
+        return True
+
+    @property
+    def spec(self) -> HookSpec | None:
+        """The registry entry of the hook (``"auto"``'s once it has chosen); ``None`` for a callable or none."""
+        return self._spec
+
+    def _check_post_local_sgd(self, device: torch.device) -> None:
+        """Refuse a post-local SGD state that would fail mid-training on this device."""
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+        state = self._ddp_state
+        if (
+            isinstance(state, PostLocalSGDState)
+            and state.subgroup is None
+            and state.post_local_gradient_allreduce
+            and device.type != "cuda"
+        ):
+            raise ValueError(
+                "ddp_comm_state=PostLocalSGDState(subgroup=None, post_local_gradient_allreduce=True) makes torch "
+                f"build one subgroup per node from the CUDA device count, which is 0 on {device.type}, and fails "
+                "once local SGD starts. Pass post_local_gradient_allreduce=False (no gradient sync between "
+                "averagings) or an explicit subgroup."
+            )
+
+    def register(self, model: DistributedDataParallel) -> None:
+        """Register the built hook on ``model`` (again, on a model wrapped anew with other buckets)."""
+        if self.registered is not None:
+            model.register_comm_hook(self.comm_state, self.registered)
+
+    def _choose(
+        self, model: DistributedDataParallel, device: torch.device, world_size: int, reused: HookChoice | None
+    ) -> HookChoice:
+        if reused is not None:
+            self.hook_choice = reused
+            rank_zero_info(f"ddpopt: comm_hook='auto' reuses the checkpoint's choice {reused.name!r}")
+            return reused
+        if world_size > 1:
+            self.hook_choice = choose_hook(measure_hook_costs(model.module, model.process_group, device))
+        else:
+            self.hook_choice = HookChoice("allreduce", {}, "one process: nothing to communicate")
+        rank_zero_info(f"ddpopt: comm_hook='auto' chose {self.hook_choice.name!r}: {self.hook_choice.reason}")
+        return self.hook_choice
+
+    def _build(
+        self,
+        model: DistributedDataParallel,
+        backend: str,
+        ledger: CommLedger,
+        device: torch.device,
+        loss_scale: Callable[[], torch.Tensor | None],
+        own_group: Callable[[], dist.ProcessGroup],
+    ) -> CommHook | None:
+        if self._spec is not None:
+            reason = self._spec.unsupported_reason(backend)
+            if reason is not None:
+                raise ValueError(f"comm_hook={self._spec.name!r} cannot run on backend {backend!r}: {reason}")
+            state = self._spec.build(model.process_group, ledger)
+            self.comm_state, self._owns_state, self.comm_hook_name = state, True, self._spec.name
+            state.loss_scale = loss_scale
+            state.bind_module(model.module)
+            if device.type == "cpu":
+                self._run_beside_backward(state, model, own_group)
+            return self._spec.hook
+        hook: Callable | None = self._callable
+        self.comm_state, self._owns_state = self._comm_state_arg, False
+        if hook is None and self._ddp_hook is not None:
+            hook, self.comm_state = self._ddp_hook, self._ddp_state
+            if self._ddp_wrapper is not None:
+                hook = self._ddp_wrapper(hook)
+        self.comm_hook_name = hook.__qualname__ if hook is not None else None
+        if isinstance(self.comm_state, CommHookState):
+            self.comm_state.bind_module(model.module)
+            if self.comm_state.ledger is None:
+                self.comm_state.ledger = ledger
+            if self.comm_state.loss_scale is None:
+                self.comm_state.loss_scale = loss_scale
+        return hook
+
+    def _run_beside_backward(
+        self, state: CommHookState, model: DistributedDataParallel, own_group: Callable[[], dist.ProcessGroup]
+    ) -> None:
+        """On the CPU, PowerSGD and int8 run on worker threads beside the backward pass, in a group of their own.
+
+        The backward pass may issue collectives on the model's group meanwhile (DDP's unused-parameter map with
+        ``find_unused_parameters=True``, a loss's all_gather), which must not interleave with theirs.
+        """
+        if isinstance(state, PowerSGDState):
+            state.process_group = self._group = own_group()
+            state.pipelined = True
+            # The decompression must give the same bits on every rank: computed the same way everywhere, the way
+            # the least able rank can ("blas" with more threads somewhere, else "blocked" without numba).
+            order: tuple[CPUKernels, ...] = ("numba", "blocked", "blas")
+            kernels = torch.tensor([order.index(local_cpu_kernels())])
+            dist.all_reduce(kernels, op=dist.ReduceOp.MAX, group=model.process_group)
+            state.cpu_kernels = order[int(kernels)]
+        elif isinstance(state, Int8State):
+            # int8's stages travel point to point, driven by worker threads: on a group nothing else uses meanwhile.
+            state.exchange_group = self._group = own_group()
+
+    def restore(self, saved: SavedRun, world_size: int, rank: int) -> None:
+        """Load this rank's saved hook state; warn (on rank 0) about what could not be restored."""
+        if not saved.hook_states:
+            return
+        if isinstance(self.comm_state, CommHookState):
+            problem = restore_hook_state(
+                self.comm_state, saved, hook_name=self.comm_hook_name, world_size=world_size, rank=rank
+            )
+        else:
+            problem = (
+                f"the checkpoint holds state of comm hook {saved.comm_hook!r}; this run's hook "
+                f"{self.comm_hook_name!r} keeps no state of this package's kind, so the saved state is not used"
+            )
+        if problem is not None:
+            rank_zero_warn(f"ddpopt: {problem}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's hook state for a checkpoint; empty for stateless hooks (the same answer on every rank)."""
+        return self.comm_state.state_dict() if isinstance(self.comm_state, CommHookState) else {}
+
+    def close(self) -> None:
+        """Stop the hook's worker threads and destroy its group; the state keeps its figures.
+
+        Nothing of ours may keep a process group alive past Lightning's exit-time ``destroy_process_group``: a gloo
+        group destroyed later, during interpreter shutdown, can abort the process with its threads running. The
+        state falls back to the default group (for a checkpoint saved after fit).
+        """
+        state = self.comm_state
+        if not self._owns_state or not isinstance(state, CommHookState):
+            return
+        if not state.close():
+            rank_zero_warn(
+                f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
+            )
+            return
+        state.process_group = None
+        if isinstance(state, Int8State):
+            state.exchange_group = None
+        destroy_owned_group(self, "_group")
+
+
+def _validate_comm_hook(
+    comm_hook: object, comm_state: object, ddp_comm_hook: Callable | None
+) -> tuple[HookSpec | None, Callable | None]:
+    """Check ``comm_hook`` at construction; return its registry entry or the callable."""
+    if ddp_comm_hook is not None and comm_hook not in (None, DEFAULT_COMM_HOOK):
+        raise ValueError(
+            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_comm_hook!r} both given; pass one of them "
+            "(comm_hook takes a registry name or a callable)"
+        )
+    if isinstance(comm_hook, PowerSGDConfig):
+        return powersgd_spec(comm_hook), None
+    if isinstance(comm_hook, Int8Config):
+        return int8_spec(comm_hook), None
+    if isinstance(comm_hook, str):
+        if comm_state is not None:
+            raise ValueError(
+                f"comm_state={comm_state!r} is only used with a callable comm_hook; registry hooks such as "
+                f"{comm_hook!r} build their own state"
+            )
+        if ddp_comm_hook is not None or comm_hook == AUTO_HOOK:
+            return None, None
+        return get_hook_spec(comm_hook), None
+    if comm_hook is None:
+        if comm_state is not None:
+            raise ValueError(f"comm_state={comm_state!r} given without a callable comm_hook to receive it")
+        return None, None
+    if not callable(comm_hook):
+        raise TypeError(
+            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, an Int8Config, "
+            "a callable hook(state, bucket), or None"
+        )
+    validate_hook_callable(comm_hook)
+    return None, comm_hook

@@ -1,0 +1,151 @@
+"""Driving local SGD from the strategy's hooks: the owner of every meeting of the ranks while they train apart.
+
+In the local phase the ranks meet only at parameter syncs. :class:`LocalSGDDriver` keeps it so: it turns DDP's
+gradient sync and buffer broadcast off for local batches, replaces Lightning's per-batch SIGTERM barrier with a
+check once a window (:mod:`lightning_ddpopt._sigterm`), and says in which batches the ranks meet
+(``LocalSGD.met_in_batch``, read through :func:`lightning_ddpopt.meetings.ranks_meet`), so that the measuring
+callbacks hold their own collectives until then. It also counts the steps a GradScaler skipped, records each sync
+in the ledger, averages the ranks at the end of fit, and carries each rank's inner optimizer state in checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddpopt._compat import say_during_training
+from lightning_ddpopt._groups import destroy_owned_group
+from lightning_ddpopt._sigterm import SigtermAtSyncs
+from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.localsgd.config import LocalSGDConfig
+from lightning_ddpopt.localsgd.outer import LocalSGD
+
+__all__ = ["LocalSGDDriver"]
+
+
+class LocalSGDDriver:
+    """Local SGD's outer loop as the strategy runs it, from setup to teardown.
+
+    Args:
+        config: the strategy's ``local_sgd``.
+    """
+
+    def __init__(self, config: LocalSGDConfig) -> None:
+        self.config = config
+        self.loop: LocalSGD | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._sigterm: SigtermAtSyncs | None = None
+
+    def setup(self, trainer: pl.Trainer, world_size: int, device: torch.device) -> None:
+        """Average the ranks first thing at the end of fit; check for SIGTERM once a window, not every batch."""
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, _FinalAverage) for c in callbacks):
+            # First in line, so that the callbacks' and the module's on_train_end see the averaged model.
+            callbacks.insert(0, _FinalAverage(self))
+        if trainer.state.fn == TrainerFn.FITTING and world_size > 1:
+            # Lightning's check makes every batch a barrier, so each local step lasted as long as the slowest rank's.
+            sigterm = SigtermAtSyncs(trainer, self._phase, device)
+            if sigterm.install():
+                self._sigterm = sigterm
+
+    def _phase(self) -> tuple[bool, bool, int]:
+        loop = self.loop
+        if loop is None:
+            return False, True, 0
+        return loop.local, loop.window_starts, loop.steps
+
+    def start(self, model: DistributedDataParallel, own_group: Callable[[], dist.ProcessGroup]) -> None:
+        """Build the outer loop over ``model``'s parameters once DDP has wrapped them."""
+        group = model.process_group
+        if self.config.overlap_steps:
+            # The change travels while training goes on: on a group of its own, so that what training issues
+            # meanwhile (the SIGTERM meeting, validation's collectives) does not queue behind it.
+            group = self._group = own_group()
+        self.loop = LocalSGD(self.config, model.module, group)
+
+    def before_batch(self, model: DistributedDataParallel) -> None:
+        """Turn DDP's gradient sync (and buffer broadcast) off for a local batch.
+
+        DDP reads these in forward: no reducer preparation (so no bucket reaches a hook) and no buffer broadcast;
+        Lightning's ``no_sync`` for accumulation restores what is set here.
+        """
+        assert self.loop is not None
+        sync = self.loop.before_batch()
+        model.require_backward_grad_sync = sync
+        if not sync:
+            model.require_forward_param_sync = False
+
+    def after_optimizer_step(
+        self, scale_before: torch.Tensor | None, scale: torch.Tensor | None, ledger: CommLedger | None
+    ) -> None:
+        """Count the optimizer step (skipped if the GradScaler backed off) and record its sync in the ledger.
+
+        ``scale_before`` / ``scale``: the loss scale before and after the step (a GradScaler backs off exactly when
+        it skipped the step; a host read, only with fp16 AMP).
+        """
+        assert self.loop is not None
+        skipped = scale_before is not None and scale is not None and bool(scale < scale_before)
+        start = ledger.timeline.mark() if ledger is not None else None
+        sync = self.loop.after_optimizer_step(skipped)
+        if sync is not None and ledger is not None and start is not None:
+            ledger.add_parameter_sync(
+                sync.num_elements, sync.logical_bytes, sync.wire_bytes, start, transfer_hidden=sync.overlapped
+            )
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        """Ranks that trained alone since the last sync end with their average: one model on every rank."""
+        if self.loop is not None and self.loop.finish() is not None:
+            say_during_training(
+                trainer.lightning_module,
+                trainer.is_global_zero,
+                "ddpopt: local SGD averaged the ranks' parameters at the end of training (they had trained apart "
+                "since the last sync)",
+            )
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        """Load the saved outer loop (warns on rank 0 about what could not be)."""
+        assert self.loop is not None
+        if saved is None:
+            rank_zero_warn("ddpopt: the checkpoint holds no local SGD state; the outer loop starts from the weights")
+            return
+        problem = self.loop.load_state_dict(saved)
+        if problem is not None:
+            rank_zero_warn(f"ddpopt: {problem}")
+
+    @staticmethod
+    def rank_state(optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """This rank's inner optimizer states, on the CPU: local, as in DiLoCo (rank 0 gathers every rank's)."""
+        return {"optimizer_states": [_to_cpu(optimizer.state_dict()) for optimizer in optimizers]}
+
+    def teardown(self) -> None:
+        """Lightning's SIGTERM handling again; a sync still travelling after a failure is dropped; the group goes."""
+        sigterm, self._sigterm = self._sigterm, None
+        if sigterm is not None:
+            sigterm.remove()  # Lightning's own again, should the trainer fit once more
+        if self.loop is not None:
+            self.loop.abandon_in_flight()  # only after a failure: fit's end applies it
+            if self._group is not None:
+                self.loop.process_group = None  # the group's last reference is ours
+        destroy_owned_group(self, "_group")
+
+
+class _FinalAverage(pl.Callback):
+    """Local SGD's end-of-training average, run before the other callbacks' ``on_train_end``."""
+
+    def __init__(self, driver: LocalSGDDriver) -> None:
+        self.driver = driver
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.driver.finish(trainer)
+
+
+def _to_cpu(state: Any) -> Any:
+    return apply_to_collection(state, torch.Tensor, lambda tensor: tensor.detach().cpu())

@@ -1,0 +1,175 @@
+"""Every private Lightning and torch API the package touches (``lightning_ddpopt._compat``): one test each that it
+still works in the installed releases, and that its absence fails loudly, naming it. CI runs these on the oldest and
+newest supported releases too."""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from lightning_ddpopt import OptimizedDDPStrategy, _compat
+from lightning_ddpopt.hooks.compression import fp16_allreduce_hook
+from tests.helpers import StackModel, regression_data
+
+
+def _ddp(bucket_cap_mb: float = 25.0) -> DistributedDataParallel:
+    return DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), bucket_cap_mb=bucket_cap_mb)
+
+
+def test_the_strategy_finds_every_ddp_strategy_internal_it_overrides():
+    strategy = OptimizedDDPStrategy()
+    for name in _compat.DDP_STRATEGY_INTERNALS:
+        assert callable(getattr(DDPStrategy, name))
+        assert getattr(type(strategy), name) is not None
+    for name in _compat.DDP_STRATEGY_ATTRIBUTES:
+        assert hasattr(strategy, name)
+
+
+def test_a_missing_ddp_strategy_internal_fails_at_construction(monkeypatch):
+    monkeypatch.delattr(DDPStrategy, "_get_process_group_backend")
+    with pytest.raises(RuntimeError, match=r"lightning's private DDPStrategy\._get_process_group_backend"):
+        OptimizedDDPStrategy()
+
+
+def test_attached_comm_hook_names_the_registered_hook(gloo_group):
+    model = _ddp()
+    assert _compat.attached_comm_hook(model) in (None, "")  # DDP's built-in allreduce
+    model.register_comm_hook(None, fp16_allreduce_hook)
+    assert _compat.attached_comm_hook(model) == fp16_allreduce_hook.__qualname__
+
+
+def test_bucket_assignment_is_ddps_layout(gloo_group):
+    tensors = [torch.empty(1000), torch.empty(1000), torch.empty(3000)]  # 4 kB, 4 kB, 12 kB
+    assert _compat.bucket_assignment(tensors, cap_bytes=8000) == [[0, 1], [2]]
+    assert _compat.bucket_assignment(tensors, cap_bytes=100_000) == [[0, 1, 2]]
+
+
+def test_zeros_like_grad_buckets_has_every_gradient(gloo_group):
+    model = _ddp()
+    buckets = _compat.zeros_like_grad_buckets(model)
+    assert sum(bucket.buffer().numel() for bucket in buckets) == sum(p.numel() for p in model.parameters())
+
+
+def test_default_store_is_the_groups_store(gloo_group):
+    store = _compat.default_store()
+    store.set("ddpopt/compat", "1")
+    assert store.get("ddpopt/compat") == b"1"
+
+
+def test_group_backends_finds_the_cpu_backend(gloo_group):
+    backends = _compat.group_backends(dist.group.WORLD)
+    # gloo serves both device types of the group: the same backend, found once per device type.
+    assert backends and all("gloo" in type(backend).__name__.lower() for backend in backends)
+
+
+def test_the_scaler_internals_tell_the_scale_and_a_skipped_step():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    parameter = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    assert _compat.scaler_scale(scaler) is None  # before the first scale()
+    scaler.scale(parameter.sum()).backward()
+    assert float(_compat.scaler_scale(scaler)) == 1024.0
+    parameter.grad[0] = float("inf")
+    scaler.unscale_(optimizer)
+    found = _compat.found_inf_per_device(scaler, optimizer)
+    assert [float(flag) for flag in found.values()] == [1.0]
+
+
+class _LoopInternals(pl.Callback):
+    """Reads, during a real fit, what the package reads of Lightning's loop."""
+
+    def __init__(self) -> None:
+        self.last_batch: list[bool] = []
+        self.fetchers: list[object] = []
+        self.sigterm: list[tuple[object, object] | None] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.last_batch.append(_compat.last_batch_of_epoch(trainer))
+        self.fetchers.append(_compat.data_fetcher(trainer))
+        self.sigterm.append(_compat.sigterm_hooks(trainer))
+
+
+def test_lightnings_loop_internals_are_there_during_a_fit(tmp_path):
+    probe = _LoopInternals()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(StackModel(), DataLoader(regression_data(24), batch_size=8))
+    assert probe.last_batch == [False, False, True]
+    for fetcher in probe.fetchers:
+        assert callable(fetcher._start_profiler) and callable(fetcher._stop_profiler)
+    for hooks in probe.sigterm:
+        assert hooks is not None
+        loop, connector = hooks
+        assert callable(loop._broadcast_sigterm_tensor) and callable(connector._sigterm_notifier_fn)
+
+
+def test_say_during_training_logs_on_rank_zero_without_a_trainer(caplog):
+    with caplog.at_level(logging.INFO):
+        _compat.say_during_training(None, True, "ddpopt: a line")
+    assert "ddpopt: a line" in caplog.text
+
+
+_NOTHING = SimpleNamespace()
+
+
+@pytest.mark.parametrize(
+    ("call", "api"),
+    [
+        (lambda: _compat.attached_comm_hook(_NOTHING), "DistributedDataParallel._get_ddp_logging_data"),
+        (lambda: _compat.zeros_like_grad_buckets(_NOTHING), "Reducer._get_zeros_like_grad_buckets"),
+        (lambda: _compat.group_backends(_NOTHING), "ProcessGroup._get_backend"),
+        (lambda: _compat.found_inf_per_device(_NOTHING, None), "GradScaler._per_optimizer_states"),
+        (lambda: _compat.scaler_scale(_NOTHING), "GradScaler._scale"),
+        (
+            lambda: _compat.last_batch_of_epoch(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=_NOTHING))),
+            "_TrainingEpochLoop._num_ready_batches_reached",
+        ),
+    ],
+)
+def test_a_changed_private_api_fails_loudly_naming_it(call, api):
+    with pytest.raises(RuntimeError, match=f"private {re.escape(api)} .*lacks or changed"):
+        call()
+
+
+def test_a_changed_torch_function_fails_loudly(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    monkeypatch.delattr(dist, "_compute_bucket_assignment_by_size")
+    monkeypatch.delattr(distributed_c10d, "_get_default_store")
+    with pytest.raises(RuntimeError, match="_compute_bucket_assignment_by_size"):
+        _compat.bucket_assignment([torch.empty(4)], 16)
+    with pytest.raises(RuntimeError, match="_get_default_store"):
+        _compat.default_store()
+
+
+def test_lightning_internals_that_can_be_done_without_warn_once(recwarn):
+    trainer = SimpleNamespace(
+        fit_loop=SimpleNamespace(_data_fetcher=object(), epoch_loop=object()), _signal_connector=object()
+    )
+    _compat._warned.clear()
+    assert _compat.data_fetcher(trainer) is None
+    assert _compat.sigterm_hooks(trainer) is None
+    assert _compat.data_fetcher(trainer) is None  # once
+    messages = [str(w.message) for w in recwarn if "ddpopt:" in str(w.message)]
+    assert len(messages) == 2
+    assert "StragglerDetector counts the whole gap as data time" in messages[0]
+    assert "ranks meet before every batch" in messages[1]
