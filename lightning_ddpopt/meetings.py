@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-__all__ = ["ranks_meet"]
+__all__ = ["gradients_synchronised", "ranks_meet"]
 
 
 def ranks_meet(trainer: pl.Trainer) -> bool:
@@ -19,9 +19,15 @@ def ranks_meet(trainer: pl.Trainer) -> bool:
 
     ``True`` in every batch that synchronises gradients (any strategy, and the warm-up of local SGD); in the local
     phase of :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s local SGD, only in a batch whose optimizer step
-    synchronised the parameters (from ``on_train_batch_end`` on, once the step is taken). Outside training batches
-    (a fit's start or end) the ranks meet.
+    takes part in a parameter sync (from ``on_train_batch_end`` on, once the step is taken): the sync itself, or
+    the start of one that travels while the ranks train on (applying it later waits for the slower rank's start
+    anyway). Outside training batches (a fit's start or end) the ranks meet.
     """
     local_sgd = getattr(trainer.strategy, "local_sgd", None)
-    met = getattr(local_sgd, "met_in_batch", True)
-    return met is not False
+    return getattr(local_sgd, "met_in_batch", True) is not False
+
+
+def gradients_synchronised(trainer: pl.Trainer) -> bool:
+    """Whether the current training batch synchronises gradients (``False`` in local SGD's local phase)."""
+    local_sgd = getattr(trainer.strategy, "local_sgd", None)
+    return getattr(local_sgd, "gradients_sync", True) is not False

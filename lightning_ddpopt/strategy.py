@@ -249,7 +249,7 @@ class OptimizedDDPStrategy(DDPStrategy):
             world_size=self.world_size,
             loss_scale=self._loss_scale,
             own_group=self._group_of_own,
-            reused_choice=self._reused_decision("hook_choice") if self._hooks.auto else None,
+            reused_choice=self._reused_decision("hook_choice") if self._hooks.choosing else None,
         )
         self._restore_hook_state()
         if self._local_sgd is not None:
@@ -304,7 +304,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         scale_before = scale.detach().clone() if scale is not None else None
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
-        if self._local_sgd is not None:
+        if self._local_sgd is not None and self.local_sgd is not None:
             self._local_sgd.after_optimizer_step(scale_before, self._loss_scale(), self.ledger if ddp else None)
         if ddp is None or self.ledger is None:
             return output

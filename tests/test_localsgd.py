@@ -604,7 +604,7 @@ def test_ranks_meet_only_at_syncs_not_before_every_batch(tmp_path, monkeypatch, 
     # ranks meet in the warm-up and at the first batch of each sync window only, on every rank alike.
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    from lightning_ddpopt._sigterm import SigtermAtSyncs
+    from lightning_ddpopt.localsgd.sigterm import SigtermAtSyncs
 
     lightning_broadcast = _TrainingEpochLoop._broadcast_sigterm_tensor
     meet, meet_in_passing = SigtermAtSyncs._meet, SigtermAtSyncs._meet_in_passing
@@ -790,14 +790,15 @@ class _AMPReport(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         self._catcher.__exit__(None, None, None)
         (monitor,) = [c for c in trainer.callbacks if isinstance(c, AMPMonitor)]
-        warned = [str(w.message) for w in self.caught if "non-finite gradients" in str(w.message)]
+        warned = [str(w.message) for w in self.caught if "non-finite " in str(w.message)]
         record = {"reports": monitor.nonfinite_reports, "global_step": trainer.global_step, "warned": warned}
         torch.save(record, self.out / f"amp{trainer.global_rank}.pt")
 
 
 def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stops_all(tmp_path):
-    # The NaN at step 5 stays on rank 1 (no gradient sync), which then trains on NaN weights; at step 6's parameter
-    # sync every rank learns of steps 5 and 6, with rank 1's offending parameters, and every rank stops there.
+    # The NaN at step 5 stays on rank 1 (no gradient sync), which then trains on NaN weights. The ranks do not meet
+    # before step 6's parameter sync: there every rank learns of the window's steps 3-6, with rank 1's offending
+    # parameters, and every rank stops. Before, the check all-reduced a flag at every step.
     config = LocalSGDConfig(sync_every=4, warmup_steps=2)
     _fit(
         tmp_path,
@@ -809,10 +810,10 @@ def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stop
     first_five = [name for name, _ in StackModel().named_parameters()][:5]
     for rank in (0, 1):
         record = torch.load(tmp_path / f"amp{rank}.pt")
-        assert record["reports"] == [{"step": 5, "steps": [5, 6], "names": {0: [], 1: first_five}}]
+        assert record["reports"] == [{"step": 6, "steps": [3, 4, 5, 6], "names": {0: [], 1: first_five}}]
         assert record["global_step"] == 6
         expected = [
-            "ddpopt: non-finite gradients at optimizer steps 5, 6 (rank 0 reporting), first offending parameters - "
-            f"rank 0: none; rank 1: {', '.join(first_five)}"
+            "ddpopt: non-finite values in optimizer steps 3-6 (local SGD: checked at each parameter sync) (rank 0 "
+            f"reporting), first offending parameters - rank 0: none; rank 1: {', '.join(first_five)}"
         ]
         assert record["warned"] == (expected if rank == 0 else [])

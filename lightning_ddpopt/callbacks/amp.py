@@ -17,7 +17,7 @@ from lightning_ddpopt._compat import found_inf_per_device
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
-from lightning_ddpopt.meetings import ranks_meet
+from lightning_ddpopt.meetings import gradients_synchronised, ranks_meet
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -32,13 +32,13 @@ class AMPMonitor(Callback):
     With fp16 and a GradScaler (e.g. :func:`lightning_ddpopt.precision.fp16_mixed_precision`), every optimizer step
     is classified exactly: the scaler skips it when its unscaled gradients hold inf/NaN (an *overflow*, followed
     by a scale backoff). These are AMP's expected overflows, counted, not reported as failures. Without a scaler
-    (bf16, fp32) a cheap check - one sum per gradient on the device, a flag per step exchanged with the other ranks
-    - finds non-finite gradients and names the offending parameters; every rank takes the same decision, so
-    ``on_nonfinite="stop"`` or ``"raise"`` cannot deadlock the others. A gradient whose finite values sum beyond
-    float32's range (3.4e38) counts as non-finite. The flags travel only where the ranks meet anyway
-    (:func:`lightning_ddpopt.meetings.ranks_meet`): at every step that synchronises gradients; under local SGD,
-    whose ranks train apart between syncs, at the next parameter sync (or the end of fit), which then reports
-    every step since, and ``"stop"`` / ``"raise"`` act there.
+    (bf16, fp32) a cheap check - one sum per gradient on the device, one flag per step all-reduced with the
+    gradient sync's ranks - finds non-finite gradients and names the offending parameters; every rank takes the same
+    decision, so ``on_nonfinite="stop"`` or ``"raise"`` cannot deadlock the others. A gradient whose finite values
+    sum beyond float32's range (3.4e38) counts as non-finite. Under local SGD, whose ranks train apart between
+    syncs, the check runs only where they meet (:func:`lightning_ddpopt.meetings.ranks_meet`): at each parameter
+    sync (and the end of fit), on the gradients and the parameters, which a non-finite gradient leaves non-finite
+    after the optimizer step; a finding then covers the steps since the previous sync.
 
     Logged at every optimizer step (``on_step``), through the Trainer's loggers:
 
@@ -121,10 +121,7 @@ class AMPMonitor(Callback):
         self._last_step_skipped = False
         self._warned_unclassified = False
         self._scaler: torch.amp.GradScaler | None = None
-        # Non-finite checks not yet exchanged with the other ranks: (optimizer step, this rank's flag on the device)
-        self._pending: list[tuple[int, torch.Tensor]] = []
-        self._pending_bad: torch.Tensor | None = None  # per parameter: non-finite in any pending step
-        self._pending_names: list[str] = []
+        self._checked_through = 0  # the last optimizer step whose gradients (or parameters) were checked
         self._patched_module: pl.LightningModule | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -149,7 +146,7 @@ class AMPMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._pending, self._pending_bad, self._pending_names = [], None, []
+        self._checked_through = self.steps
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scaler = scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
@@ -193,16 +190,10 @@ class AMPMonitor(Callback):
             self._check_nonfinite(trainer, pl_module)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._pending and ranks_meet(trainer):
-            self._exchange_nonfinite(trainer, pl_module)
-
-    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending:  # every rank checked the same steps: the end of fit is a meeting
-            self._exchange_nonfinite(trainer, pl_module, log=False)  # Lightning takes no logs at the end of fit
+        if self._scaler is None and self.check_nonfinite and self._checked_through < self.steps:
+            # Local SGD's steps since its last sync (the same on every rank); the end of fit is a meeting.
+            self._decide_nonfinite(trainer, pl_module, parameters=True, log=False)  # no logs at the end of fit
         report_if_last(trainer, self)
 
     @override
@@ -227,6 +218,7 @@ class AMPMonitor(Callback):
         self.growth_events = state_dict["growth_events"]
         self.backoff_events = state_dict["backoff_events"]
         self.nonfinite_steps = state_dict["nonfinite_steps"]
+        self._checked_through = self.steps
         self.skipped_step_indices = list(state_dict["skipped_step_indices"])
         self._recent = deque(state_dict["recent"], maxlen=self.window)
         self._last_scale = state_dict["last_scale"]
@@ -291,37 +283,36 @@ class AMPMonitor(Callback):
             )
 
     def _check_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        named = [(name, p.grad) for name, p in pl_module.named_parameters() if p.grad is not None]
-        # One sum per gradient, on the device: a NaN or an infinity makes the sum non-finite, and a sum of finite
-        # values is finite unless it overflows float32 (3.4e38). A pass over the values, where an elementwise
-        # test writes and reads a mask as large as the gradient (several times the cost).
-        sums = [grad.sum(dtype=torch.float32) for _, grad in named]
-        bad = ~torch.stack(sums).isfinite() if sums else torch.zeros(0, dtype=torch.bool, device=pl_module.device)
-        # A rank without gradients still takes part: every rank must take the same branch.
-        self._pending.append((self.steps, bad.any()))
-        names = [name for name, _ in named]
-        same_parameters = self._pending_bad is not None and names == self._pending_names
-        self._pending_bad = self._pending_bad | bad if same_parameters else bad  # type: ignore[operator]
-        self._pending_names = names
-        if ranks_meet(trainer):
-            self._exchange_nonfinite(trainer, pl_module)
+        if gradients_synchronised(trainer):
+            self._decide_nonfinite(trainer, pl_module, parameters=False)
+        elif ranks_meet(trainer):
+            self._decide_nonfinite(trainer, pl_module, parameters=True)
 
-    def _exchange_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool = True) -> None:
-        """Decide, on every rank alike, which of the steps checked since the last exchange had non-finite gradients.
+    def _decide_nonfinite(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, parameters: bool, log: bool = True
+    ) -> None:
+        """Check the steps since the last check, and decide on every rank alike whether any rank found non-finite.
 
-        Called where the ranks meet anyway (:func:`~lightning_ddpopt.meetings.ranks_meet`): at every step that
-        synchronises gradients, and between local SGD's syncs at the next one, so it adds no barrier.
+        ``parameters``: check the parameters too, which cover the steps since the last check (between local SGD's
+        syncs: a non-finite gradient leaves its parameter non-finite after the optimizer step). Called only where
+        the ranks meet anyway (:mod:`lightning_ddpopt.meetings`), so it adds no barrier.
         """
-        steps = [step for step, _ in self._pending]
-        flags = torch.stack([flag for _, flag in self._pending]).to(device=pl_module.device, dtype=torch.float32)
-        bad = self._pending_bad
-        self._pending, self._pending_bad = [], None
-        ranks_with_nonfinite = trainer.strategy.reduce(flags, reduce_op="sum").tolist()
-        nonfinite = [step for step, ranks in zip(steps, ranks_with_nonfinite, strict=True) if ranks > 0]
-        if nonfinite:
-            self.nonfinite_steps += len(nonfinite)
-            names = [] if bad is None else [n for n, b in zip(self._pending_names, bad.tolist(), strict=True) if b]
-            self._report_nonfinite(trainer, nonfinite, names[: self.max_names])
+        steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
+        self._checked_through = self.steps
+        named = [(name, p) for name, p in pl_module.named_parameters() if p.grad is not None or parameters]
+        # One sum per tensor, on the device: a NaN or an infinity makes the sum non-finite, and a sum of finite
+        # values is finite unless it overflows float32 (3.4e38). One pass over the values, where an elementwise
+        # test writes and reads a mask as large as the gradient (several times the cost).
+        sums = [_sum(p, parameters) for _, p in named]
+        bad = ~torch.stack(sums).isfinite() if sums else torch.zeros(0, dtype=torch.bool)
+        # A rank without gradients still takes part: every rank must take the same branch.
+        flag = bad.any().to(device=pl_module.device, dtype=torch.uint8).reshape(1)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one collective (the strategy's reduce adds a barrier)
+        if flag.item():
+            self.nonfinite_steps += 1
+            names = [name for (name, _), b in zip(named, bad.tolist(), strict=True) if b][: self.max_names]
+            self._report_nonfinite(trainer, steps, names)
         if log:
             pl_module.log("ddpopt/amp/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
 
@@ -331,12 +322,15 @@ class AMPMonitor(Callback):
             per_rank = [[] for _ in range(trainer.world_size)]
             dist.all_gather_object(per_rank, names)
         by_rank = dict(enumerate(per_rank))
-        self.nonfinite_reports.append({"step": steps[0], "steps": steps, "names": by_rank})
+        self.nonfinite_reports.append({"step": steps[-1], "steps": steps, "names": by_rank})
         where = "; ".join(f"rank {rank}: {', '.join(n) or 'none'}" for rank, n in by_rank.items())
-        when = f"optimizer step {steps[0]}" if len(steps) == 1 else f"optimizer steps {', '.join(map(str, steps))}"
+        when = (
+            f"gradients at optimizer step {steps[0]}"
+            if len(steps) == 1
+            else f"values in optimizer steps {steps[0]}-{steps[-1]} (local SGD: checked at each parameter sync)"
+        )
         message = (
-            f"ddpopt: non-finite gradients at {when} (rank {trainer.global_rank} reporting), "
-            f"first offending parameters - {where}"
+            f"ddpopt: non-finite {when} (rank {trainer.global_rank} reporting), first offending parameters - {where}"
         )
         if self.on_nonfinite == "raise":
             raise FloatingPointError(message)
@@ -344,3 +338,10 @@ class AMPMonitor(Callback):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         if self.on_nonfinite == "stop":
             trainer.should_stop = True
+
+
+def _sum(parameter: torch.nn.Parameter, with_values: bool) -> torch.Tensor:
+    """The float32 sum of ``parameter``'s gradient, plus its values' with ``with_values``."""
+    tensors = [t for t in (parameter.grad, parameter.detach() if with_values else None) if t is not None]
+    total = tensors[0].sum(dtype=torch.float32)
+    return total + tensors[1].sum(dtype=torch.float32) if len(tensors) == 2 else total

@@ -90,18 +90,18 @@ class HookInstaller:
         loss_scale: Callable[[], torch.Tensor | None],
         own_group: Callable[[], dist.ProcessGroup],
         reused_choice: HookChoice | None,
-    ) -> bool:
-        """Build the hook and register it on ``model``; ``False`` when there is none (DDP's built-in allreduce).
+    ) -> None:
+        """Build the hook and register it on ``model`` (none: DDP's built-in allreduce).
 
         ``own_group`` makes a process group over the model's ranks for a hook that runs beside the backward pass;
         ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies.
         """
         self._check_post_local_sgd(device)
-        if self.auto and self._spec is None:
+        if self.choosing:
             self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
         hook = self._build(model, backend, ledger, device, loss_scale, own_group)
         if hook is None:
-            return False
+            return
         if backend not in TESTED_BACKENDS:
             rank_zero_warn(
                 f"ddpopt: comm hook {self.comm_hook_name!r} registered on backend {backend!r}, which is not "
@@ -114,7 +114,11 @@ class HookInstaller:
             raise RuntimeError(
                 f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
             )
-        return True
+
+    @property
+    def choosing(self) -> bool:
+        """Whether ``comm_hook="auto"`` has yet to choose (it chooses once, at the first fit's setup)."""
+        return self.auto and self._spec is None
 
     @property
     def spec(self) -> HookSpec | None:

@@ -2,7 +2,7 @@
 
 In the local phase the ranks meet only at parameter syncs. :class:`LocalSGDDriver` keeps it so: it turns DDP's
 gradient sync and buffer broadcast off for local batches, replaces Lightning's per-batch SIGTERM barrier with a
-check once a window (:mod:`lightning_ddpopt._sigterm`), and says in which batches the ranks meet
+check once a window (:mod:`lightning_ddpopt.localsgd.sigterm`), and says in which batches the ranks meet
 (``LocalSGD.met_in_batch``, read through :func:`lightning_ddpopt.meetings.ranks_meet`), so that the measuring
 callbacks hold their own collectives until then. It also counts the steps a GradScaler skipped, records each sync
 in the ledger, averages the ranks at the end of fit, and carries each rank's inner optimizer state in checkpoints.
@@ -23,10 +23,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt._compat import say_during_training
 from lightning_ddpopt._groups import destroy_owned_group
-from lightning_ddpopt._sigterm import SigtermAtSyncs
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.localsgd.config import LocalSGDConfig
 from lightning_ddpopt.localsgd.outer import LocalSGD
+from lightning_ddpopt.localsgd.sigterm import SigtermAtSyncs
 
 __all__ = ["LocalSGDDriver"]
 

@@ -70,7 +70,11 @@ class LocalSGD:
         self.anchor: torch.Tensor | None = None
         self.momentum: torch.Tensor | None = None
         self.averaged_at_end = False
-        #: Whether the ranks met in the current batch: its gradients synced (warm-up) or its step synced parameters.
+        #: Whether the current batch synchronises gradients (the warm-up), the same on every rank.
+        self.gradients_sync = True
+        #: Whether the ranks meet in the current batch: its gradients sync, or its optimizer step takes part in a
+        #: parameter sync (the sync itself, or the start of one that travels while the ranks train on: applying it
+        #: waits for the slower rank's start anyway).
         self.met_in_batch = True
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
@@ -95,7 +99,10 @@ class LocalSGD:
 
     def before_batch(self) -> bool:
         """Anchor the parameters when the local phase begins; return whether this batch's gradients sync."""
-        self.met_in_batch = not self.local
+        self.gradients_sync = not self.local
+        self.met_in_batch = (
+            self.gradients_sync or (self.steps + 1 - self.config.warmup_steps) % self.config.sync_every == 0
+        )
         if not self.local:
             return True
         if self.anchor is None:  # identical on every rank: DDP synced them until now (or broadcast them at start)
@@ -134,14 +141,12 @@ class LocalSGD:
         self.skipped_inner_steps += int(skipped)
         self._steps_off_anchor += 1
         if self._in_flight is not None and self.steps == self._in_flight.apply_at:
-            self.met_in_batch = True
             return self._apply_in_flight()
         if (self.steps - self.config.warmup_steps) % self.config.sync_every:
             return None
         if self.config.overlap_steps:
-            self._start_sync()  # sent while the ranks train on: they meet when it is applied
+            self._start_sync()
             return None
-        self.met_in_batch = True
         return self.sync()
 
     def sync(self) -> ParameterSync:
