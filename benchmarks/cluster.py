@@ -251,7 +251,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
         host_times = compute.get("host_step_times_s") or [compute["step_times_s"]] * hosts
         for periodic, statistic in ((False, statistics.median), (True, statistics.fmean)):
             compute_limit[periodic] = sum(compute["samples_per_step"] / statistic(times) for times in host_times)
-    stock = results.get("stock")
+    stock = results.get("stock") or results.get("stock" + CALLBACKS_SUFFIX)  # --callbacks on: the reference has them
     stock_rate: dict[bool, float] = {}
     if stock:
         for periodic, statistic in ((False, statistics.median), (True, statistics.fmean)):
@@ -274,7 +274,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             "sync_ms": result["sync_time_s"] * 1e3 if result.get("sync_time_s") is not None else None,
             "bytes_per_step": result.get("bytes_sent")
             if result.get("bytes_sent") is not None
-            else (result["gradient_bytes"] if variant == "stock" else None),
+            else (result["gradient_bytes"] if variant.removesuffix(CALLBACKS_SUFFIX) == "stock" else None),
             "speedup_vs_stock": rate / stock_rate[periodic] if stock_rate and variant != "compute" else None,
             "fraction_of_compute_limit": rate / compute_limit[periodic]
             if compute_limit and variant != "compute"

@@ -28,6 +28,7 @@ __all__ = [
     "StrategyRegistryType",
     "attached_comm_hook",
     "bucket_assignment",
+    "check_ddp_strategy_internals",
     "check_versions",
     "data_fetcher",
     "default_store",
@@ -50,7 +51,7 @@ DDP_STRATEGY_INTERNALS = (
     "_get_process_group_backend",
 )
 #: Instance attributes of ``DDPStrategy`` it reads or writes.
-DDP_STRATEGY_ATTRIBUTES = ("_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_state", "_ddp_comm_wrapper", "_timeout")
+DDP_STRATEGY_ATTRIBUTES = ("_ddp_kwargs", "_timeout")
 
 _TORCH_GREATER_EQUAL_2_4 = compare_version("torch", lambda a, b: a >= b, "2.4.0")
 
@@ -63,8 +64,8 @@ def _changed(package: str, api: str, what: str) -> RuntimeError:
     )
 
 
-def check_versions(strategy: DDPStrategy) -> None:
-    """At construction: warn outside the tested Lightning range; raise if a ``DDPStrategy`` internal is gone."""
+def check_versions() -> None:
+    """At construction, first: warn (on rank 0) outside the tested Lightning range and below torch 2.4."""
     low, high = LIGHTNING_TESTED_RANGE
     in_range = compare_version("lightning", lambda a, b: a >= b, low) and not compare_version(
         "lightning", lambda a, b: a >= b, high
@@ -82,6 +83,10 @@ def check_versions(strategy: DDPStrategy) -> None:
             category=RuntimeWarning,
             stacklevel=6,
         )
+
+
+def check_ddp_strategy_internals(strategy: DDPStrategy) -> None:
+    """Once ``DDPStrategy.__init__`` ran: raise if a ``DDPStrategy`` internal the strategy relies on is gone."""
     for name in DDP_STRATEGY_INTERNALS:
         if not callable(getattr(DDPStrategy, name, None)):
             raise _changed("lightning", f"DDPStrategy.{name}", "OptimizedDDPStrategy overrides or calls it")

@@ -1,7 +1,8 @@
 """OptimizedDDPStrategy: Lightning's DDPStrategy with planned buckets, comm hooks on every backend, and a ledger.
 
 The strategy is wiring: each concern lives in the component that owns its rules, and the methods below are
-Lightning's hooks in the order Lightning calls them, each handing over to the components (see the design page).
+Lightning's hooks, each handing over to the components, in the order Lightning calls them in a fit (a checkpoint
+to resume from is loaded before ``setup``; its parts wait for the components that restore them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpopt._compat import PathType, StrategyRegistryType, check_versions, say_during_training
+from lightning_ddpopt._compat import (
+    PathType,
+    StrategyRegistryType,
+    check_ddp_strategy_internals,
+    check_versions,
+    say_during_training,
+)
 from lightning_ddpopt._groups import destroy_process_group_at_exit, group_like
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
@@ -134,6 +141,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         local_sgd: LocalSGDConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        check_versions()
         validate_local_sgd(
             local_sgd,
             comm_hook=comm_hook,
@@ -158,7 +166,7 @@ class OptimizedDDPStrategy(DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        check_versions(self)
+        check_ddp_strategy_internals(self)
         # DistributedDataParallel gets only what differs from its own defaults (all False).
         ddp_flags = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -213,6 +221,16 @@ class OptimizedDDPStrategy(DDPStrategy):
         destroy_process_group_at_exit()
 
     @override
+    def load_checkpoint(self, checkpoint_path: PathType, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        self._saved = SavedRun.from_checkpoint(entry) if entry else None
+        self._hook_state_pending = self._local_sgd_pending = self._saved is not None
+        self._restore_hook_state()
+        self._restore_local_sgd()
+        return checkpoint
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if (
             trainer.state.fn == TrainerFn.FITTING
@@ -251,21 +269,12 @@ class OptimizedDDPStrategy(DDPStrategy):
             own_group=self._group_of_own,
             reused_choice=self._reused_decision("hook_choice") if self._hooks.choosing else None,
         )
-        self._restore_hook_state()
+        if self._hooks.registered is not None:
+            self._restore_hook_state()
         if self._local_sgd is not None:
             self._local_sgd.start(model, self._group_of_own)
             self._restore_local_sgd()
         self._buckets.log_plan(backend, self.comm_hook_name)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PathType, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        self._saved = SavedRun.from_checkpoint(entry) if entry else None
-        self._hook_state_pending = self._local_sgd_pending = self._saved is not None
-        self._restore_hook_state()
-        self._restore_local_sgd()
-        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -387,11 +396,11 @@ class OptimizedDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._local_sgd is not None:
+            self._local_sgd.teardown()
         super().teardown()
         # Nothing of ours may keep a process group alive past Lightning's exit-time destroy_process_group.
         self._hooks.close()
-        if self._local_sgd is not None:
-            self._local_sgd.teardown()
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None

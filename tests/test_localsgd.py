@@ -743,15 +743,16 @@ class _LateRank(pl.Callback):
         torch.save(record, self.out / f"late{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("late_rank", [0, 1])
-def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, late_rank):
-    # H = 4 after a warm-up of 2: parameter syncs at steps 6 and 10. The callbacks want to meet every step
-    # (every_n_steps=1; AMPMonitor's check of every step); between syncs they keep their figures and exchange them
-    # at the next sync. The late rank sleeps 3 s after step 3: the other rank ends steps 4 and 5 meanwhile, and
-    # waits at step 6's sync. Before, AMPMonitor's per-step all-reduce made it wait at step 4.
+@pytest.mark.parametrize(("late_rank", "overlap"), [(0, 0), (1, 2)])
+def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, late_rank, overlap):
+    # H = 4 after a warm-up of 2: parameter syncs start at steps 6 and 10 (overlapped: applied 2 steps later). The
+    # callbacks want to meet every step (every_n_steps=1; AMPMonitor's check of every step); between syncs they keep
+    # their figures and exchange them at the next sync's start. The late rank sleeps 3 s after step 3: the other
+    # rank ends steps 4 and 5 meanwhile, and waits at step 6. Before, AMPMonitor's per-step all-reduce made it wait
+    # at step 4.
     late = _LateRank(tmp_path, late_rank, sleep_after_step=3, seconds=3.0)
     measuring = [CommProfiler(every_n_steps=1, probe_link=False), StragglerDetector(every_n_steps=1), AMPMonitor()]
-    config = LocalSGDConfig(sync_every=4, warmup_steps=2)
+    config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=overlap)
     ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[late, *measuring])  # 12 steps
     records = [torch.load(tmp_path / f"late{rank}.pt") for rank in range(2)]
     other = 1 - late_rank
@@ -817,3 +818,23 @@ def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stop
             f"reporting), first offending parameters - rank 0: none; rank 1: {', '.join(first_five)}"
         ]
         assert record["warned"] == (expected if rank == 0 else [])
+
+
+@pytest.mark.parametrize("steps_per_batch", [1, 2])
+def test_the_schedule_says_where_the_ranks_meet_whatever_the_steps_per_batch(gloo_group, steps_per_batch):
+    # Warm-up 2, H = 3: syncs at optimizer step calls 5, 8, 11, ... The callbacks ask before a step whether it meets
+    # (next_step_meets) and after a batch whether the ranks met in it (met_in_batch), also with several optimizer
+    # steps per batch (manual optimization with two optimizers).
+    loop = LocalSGD(LocalSGDConfig(sync_every=3, warmup_steps=2), nn.Linear(4, 4))
+    meets_before, met_after = [], []
+    for _ in range(12 // steps_per_batch):
+        synced_gradients = loop.before_batch()
+        assert loop.gradients_sync is synced_gradients
+        for _ in range(steps_per_batch):
+            meets_before.append(loop.next_step_meets)
+            loop.after_optimizer_step()
+        met_after.append(loop.met_in_batch)
+    meeting_steps = [1, 2, 5, 8, 11]
+    assert [step for step, meets in enumerate(meets_before, start=1) if meets] == meeting_steps
+    batches_meeting = sorted({(step - 1) // steps_per_batch for step in meeting_steps})
+    assert [batch for batch, met in enumerate(met_after) if met] == batches_meeting

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -17,7 +18,7 @@ from lightning_ddpopt._compat import found_inf_per_device
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
-from lightning_ddpopt.meetings import gradients_synchronised, ranks_meet
+from lightning_ddpopt.meetings import gradients_synchronised, next_step_meets
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -38,7 +39,8 @@ class AMPMonitor(Callback):
     sum beyond float32's range (3.4e38) counts as non-finite. Under local SGD, whose ranks train apart between
     syncs, the check runs only where they meet (:func:`lightning_ddpopt.meetings.ranks_meet`): at each parameter
     sync (and the end of fit), on the gradients and the parameters, which a non-finite gradient leaves non-finite
-    after the optimizer step; a finding then covers the steps since the previous sync.
+    after the optimizer step (gradient clipping by value turns an infinite gradient finite before the step, and a
+    NaN stays); a finding then covers the steps since the previous sync and counts as one in ``nonfinite_steps``.
 
     Logged at every optimizer step (``on_step``), through the Trainer's loggers:
 
@@ -50,7 +52,7 @@ class AMPMonitor(Callback):
     ``ddpopt/amp/skip_rate``          skipped share of the last ``window`` steps                          GradScaler
     ``ddpopt/amp/growth_events``      scale growths so far                                                GradScaler
     ``ddpopt/amp/backoff_events``     scale backoffs so far (one per overflow)                            GradScaler
-    ``ddpopt/amp/nonfinite_steps``    steps with non-finite gradients outside AMP's overflow handling     no scaler
+    ``ddpopt/amp/nonfinite_steps``    steps (local SGD: sync windows) with non-finite gradients          no scaler
     ================================  ==================================================================  ===========
 
     Warns once when the scale falls below ``underflow_threshold`` (gradients are underflowing) and once when the
@@ -285,7 +287,7 @@ class AMPMonitor(Callback):
     def _check_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if gradients_synchronised(trainer):
             self._decide_nonfinite(trainer, pl_module, parameters=False)
-        elif ranks_meet(trainer):
+        elif next_step_meets(trainer):
             self._decide_nonfinite(trainer, pl_module, parameters=True)
 
     def _decide_nonfinite(
@@ -307,16 +309,18 @@ class AMPMonitor(Callback):
         bad = ~torch.stack(sums).isfinite() if sums else torch.zeros(0, dtype=torch.bool)
         # A rank without gradients still takes part: every rank must take the same branch.
         flag = bad.any().to(device=pl_module.device, dtype=torch.uint8).reshape(1)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one collective (the strategy's reduce adds a barrier)
+        else:
+            flag = trainer.strategy.reduce(flag.float(), reduce_op="sum")
         if flag.item():
             self.nonfinite_steps += 1
             names = [name for (name, _), b in zip(named, bad.tolist(), strict=True) if b][: self.max_names]
-            self._report_nonfinite(trainer, steps, names)
+            self._report_nonfinite(trainer, steps, names, parameters)
         if log:
             pl_module.log("ddpopt/amp/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
 
-    def _report_nonfinite(self, trainer: pl.Trainer, steps: list[int], names: list[str]) -> None:
+    def _report_nonfinite(self, trainer: pl.Trainer, steps: list[int], names: list[str], parameters: bool) -> None:
         per_rank: list[list[str]] = [names]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             per_rank = [[] for _ in range(trainer.world_size)]
@@ -326,7 +330,7 @@ class AMPMonitor(Callback):
         where = "; ".join(f"rank {rank}: {', '.join(n) or 'none'}" for rank, n in by_rank.items())
         when = (
             f"gradients at optimizer step {steps[0]}"
-            if len(steps) == 1
+            if not parameters
             else f"values in optimizer steps {steps[0]}-{steps[-1]} (local SGD: checked at each parameter sync)"
         )
         message = (

@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_ddpopt._compat import data_fetcher
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
@@ -254,11 +255,11 @@ class StragglerDetector(Callback):
         Lightning range this package pins and tests); each epoch's loop sets them anew, so they are wrapped again.
         Without them, data time is the whole gap between batches, which includes Lightning's per-batch collective.
         """
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-        start, stop = getattr(fetcher, "_start_profiler", None), getattr(fetcher, "_stop_profiler", None)
-        if fetcher is None or not callable(start) or not callable(stop):
+        fetcher = data_fetcher(trainer)
+        if fetcher is None:
             self._fetch_timing = False
             return
+        start, stop = fetcher._start_profiler, fetcher._stop_profiler
         if self._timed_fetcher is not None and self._timed_fetcher == (fetcher, start):
             return
         timeline = self._cursor.timeline

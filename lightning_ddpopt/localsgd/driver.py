@@ -2,10 +2,10 @@
 
 In the local phase the ranks meet only at parameter syncs. :class:`LocalSGDDriver` keeps it so: it turns DDP's
 gradient sync and buffer broadcast off for local batches, replaces Lightning's per-batch SIGTERM barrier with a
-check once a window (:mod:`lightning_ddpopt.localsgd.sigterm`), and says in which batches the ranks meet
-(``LocalSGD.met_in_batch``, read through :func:`lightning_ddpopt.meetings.ranks_meet`), so that the measuring
-callbacks hold their own collectives until then. It also counts the steps a GradScaler skipped, records each sync
-in the ledger, averages the ranks at the end of fit, and carries each rank's inner optimizer state in checkpoints.
+check once a window (:mod:`lightning_ddpopt.localsgd.sigterm`); the loop's schedule says in which batches the
+ranks meet (read through :mod:`lightning_ddpopt.meetings`), so that the measuring callbacks hold their own
+collectives until then. It also counts the steps a GradScaler skipped, records each sync in the ledger, averages the
+ranks at the end of fit, and carries each rank's inner optimizer state in checkpoints.
 """
 
 from __future__ import annotations

@@ -72,9 +72,8 @@ class LocalSGD:
         self.averaged_at_end = False
         #: Whether the current batch synchronises gradients (the warm-up), the same on every rank.
         self.gradients_sync = True
-        #: Whether the ranks meet in the current batch: its gradients sync, or its optimizer step takes part in a
-        #: parameter sync (the sync itself, or the start of one that travels while the ranks train on: applying it
-        #: waits for the slower rank's start anyway).
+        #: Whether the ranks met in the current batch so far: its gradients synced, or an optimizer step of it took
+        #: part in a parameter sync (see :attr:`next_step_meets`).
         self.met_in_batch = True
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
@@ -97,12 +96,18 @@ class LocalSGD:
         """
         return not self.local or (self.steps - self.config.warmup_steps) % self.config.sync_every == 0
 
+    @property
+    def next_step_meets(self) -> bool:
+        """Whether the next optimizer step call meets the other ranks, the same on every rank.
+
+        It does when it syncs gradients (the warm-up) or takes part in a parameter sync: the sync itself, or the start
+        of one that travels while the ranks train on (applying it later waits for the slower rank's start anyway).
+        """
+        return not self.local or (self.steps + 1 - self.config.warmup_steps) % self.config.sync_every == 0
+
     def before_batch(self) -> bool:
         """Anchor the parameters when the local phase begins; return whether this batch's gradients sync."""
-        self.gradients_sync = not self.local
-        self.met_in_batch = (
-            self.gradients_sync or (self.steps + 1 - self.config.warmup_steps) % self.config.sync_every == 0
-        )
+        self.gradients_sync = self.met_in_batch = not self.local
         if not self.local:
             return True
         if self.anchor is None:  # identical on every rank: DDP synced them until now (or broadcast them at start)
@@ -144,6 +149,7 @@ class LocalSGD:
             return self._apply_in_flight()
         if (self.steps - self.config.warmup_steps) % self.config.sync_every:
             return None
+        self.met_in_batch = True
         if self.config.overlap_steps:
             self._start_sync()
             return None
