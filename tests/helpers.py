@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy
 
 WIDTH = 256
 LAYERS = 6
@@ -46,6 +46,44 @@ class StackModel(pl.LightningModule):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class NaNGradientModel(StackModel):
+    """Rank ``rank`` puts a NaN into net.4.weight's gradient at (1-based) optimizer step ``step``, before any sync."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        super().__init__()
+        self.nan_rank, self.nan_step = rank, step
+        self._hook: Any = None
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_rank == self.nan_rank and self.trainer.global_step == self.nan_step - 1:
+            self._hook = self.net[4].weight.register_hook(lambda grad: grad + float("nan"))
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+class NonfiniteReport(pl.Callback):
+    """Saves, per rank, the AMPMonitor's non-finite reports, the step training ended at and the warnings it gave."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catcher = warnings.catch_warnings(record=True)
+        self.caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catcher.__exit__(None, None, None)
+        (monitor,) = [c for c in trainer.callbacks if isinstance(c, AMPMonitor)]  # type: ignore[attr-defined]
+        warned = [str(w.message) for w in self.caught if "non-finite " in str(w.message)]
+        record = {"reports": monitor.nonfinite_reports, "global_step": trainer.global_step, "warned": warned}
+        torch.save(record, self.out / f"amp{trainer.global_rank}.pt")
 
 
 class OverflowModel(StackModel):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -13,24 +12,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
-from tests.helpers import OverflowModel, StackModel, fit_ddp, regression_data
+from tests.helpers import NaNGradientModel, NonfiniteReport, OverflowModel, StackModel, fit_ddp, regression_data
 
 INIT_SCALE = 2.0**16
 LR = 0.05
-
-
-class NaNOnOneRank(StackModel):
-    """Rank 1 puts a NaN into net.4.weight's gradient at its second step, before DDP all-reduces it."""
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx == 1:
-            self._hook = self.net[4].weight.register_hook(lambda grad: grad + float("nan"))
-        return super().training_step(batch, batch_idx)
-
-    def on_after_backward(self):
-        if getattr(self, "_hook", None) is not None:
-            self._hook.remove()
-            self._hook = None
 
 
 def fit_single(tmp_path: Path, model, monitor, max_steps=10, ckpt_path=None, **kwargs) -> pl.Trainer:
@@ -116,31 +101,15 @@ def test_bf16_has_no_scaler_keys_and_fp32_checks_quietly(tmp_path):
     assert monitor.nonfinite_reports == []
 
 
-class ReportProbe(pl.Callback):
-    def __init__(self, monitor: AMPMonitor, out: str) -> None:
-        self.monitor, self.out = monitor, out
-
-    def on_fit_start(self, trainer, pl_module):
-        self._catcher = warnings.catch_warnings(record=True)
-        self.caught = self._catcher.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self, trainer, pl_module):
-        self._catcher.__exit__(None, None, None)
-        warned = [str(w.message) for w in self.caught if "non-finite gradients" in str(w.message)]
-        record = {"reports": self.monitor.nonfinite_reports, "global_step": trainer.global_step, "warned": warned}
-        torch.save(record, Path(self.out) / f"amp{trainer.global_rank}.pt")
-
-
 def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path):
     monitor = AMPMonitor(on_nonfinite="stop")
     strategy = OptimizedDDPStrategy(start_method="fork")
     fit_ddp(
         tmp_path,
         strategy,
-        model=NaNOnOneRank(),
+        model=NaNGradientModel(rank=1, step=2),
         precision="bf16-mixed",
-        callbacks=[monitor, ReportProbe(monitor, str(tmp_path))],
+        callbacks=[monitor, NonfiniteReport(tmp_path)],
         max_steps=6,
     )
     for rank in (0, 1):

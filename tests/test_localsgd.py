@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -33,6 +32,8 @@ from lightning_ddpopt.localsgd import LocalSGD
 from lightning_ddpopt.units import format_bytes
 from tests.helpers import (
     ManualStackModel,
+    NaNGradientModel,
+    NonfiniteReport,
     OverflowModel,
     StackModel,
     fit_ddp,
@@ -718,18 +719,9 @@ def test_a_sigterm_on_any_rank_stops_every_rank_within_two_sync_windows(tmp_path
     assert stopped == ["SIGTERMException 11"] * 2, stderr[-3000:]
 
 
-class _LateRank(pl.Callback):
+class _LateRank(_LateAfterLaunch):
     """``late_rank`` sleeps at the end of one local step; every rank notes when it ended each step, and what the
     measuring callbacks concluded."""
-
-    def __init__(self, out: Path, late_rank: int, sleep_after_step: int, seconds: float) -> None:
-        self.out, self.late_rank, self.sleep_after_step, self.seconds = out, late_rank, sleep_after_step, seconds
-        self.ended: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        if trainer.global_rank == self.late_rank and trainer.global_step == self.sleep_after_step:
-            time.sleep(self.seconds)
-        self.ended[trainer.global_step] = time.time()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         found = {type(c).__name__: c for c in trainer.callbacks}
@@ -765,37 +757,6 @@ def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, la
         assert record["comm"]["step_time_ms"] > 0
 
 
-class _NaNOnRank1AtStep5(StackModel):
-    """Rank 1 puts a NaN into net.4.weight's gradient at optimizer step 5 (a local step: gradients do not sync)."""
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and self.trainer.global_step == 4:
-            self._hook = self.net[4].weight.register_hook(lambda grad: grad + float("nan"))
-        return super().training_step(batch, batch_idx)
-
-    def on_after_backward(self):
-        if getattr(self, "_hook", None) is not None:
-            self._hook.remove()
-            self._hook = None
-
-
-class _AMPReport(pl.Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_fit_start(self, trainer, pl_module):
-        self._catcher = warnings.catch_warnings(record=True)
-        self.caught = self._catcher.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self, trainer, pl_module):
-        self._catcher.__exit__(None, None, None)
-        (monitor,) = [c for c in trainer.callbacks if isinstance(c, AMPMonitor)]
-        warned = [str(w.message) for w in self.caught if "non-finite " in str(w.message)]
-        record = {"reports": monitor.nonfinite_reports, "global_step": trainer.global_step, "warned": warned}
-        torch.save(record, self.out / f"amp{trainer.global_rank}.pt")
-
-
 def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stops_all(tmp_path):
     # The NaN at step 5 stays on rank 1 (no gradient sync), which then trains on NaN weights. The ranks do not meet
     # before step 6's parameter sync: there every rank learns of the window's steps 3-6, with rank 1's offending
@@ -804,9 +765,9 @@ def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stop
     _fit(
         tmp_path,
         config,
-        model=_NaNOnRank1AtStep5(),
+        model=NaNGradientModel(rank=1, step=5),
         max_epochs=3,
-        callbacks=[AMPMonitor(on_nonfinite="stop"), _AMPReport(tmp_path)],
+        callbacks=[AMPMonitor(on_nonfinite="stop"), NonfiniteReport(tmp_path)],
     )
     first_five = [name for name, _ in StackModel().named_parameters()][:5]
     for rank in (0, 1):
