@@ -29,7 +29,8 @@ def test_the_strategy_finds_every_ddp_strategy_internal_it_overrides():
     strategy = OptimizedDDPStrategy()
     for name in _compat.DDP_STRATEGY_INTERNALS:
         assert callable(getattr(DDPStrategy, name))
-        assert getattr(type(strategy), name) is not None
+    # What it overrides is there to override: Lightning calls these on its DDPStrategy during setup.
+    assert {"_setup_model", "_register_ddp_hooks"} <= set(vars(OptimizedDDPStrategy)) & set(vars(DDPStrategy))
     for name in _compat.DDP_STRATEGY_ATTRIBUTES:
         assert hasattr(strategy, name)
 

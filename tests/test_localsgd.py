@@ -735,22 +735,25 @@ class _LateRank(_LateAfterLaunch):
         torch.save(record, self.out / f"late{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize(("late_rank", "overlap"), [(0, 0), (1, 2)])
-def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, late_rank, overlap):
+@pytest.mark.parametrize(("late_rank", "overlap", "devices"), [(0, 0, 2), (1, 2, 3)])
+def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, late_rank, overlap, devices):
     # H = 4 after a warm-up of 2: parameter syncs start at steps 6 and 10 (overlapped: applied 2 steps later). The
     # callbacks want to meet every step (every_n_steps=1; AMPMonitor's check of every step); between syncs they keep
     # their figures and exchange them at the next sync's start. The late rank sleeps 3 s after step 3: the other
-    # rank ends steps 4 and 5 meanwhile, and waits at step 6. Before, AMPMonitor's per-step all-reduce made it wait
-    # at step 4.
+    # ranks end steps 4 and 5 meanwhile, and wait at step 6. Before, AMPMonitor's per-step all-reduce made them
+    # wait at step 4.
     late = _LateRank(tmp_path, late_rank, sleep_after_step=3, seconds=3.0)
     measuring = [CommProfiler(every_n_steps=1, probe_link=False), StragglerDetector(every_n_steps=1), AMPMonitor()]
     config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=overlap)
-    ranks = _fit(tmp_path, config, max_epochs=3, callbacks=[late, *measuring])  # 12 steps
-    records = [torch.load(tmp_path / f"late{rank}.pt") for rank in range(2)]
-    other = 1 - late_rank
-    assert records[other]["ended"][5] < records[late_rank]["ended"][3], "a callback made the ranks meet"
-    assert records[other]["ended"][6] > records[late_rank]["ended"][3]  # the sync waits for the late rank
-    torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"], rtol=0, atol=0)
+    # 12 steps: 64 samples in batches of 8 make 4 steps an epoch on 2 ranks, 3 on 3.
+    ranks = _fit(tmp_path, config, devices=devices, max_epochs=3 if devices == 2 else 4, callbacks=[late, *measuring])
+    records = [torch.load(tmp_path / f"late{rank}.pt") for rank in range(devices)]
+    late_ended = records[late_rank]["ended"]
+    for other in (rank for rank in range(devices) if rank != late_rank):
+        assert records[other]["ended"][5] < late_ended[3], f"a callback made rank {other} wait"
+        assert records[other]["ended"][6] > late_ended[3]  # the sync waits for the late rank
+    for record in ranks[1:]:
+        torch.testing.assert_close(ranks[0]["final"], record["final"], rtol=0, atol=0)
     for record in records:  # the figures still arrive: every warm-up step, the syncs at 6 and 10, the end of fit
         assert record["amp_steps"] == 12 and record["nonfinite_steps"] == 0
         assert record["straggler_windows"] == 5
