@@ -6,13 +6,30 @@ have. Between local SGD's syncs the ranks train apart on purpose, so there the m
 figures local and exchange them where the ranks meet next. The strategy's local SGD loop knows the schedule
 (:class:`~lightning_ddpopt.localsgd.LocalSGD`); this module is what callbacks ask. Every answer is the same on every
 rank, so every rank enters a callback's collective or none does.
+
+An overlapped sync's start is a meeting *in passing* (:func:`meets_in_passing`): the ranks start the sync there and
+train on without waiting for each other, so a blocking collective there would be a barrier the training does not
+have. There a callback starts its collective and reads it at its next meeting (:class:`Exchange`), by when every rank
+has long sent its part.
+
+Where DDP synchronised the gradients with a hook whose result every rank shares (:func:`gradients_identical`), a
+check of the gradients decides alike on every rank without any collective.
 """
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 
-__all__ = ["gradients_synchronised", "next_step_meets", "ranks_meet"]
+__all__ = [
+    "Exchange",
+    "gradients_identical",
+    "gradients_synchronised",
+    "meets_in_passing",
+    "next_step_meets",
+    "ranks_meet",
+]
 
 
 def ranks_meet(trainer: pl.Trainer) -> bool:
@@ -44,3 +61,65 @@ def gradients_synchronised(trainer: pl.Trainer) -> bool:
     """
     local_sgd = getattr(trainer.strategy, "local_sgd", None)
     return getattr(local_sgd, "gradients_sync", True) is not False
+
+
+def gradients_identical(trainer: pl.Trainer) -> bool:
+    """Whether every rank holds the same gradients before the current optimizer step.
+
+    A check of them then decides alike on every rank without a collective. ``True`` when
+    :class:`~lightning_ddpopt.OptimizedDDPStrategy` synchronised the batch's gradients with its own hooks (DDP's
+    allreduce or a registry hook: each rank receives the same result) over every parameter; ``False`` for any other
+    strategy, a user's hook, parameters DDP ignores, Lightning's post-local SGD and local SGD's local phase.
+    """
+    identical = getattr(trainer.strategy, "synced_gradients_identical", False) is True
+    return identical and gradients_synchronised(trainer)
+
+
+def meets_in_passing(trainer: pl.Trainer) -> bool:
+    """Whether a meeting (:func:`ranks_meet`, :func:`next_step_meets`) is one in passing: ranks do not wait there.
+
+    ``True`` in the local phase of local SGD with ``overlap_steps``, whose syncs travel while the ranks train on; a
+    callback's collective there must not block (:class:`Exchange`).
+    """
+    local_sgd = getattr(trainer.strategy, "local_sgd", None)
+    return getattr(local_sgd, "meets_in_passing", False) is True
+
+
+class Exchange:
+    """A callback's all-gather of one fixed-size tensor at each of its meetings; in passing, it travels.
+
+    Call :meth:`gather` at a meeting, on every rank alike: where the ranks wait for each other it returns every rank's
+    tensor at once; in passing it starts the all-gather and returns ``None``, and the gathered result comes out of
+    :meth:`arrived` at the next meeting (or the end of fit) - long arrived by then, so no rank waits for another.
+    """
+
+    def __init__(self) -> None:
+        self._travelling: tuple[dist.Work, list[torch.Tensor]] | None = None
+
+    def arrived(self) -> torch.Tensor | None:
+        """Every rank's tensor (stacked, ``(world, ...)``) from the gather that travelled since the last meeting."""
+        travelling, self._travelling = self._travelling, None
+        if travelling is None:
+            return None
+        work, gathered = travelling
+        work.wait()
+        return torch.stack(gathered)
+
+    def gather(self, local: torch.Tensor, world_size: int, in_passing: bool) -> torch.Tensor | None:
+        """Every rank's ``local`` (stacked), or ``None`` when it travels (``in_passing``; read it with :meth:`arrived`).
+
+        A gather still travelling must have been read first: its result would be lost.
+        """
+        assert self._travelling is None, "read the travelling gather (arrived) before starting another"
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        if in_passing:
+            work = dist.all_gather(gathered, local, async_op=True)
+            assert work is not None
+            self._travelling = (work, gathered)
+            return None
+        dist.all_gather(gathered, local)
+        return torch.stack(gathered)
+
+    def drop(self) -> None:
+        """Forget a travelling gather (teardown): every rank started it, so it finishes without us."""
+        self._travelling = None

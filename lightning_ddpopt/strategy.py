@@ -178,6 +178,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         self._cpu_affinity = validate_cpu_affinity(cpu_affinity)
         self._checkpoints = RankStates(require_number("checkpoint_timeout", checkpoint_timeout))
         self._local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
+        self._model_averaging = model_averaging_period is not None  # Lightning's post-local SGD
         self._accumulation = ManualAccumulation()
         self.ledger: CommLedger | None = None
         self.core_binding: CoreBinding | None = None
@@ -193,6 +194,22 @@ class OptimizedDDPStrategy(DDPStrategy):
     bucket_plan = property(lambda self: self._buckets.plan, doc="The planned bucket cap and predicted layout.")
     bucket_layout = property(lambda self: self._buckets.layout, doc="The bucket sizes DDP built, once final.")
     autotuner = property(lambda self: self._buckets.autotuner, doc="``bucket_cap_mb='autotune'``'s search.")
+
+    @property
+    def synced_gradients_identical(self) -> bool:
+        """Whether a batch whose gradients DDP syncs leaves the same gradients on every rank.
+
+        It does with DDP's allreduce or a registry hook over every parameter (each rank receives the same result);
+        not with a user's hook, parameters DDP ignores, or Lightning's post-local SGD (``model_averaging_period``).
+        See :func:`lightning_ddpopt.meetings.gradients_identical`.
+        """
+        ignored = getattr(self.model, "parameters_to_ignore", None)
+        return (
+            isinstance(self.model, DistributedDataParallel)
+            and self._hooks.results_identical
+            and not self._model_averaging
+            and not ignored
+        )
 
     @property
     def local_sgd(self) -> LocalSGD | None:

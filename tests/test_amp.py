@@ -8,7 +8,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
@@ -172,3 +175,65 @@ def test_optimizer_that_unscales_itself_is_reported_not_misclassified(tmp_path):
     with pytest.warns(UserWarning, match="AMPMonitor cannot tell skipped steps for Adam, which unscales"):
         fit_single(tmp_path, FusedAdamModel(), monitor, max_steps=2)
     assert monitor.skipped_steps == 0
+
+
+class _CollectivesInCheck(pl.Callback):
+    """Counts, per rank, the collectives started inside AMPMonitor's per-step check."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_object", "broadcast")
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        (monitor,) = [c for c in trainer.callbacks if isinstance(c, AMPMonitor)]
+        self.count, inside = 0, [False]
+        self.originals = {name: getattr(dist, name) for name in self.NAMES}
+
+        def counting(original):
+            def call(*args, **kwargs):
+                self.count += inside[0]
+                return original(*args, **kwargs)
+
+            return call
+
+        for name, original in self.originals.items():
+            setattr(dist, name, counting(original))
+        check = monitor.on_before_optimizer_step
+
+        def checked(*args, **kwargs):
+            inside[0] = True
+            try:
+                check(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        monitor.on_before_optimizer_step = checked
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+        torch.save(self.count, self.out / f"collectives{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "collectives"),
+    [
+        (lambda: OptimizedDDPStrategy(start_method="fork"), 0),
+        (lambda: OptimizedDDPStrategy(comm_hook="int8", start_method="fork"), 0),
+        (lambda: OptimizedDDPStrategy(comm_hook=default_hooks.allreduce_hook, start_method="fork"), 4),
+        (lambda: DDPStrategy(start_method="fork"), 4),
+    ],
+    ids=["ours", "ours-int8", "user-hook", "stock"],
+)
+def test_the_check_needs_no_collective_where_every_rank_holds_the_same_gradients(tmp_path, strategy, collectives):
+    # With the strategy's own hooks every rank receives the same synchronised gradients, so each rank's check decides
+    # alike on its own; a user's hook or the stock strategy gives no such promise: one flag exchanged per step (4).
+    fit_ddp(
+        tmp_path,
+        strategy(),
+        precision="bf16-mixed",
+        callbacks=[AMPMonitor(), _CollectivesInCheck(tmp_path)],
+        max_steps=4,
+    )
+    assert [torch.load(tmp_path / f"collectives{rank}.pt") for rank in (0, 1)] == [collectives] * 2

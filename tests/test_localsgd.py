@@ -742,6 +742,8 @@ def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, la
     # their figures and exchange them at the next sync's start. The late rank sleeps 3 s after step 3: the other
     # ranks end steps 4 and 5 meanwhile, and wait at step 6. Before, AMPMonitor's per-step all-reduce made them
     # wait at step 4.
+    # Overlapped, the sync's start is a meeting in passing: the callbacks' gathers travel with it, and the other ranks
+    # wait only where the sync is applied (step 8), for the late rank's start of it.
     late = _LateRank(tmp_path, late_rank, sleep_after_step=3, seconds=3.0)
     measuring = [CommProfiler(every_n_steps=1, probe_link=False), StragglerDetector(every_n_steps=1), AMPMonitor()]
     config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=overlap)
@@ -749,9 +751,10 @@ def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, la
     ranks = _fit(tmp_path, config, devices=devices, max_epochs=3 if devices == 2 else 4, callbacks=[late, *measuring])
     records = [torch.load(tmp_path / f"late{rank}.pt") for rank in range(devices)]
     late_ended = records[late_rank]["ended"]
+    waits_at = 6 + overlap
     for other in (rank for rank in range(devices) if rank != late_rank):
-        assert records[other]["ended"][5] < late_ended[3], f"a callback made rank {other} wait"
-        assert records[other]["ended"][6] > late_ended[3]  # the sync waits for the late rank
+        assert records[other]["ended"][waits_at - 1] < late_ended[3], f"a callback made rank {other} wait"
+        assert records[other]["ended"][waits_at] > late_ended[3]  # the sync waits for the late rank
     for record in ranks[1:]:
         torch.testing.assert_close(ranks[0]["final"], record["final"], rtol=0, atol=0)
     for record in records:  # the figures still arrive: every warm-up step, the syncs at 6 and 10, the end of fit
@@ -782,6 +785,29 @@ def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stop
             f"reporting), first offending parameters - rank 0: none; rank 1: {', '.join(first_five)}"
         ]
         assert record["warned"] == (expected if rank == 0 else [])
+
+
+def test_a_nan_between_overlapped_syncs_is_reported_at_the_next_sync_start_on_every_rank(tmp_path):
+    # Overlapped, the ranks do not wait for each other at a sync's start: the verdicts of the check at step 6 travel
+    # and are read at the next start, step 10, where every rank reports steps 3-6 with rank 1's parameters and stops.
+    # The sync started at 6 carried rank 1's NaN change to every rank (applied at 8): the check at 10 finds every
+    # rank's parameters non-finite, read at the end of fit.
+    config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=2)
+    _fit(
+        tmp_path,
+        config,
+        model=NaNGradientModel(rank=1, step=5),
+        max_epochs=3,
+        callbacks=[AMPMonitor(on_nonfinite="stop"), NonfiniteReport(tmp_path)],
+    )
+    first_five = [name for name, _ in StackModel().named_parameters()][:5]
+    for rank in (0, 1):
+        record = torch.load(tmp_path / f"amp{rank}.pt")
+        assert record["reports"] == [
+            {"step": 6, "steps": [3, 4, 5, 6], "names": {0: [], 1: first_five}},
+            {"step": 10, "steps": [7, 8, 9, 10], "names": {0: first_five, 1: first_five}},
+        ]
+        assert record["global_step"] == 10
 
 
 @pytest.mark.parametrize("steps_per_batch", [1, 2])

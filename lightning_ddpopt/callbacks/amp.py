@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,7 +19,13 @@ from lightning_ddpopt._compat import found_inf_per_device
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
-from lightning_ddpopt.meetings import gradients_synchronised, next_step_meets
+from lightning_ddpopt.meetings import (
+    Exchange,
+    gradients_identical,
+    gradients_synchronised,
+    meets_in_passing,
+    next_step_meets,
+)
 from lightning_ddpopt.precision import bf16_supported
 
 __all__ = ["AMPMonitor"]
@@ -33,14 +40,19 @@ class AMPMonitor(Callback):
     With fp16 and a GradScaler (e.g. :func:`lightning_ddpopt.precision.fp16_mixed_precision`), every optimizer step
     is classified exactly: the scaler skips it when its unscaled gradients hold inf/NaN (an *overflow*, followed
     by a scale backoff). These are AMP's expected overflows, counted, not reported as failures. Without a scaler
-    (bf16, fp32) a cheap check - one sum per gradient on the device, one flag per step all-reduced with the
-    gradient sync's ranks - finds non-finite gradients and names the offending parameters; every rank takes the same
-    decision, so ``on_nonfinite="stop"`` or ``"raise"`` cannot deadlock the others. A gradient whose finite values
-    sum beyond float32's range (3.4e38) counts as non-finite. Under local SGD, whose ranks train apart between
-    syncs, the check runs only where they meet (:func:`lightning_ddpopt.meetings.ranks_meet`): at each parameter
-    sync (and the end of fit), on the gradients and the parameters, which a non-finite gradient leaves non-finite
-    after the optimizer step (gradient clipping by value turns an infinite gradient finite before the step, and a
-    NaN stays); a finding then covers the steps since the previous sync and counts as one in ``nonfinite_steps``.
+    (bf16, fp32) a cheap check - one sum per gradient on the device - finds non-finite gradients and names the
+    offending parameters; every rank takes the same decision, so ``on_nonfinite="stop"`` or ``"raise"`` cannot
+    deadlock the others. With :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s own hooks every rank holds the same
+    synchronised gradients, so each decides alike with no collective
+    (:func:`~lightning_ddpopt.meetings.gradients_identical`); otherwise one flag per step is exchanged with the
+    gradient sync's ranks. A gradient whose finite values sum beyond float32's range (3.4e38) counts as non-finite.
+    Under local SGD, whose ranks train apart between syncs, the check runs only where they meet
+    (:func:`lightning_ddpopt.meetings.ranks_meet`): at each parameter sync (and the end of fit), on the gradients and
+    the parameters, which a non-finite gradient leaves non-finite after the optimizer step (gradient clipping by
+    value turns an infinite gradient finite before the step, and a NaN stays); a finding then covers the steps since
+    the previous sync and counts as one in ``nonfinite_steps``. With ``overlap_steps`` the ranks do not wait for
+    each other at a sync's start, so the verdicts exchanged there are acted on at the next sync's start (or the end
+    of fit), one window later.
 
     Logged at every optimizer step (``on_step``), through the Trainer's loggers:
 
@@ -125,6 +137,8 @@ class AMPMonitor(Callback):
         self._scaler: torch.amp.GradScaler | None = None
         self._checked_through = 0  # the last optimizer step whose gradients (or parameters) were checked
         self._patched_module: pl.LightningModule | None = None
+        self._exchange = Exchange()  # every rank's verdict, travelling from a meeting in passing to the next check
+        self._travelling: _Found | None = None
 
     def summary(self) -> dict[str, Any]:
         """Counts and the latest scale, for the diagnosis."""
@@ -177,6 +191,8 @@ class AMPMonitor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._exchange.drop()
+        self._travelling = None
         if self._patched_module is not None:
             del self._patched_module.lr_scheduler_step
             self._patched_module = None
@@ -193,9 +209,13 @@ class AMPMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._scaler is None and self.check_nonfinite and self._checked_through < self.steps:
-            # Local SGD's steps since its last sync (the same on every rank); the end of fit is a meeting.
-            self._decide_nonfinite(trainer, pl_module, parameters=True, log=False)  # no logs at the end of fit
+        if self._scaler is None and self.check_nonfinite:
+            # The end of fit is a meeting: a verdict still travelling arrives, and local SGD's steps since its last
+            # sync (the same on every rank) are checked.
+            if self._checked_through < self.steps:
+                self._decide_nonfinite(trainer, pl_module, parameters=True, log=False)  # no logs at the end of fit
+            else:
+                self._decide_travelled(trainer)
         report_if_last(trainer, self)
 
     @override
@@ -288,17 +308,25 @@ class AMPMonitor(Callback):
         if gradients_synchronised(trainer):
             self._decide_nonfinite(trainer, pl_module, parameters=False)
         elif next_step_meets(trainer):
-            self._decide_nonfinite(trainer, pl_module, parameters=True)
+            self._decide_nonfinite(trainer, pl_module, parameters=True, in_passing=meets_in_passing(trainer))
 
     def _decide_nonfinite(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, parameters: bool, log: bool = True
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        parameters: bool,
+        in_passing: bool = False,
+        log: bool = True,
     ) -> None:
         """Check the steps since the last check, and decide on every rank alike whether any rank found non-finite.
 
         ``parameters``: check the parameters too, which cover the steps since the last check (between local SGD's
         syncs: a non-finite gradient leaves its parameter non-finite after the optimizer step). Called only where
-        the ranks meet anyway (:mod:`lightning_ddpopt.meetings`), so it adds no barrier.
+        the ranks meet anyway (:mod:`lightning_ddpopt.meetings`), so it adds no barrier: gradients every rank holds
+        alike decide without a collective; otherwise every rank's verdict is exchanged, travelling until the next
+        check where the ranks meet only in passing (``in_passing``).
         """
+        self._decide_travelled(trainer)
         steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
         self._checked_through = self.steps
         named = [(name, p) for name, p in pl_module.named_parameters() if p.grad is not None or parameters]
@@ -309,18 +337,38 @@ class AMPMonitor(Callback):
         bad = ~torch.stack(sums).isfinite() if sums else torch.zeros(0, dtype=torch.bool)
         # A rank without gradients still takes part: every rank must take the same branch.
         flag = bad.any().to(device=pl_module.device, dtype=torch.uint8).reshape(1)
-        if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one collective (the strategy's reduce adds a barrier)
+        found = _Found(steps, [name for name, _ in named], bad, parameters)
+        if trainer.world_size == 1 or (not parameters and gradients_identical(trainer)):
+            verdict = bool(flag.item())  # the same gradients on every rank: the same verdict, no collective
+        elif isinstance(trainer.strategy, DDPStrategy):
+            # One collective (the strategy's reduce adds a barrier); in passing it travels to the next check.
+            flags = self._exchange.gather(flag, trainer.world_size, in_passing)
+            if flags is None:
+                self._travelling = found
+                self._log_count(pl_module, log)
+                return
+            verdict = bool(flags.max().item())
         else:
-            flag = trainer.strategy.reduce(flag.float(), reduce_op="sum")
-        if flag.item():
-            self.nonfinite_steps += 1
-            names = [name for (name, _), b in zip(named, bad.tolist(), strict=True) if b][: self.max_names]
-            self._report_nonfinite(trainer, steps, names, parameters)
+            verdict = bool(trainer.strategy.reduce(flag.float(), reduce_op="sum").item())
+        if verdict:
+            self._report_nonfinite(trainer, found)
+        self._log_count(pl_module, log)
+
+    def _decide_travelled(self, trainer: pl.Trainer) -> None:
+        """Act on the verdicts exchanged in passing at the previous check, every rank alike."""
+        flags, found = self._exchange.arrived(), self._travelling
+        self._travelling = None
+        if flags is not None and found is not None and bool(flags.max().item()):
+            self._report_nonfinite(trainer, found)
+
+    def _log_count(self, pl_module: pl.LightningModule, log: bool) -> None:
         if log:
             pl_module.log("ddpopt/amp/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False)
 
-    def _report_nonfinite(self, trainer: pl.Trainer, steps: list[int], names: list[str], parameters: bool) -> None:
+    def _report_nonfinite(self, trainer: pl.Trainer, found: _Found) -> None:
+        self.nonfinite_steps += 1
+        steps, parameters = found.steps, found.parameters
+        names = [name for name, b in zip(found.names, found.bad.tolist(), strict=True) if b][: self.max_names]
         per_rank: list[list[str]] = [names]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             per_rank = [[] for _ in range(trainer.world_size)]
@@ -342,6 +390,16 @@ class AMPMonitor(Callback):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         if self.on_nonfinite == "stop":
             trainer.should_stop = True
+
+
+@dataclass(frozen=True)
+class _Found:
+    """One check's local result: the steps it covers, the tensors checked and which of them were non-finite."""
+
+    steps: list[int]
+    names: list[str]
+    bad: torch.Tensor
+    parameters: bool
 
 
 def _sum(parameter: torch.nn.Parameter, with_values: bool) -> torch.Tensor:

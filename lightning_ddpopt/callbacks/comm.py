@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torchmetrics.aggregation import CatMetric
 from typing_extensions import override
 
 from lightning_ddpopt._validate import require_int, require_number
@@ -22,13 +21,11 @@ from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.ledger import CommLedger, StepRecord
-from lightning_ddpopt.meetings import ranks_meet
+from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["CommProfiler"]
 
-#: A figure a rank does not have, while it travels through the gather (NaN before and after).
-_MISSING = -1.0
 _INTERVAL_FIELDS = ("step_time", "sync_time", "bytes_sent", "bytes_uncompressed", "sync_rounds", "transfer_hidden")
 
 
@@ -37,9 +34,11 @@ class CommProfiler(Callback):
 
     Reads the :class:`~lightning_ddpopt.ledger.CommLedger` of :class:`~lightning_ddpopt.OptimizedDDPStrategy`
     (with Lightning's stock ``DDPStrategy`` only step times and jitter are available; on one device it warns
-    once and steps aside). Every ``every_n_steps`` optimizer steps the ranks' figures are aggregated with
-    torchmetrics (one small gather) and logged (under local SGD at the next parameter sync, where the ranks meet
-    anyway: see :func:`lightning_ddpopt.meetings.ranks_meet`); nothing else communicates during training.
+    once and steps aside). Every ``every_n_steps`` optimizer steps the ranks' figures are aggregated (one small
+    all-gather) and logged (under local SGD at the next parameter sync, where the ranks meet anyway: see
+    :func:`lightning_ddpopt.meetings.ranks_meet`; with ``overlap_steps`` the ranks do not wait for each other at a
+    sync's start, so the gather travels and its figures are logged at the next sync); nothing else communicates
+    during training.
 
     ====================================  ==========================================================================
     key                                   meaning (over the last ``every_n_steps`` steps, all ranks)
@@ -119,7 +118,7 @@ class CommProfiler(Callback):
         self._sync_times: deque[float] = deque(maxlen=window)
         self._series: dict[str, list[float]] = {"step": [], "step_time_ms": [], "sync_time_ms": [], "bytes_sent": []}
         self._interval: dict[str, list[float]] = {name: [] for name in _INTERVAL_FIELDS}
-        self._gather: dict[str, CatMetric] = {}
+        self._exchange = Exchange()  # every rank's figures, travelling from a meeting in passing to the next one
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -127,12 +126,7 @@ class CommProfiler(Callback):
         if not self._active:
             rank_zero_warn("ddpopt: CommProfiler needs more than one process to measure communication; it is off.")
             return
-        device = pl_module.device
-        # torchmetrics gathers every rank's values when computed: once per aggregation, never per step.
-        # NaN marks a figure a rank does not have (no ledger, no resolved step yet). It must be kept, so that rows
-        # keep their shape: the metric carries it as a negative value (every figure here is >= 0), which every
-        # torchmetrics release supports, and `_gathered` turns it back into NaN.
-        self._gather = {name: CatMetric(nan_strategy=_MISSING).to(device) for name in ("per_rank", "step", "sync")}
+        self._exchange = Exchange()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -179,9 +173,7 @@ class CommProfiler(Callback):
         self._since_log += steps
         if self._since_log >= self.every_n_steps and ranks_meet(trainer):
             self._since_log = 0
-            self.last_metrics = self._aggregate(trainer.world_size)
-            for key, value in self.last_metrics.items():
-                pl_module.log(f"ddpopt/comm/{key}", value, on_step=True, on_epoch=False)
+            self._aggregate(trainer, pl_module, in_passing=meets_in_passing(trainer), log=True)
 
     def _take_records(self, trainer: pl.Trainer, ledger: CommLedger | None, records: list[StepRecord]) -> None:
         """Add resolved records; the sync figures count only from the strategy's ledger, not our step clock."""
@@ -217,6 +209,7 @@ class CommProfiler(Callback):
         self._take_records(trainer, self._cursor.ledger, self._cursor.new_records(wait=True))
         if self._step_clock is not None:
             self._take_records(trainer, self._step_clock, self._step_clock.flush())
+        self._use_arrived(trainer.world_size, pl_module, log=False)  # the end of fit is a meeting
         # Steps since the last log point, or records that resolved after it on some rank: one more aggregation, if
         # they synced (local SGD's steps after its last sync would stand for its whole run with nothing sent) or
         # nothing was aggregated yet.
@@ -224,7 +217,7 @@ class CommProfiler(Callback):
         synced = self._cursor.ledger is None or any(self._interval["sync_rounds"]) or not self.last_metrics
         if trainer.strategy.reduce_boolean_decision((self._since_log > 0 or unlogged) and synced, all=False):
             self._since_log = 0
-            self.last_metrics = self._aggregate(trainer.world_size)
+            self._aggregate(trainer, pl_module, in_passing=False, log=False)
         series: list[Any] = [self._series]
         if dist.is_available() and dist.is_initialized():
             series = [None] * trainer.world_size
@@ -254,13 +247,45 @@ class CommProfiler(Callback):
         """The latest aggregated figures, for the diagnosis."""
         return {**self.last_metrics, "link_busbw_gbps": self.link_busbw_gbps, "interval_steps": self.every_n_steps}
 
-    def _aggregate(self, world_size: int) -> dict[str, float]:
-        """Gather the interval's per-rank means and the jitter windows from all ranks; derive the logged figures."""
+    def _aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_passing: bool, log: bool) -> None:
+        """Gather every rank's figures since the last aggregation and derive the logged ones; in passing they travel."""
+        self._use_arrived(trainer.world_size, pl_module, log)
+        gathered = self._exchange.gather(self._local_figures(pl_module.device), trainer.world_size, in_passing)
+        if gathered is not None:
+            self._use(gathered, trainer.world_size, pl_module, log)
+
+    def _use_arrived(self, world_size: int, pl_module: pl.LightningModule, log: bool) -> None:
+        gathered = self._exchange.arrived()
+        if gathered is not None:
+            self._use(gathered, world_size, pl_module, log)
+
+    def _use(self, gathered: torch.Tensor, world_size: int, pl_module: pl.LightningModule, log: bool) -> None:
+        self.last_metrics = self._figures(gathered.double().cpu(), world_size)
+        if log:
+            for key, value in self.last_metrics.items():
+                pl_module.log(f"ddpopt/comm/{key}", value, on_step=True, on_epoch=False)
+
+    def _local_figures(self, device: torch.device) -> torch.Tensor:
+        """This rank's interval means, its largest sync time and its jitter windows, in one fixed-size row.
+
+        NaN marks what a rank does not have (no ledger, no resolved step yet, a window not full).
+        """
         local = [statistics.fmean(v) if v else math.nan for v in self._interval.values()]
         local.append(max(self._interval["sync_time"], default=math.nan))
         for values in self._interval.values():
             values.clear()
-        per_rank = self._gathered("per_rank", local).reshape(-1, len(local))
+        for recent in (self._step_times, self._sync_times):
+            local.extend([*recent, *[math.nan] * (self.window - len(recent))])
+        return torch.tensor(local, dtype=torch.float64, device=device)
+
+    def _figures(self, gathered: torch.Tensor, world_size: int) -> dict[str, float]:
+        """The logged figures from every rank's row of :meth:`_local_figures`."""
+        width = len(_INTERVAL_FIELDS) + 1
+        per_rank = gathered[:, :width]
+        windows = {
+            "step_time": gathered[:, width : width + self.window],
+            "sync_time": gathered[:, width + self.window :],
+        }
         fields = dict(zip((*_INTERVAL_FIELDS, "sync_max"), per_rank.t(), strict=True))
 
         def mean(name: str) -> float:
@@ -290,22 +315,14 @@ class CommProfiler(Callback):
                 if sent and transfer and not mean("transfer_hidden"):
                     out["algbw_gbps"] = sent / transfer / 1e9
                     out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], world_size)
-        for name, recent in (("step_time", self._step_times), ("sync_time", self._sync_times)):
-            gathered = [v for v in self._gathered(name.split("_")[0], list(recent) or [math.nan]).tolist()]
-            gathered = [v for v in gathered if not math.isnan(v)]
-            if len(gathered) >= 2:
-                average = statistics.fmean(gathered)
-                out[f"{name}_cv"] = statistics.pstdev(gathered) / average if average else math.nan
+        for name, window in windows.items():
+            gathered_values = [v for v in window.flatten().tolist() if not math.isnan(v)]
+            if len(gathered_values) >= 2:
+                average = statistics.fmean(gathered_values)
+                out[f"{name}_cv"] = statistics.pstdev(gathered_values) / average if average else math.nan
                 for q in (50, 95, 99):
-                    out[f"{name}_p{q}_ms"] = _percentile(gathered, q) * 1e3
+                    out[f"{name}_p{q}_ms"] = _percentile(gathered_values, q) * 1e3
         return out
-
-    def _gathered(self, name: str, values: list[float]) -> torch.Tensor:
-        metric = self._gather[name]
-        metric.update(torch.tensor(values, dtype=torch.float64, device=metric.device))
-        result = metric.compute().flatten().double().cpu()
-        metric.reset()
-        return result.masked_fill(result < 0, math.nan)
 
     def _probe(self, device: torch.device, world_size: int) -> float:
         tensor = torch.ones(int(self.probe_mb * 1024 * 1024 / 4), dtype=torch.float32, device=device)

@@ -19,7 +19,7 @@ from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.ledger import StepRecord
-from lightning_ddpopt.meetings import ranks_meet
+from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import Mark, Timeline
 
 __all__ = ["StragglerDetector"]
@@ -81,8 +81,9 @@ class StragglerDetector(Callback):
     step. The phase named is the own phase in which it exceeds the others most. A rank's wait is not compared:
     whoever is slow makes the others wait, wherever their next sync point is. Every ``every_n_steps`` steps the
     per-rank means are gathered (one small all-gather; under local SGD at the next parameter sync, where the ranks
-    meet anyway: see :func:`lightning_ddpopt.meetings.ranks_meet`); at the end of fit the steps since the last
-    window get a verdict too, so a run shorter than one window still gets one.
+    meet anyway: see :func:`lightning_ddpopt.meetings.ranks_meet`; with ``overlap_steps`` the ranks do not wait for
+    each other at a sync's start, so the gather travels and its verdict comes at the next sync); at the end of fit
+    the steps since the last window get a verdict too, so a run shorter than one window still gets one.
 
     On CPU the phases are host times. On a GPU every boundary is a CUDA event on the current stream, read back a
     step or so later without a host sync: data is then the time the device sat idle while the host fetched,
@@ -152,6 +153,8 @@ class StragglerDetector(Callback):
         self._totals: torch.Tensor | None = None
         self._steps_in_window = 0
         self._undecided = False
+        self._exchange = Exchange()  # every rank's sums, travelling from a meeting in passing to the next one
+        self._travelling_step = 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -160,7 +163,7 @@ class StragglerDetector(Callback):
         # memory, so all ranks would add into one tensor.
         if stage == TrainerFn.FITTING or self._totals is None:
             self._totals = torch.zeros(len(PHASES) + 1, dtype=torch.float64)
-            self._steps_in_window, self._undecided = 0, False
+            self._steps_in_window, self._undecided, self._exchange = 0, False, Exchange()
             self._step_batches, self._unresolved, self._records = [], deque(), deque()
         self._active = trainer.world_size > 1
         if not self._active:
@@ -231,6 +234,7 @@ class StragglerDetector(Callback):
             return
         self._records.extend(self._cursor.new_records(wait=True))
         self._resolve(wait=True)
+        self._decide_travelled(trainer, pl_module, log=False)  # the end of fit is a meeting
         # The steps since the last window (all of a run shorter than one window) get a verdict too. Host step
         # counts and gathered figures decide, so every rank takes this branch or none does.
         if self._steps_in_window > 0 or self._undecided:
@@ -296,22 +300,44 @@ class StragglerDetector(Callback):
             self._totals += torch.tensor(step, dtype=torch.float64)
 
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
-        # (world, phases + 1): every rank's sums over the steps it has resolved so far.
-        # torch's own collective: the strategy's all_gather goes through a deprecated autograd-aware one that warns.
+        """Gather every rank's sums since the last gather, and decide; in passing the sums travel to the next one."""
+        self._decide_travelled(trainer, pl_module, log=not final)
         assert self._totals is not None  # made in setup
-        local = self._totals.to(pl_module.device)
-        gathered = [torch.empty_like(local) for _ in range(trainer.world_size)]
-        torch.distributed.all_gather(gathered, local)
-        per_rank = torch.stack(gathered).double().cpu()
+        local = self._totals.to(pl_module.device, copy=True)
+        self._totals.zero_()
         self._steps_in_window = 0
+        in_passing = not final and meets_in_passing(trainer)
+        gathered = self._exchange.gather(local, trainer.world_size, in_passing)
+        if gathered is None:
+            self._travelling_step = trainer.global_step
+        else:
+            self._decide(trainer, pl_module, gathered, trainer.global_step, final=final, log=not final)
+
+    def _decide_travelled(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
+        gathered = self._exchange.arrived()
+        if gathered is not None:
+            self._decide(trainer, pl_module, gathered, self._travelling_step, final=False, log=log)
+
+    def _decide(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        gathered: torch.Tensor,
+        step: int,
+        final: bool,
+        log: bool,
+    ) -> None:
+        # (world, phases + 1): every rank's sums over the steps it resolved in the window.
+        assert self._totals is not None  # made in setup
+        per_rank = gathered.double().cpu()
         if bool((per_rank[:, -1] == 0).any()):
             # A rank's device has not finished a step yet: keep the sums, decide at the next window (or the end).
+            self._totals += per_rank[trainer.global_rank]
             self._undecided = True
             if final:
                 self.no_verdict = "a rank finished no optimizer step that could be timed"
             return
         self._undecided = False
-        self._totals.zero_()
         per_rank = per_rank[:, :-1] / per_rank[:, -1:] * 1e3  # mean ms per step
         # Without the ledger, compute holds the fast ranks' wait in the gradient sync: it cannot tell ranks apart.
         own = [PHASES.index(p) for p in OWN_PHASES if self._cursor.ledger is not None or p != "compute"]
@@ -326,7 +352,7 @@ class StragglerDetector(Callback):
         self.windows += 1
         self.no_verdict = None
         self.last = {
-            "step": trainer.global_step,
+            "step": step,
             "slowest_rank": slowest,
             "excess_ms": excess,
             "phase": phase,
@@ -341,7 +367,7 @@ class StragglerDetector(Callback):
                 f"in {phase} ({per_rank[slowest, PHASES.index(phase)]:.0f} ms vs "
                 f"{median_others[PHASES.index(phase)]:.0f} ms)"
             )
-        if final:
+        if not log:
             return  # Lightning takes no logs at the end of fit; the verdict goes to the report
         metrics = {
             "slowest_rank": float(slowest),

@@ -121,6 +121,14 @@ class HookInstaller:
         return self.auto and self._spec is None
 
     @property
+    def results_identical(self) -> bool:
+        """Whether every rank receives the same synchronised gradients: DDP's allreduce or a registry hook's.
+
+        A user's callable (``comm_hook`` or ``ddp_comm_hook``) may do anything (e.g. post-local SGD's skipped syncs).
+        """
+        return self._callable is None and self._ddp_hook is None
+
+    @property
     def spec(self) -> HookSpec | None:
         """The registry entry of the hook (``"auto"``'s once it has chosen); ``None`` for a callable or none."""
         return self._spec

@@ -105,6 +105,14 @@ class LocalSGD:
         """
         return not self.local or (self.steps + 1 - self.config.warmup_steps) % self.config.sync_every == 0
 
+    @property
+    def meets_in_passing(self) -> bool:
+        """Whether the ranks' meetings are in passing (see :mod:`lightning_ddpopt.meetings`), the same on every rank.
+
+        In the local phase with ``overlap_steps``: a sync starts and the ranks train on without waiting for each other.
+        """
+        return self.local and bool(self.config.overlap_steps)
+
     def before_batch(self) -> bool:
         """Anchor the parameters when the local phase begins; return whether this batch's gradients sync."""
         self.gradients_sync = self.met_in_batch = not self.local
