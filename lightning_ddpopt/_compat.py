@@ -38,7 +38,6 @@ __all__ = [
     "say_during_training",
     "scaler_scale",
     "sigterm_hooks",
-    "zeros_like_grad_buckets",
 ]
 
 #: The Lightning releases whose private ``DDPStrategy`` methods the strategy overrides and that CI tests.
@@ -110,14 +109,6 @@ def bucket_assignment(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[
         raise _changed("torch", "torch.distributed._compute_bucket_assignment_by_size", "to predict DDP's buckets")
     assignment, _ = assign(tensors, [cap_bytes], [False] * len(tensors))
     return [list(bucket) for bucket in assignment]
-
-
-def zeros_like_grad_buckets(model: DistributedDataParallel) -> list[dist.GradBucket]:
-    """Zero copies of the gradient buckets DDP's reducer holds now (to read their sizes)."""
-    zeros = getattr(getattr(model, "reducer", None), "_get_zeros_like_grad_buckets", None)
-    if zeros is None:
-        raise _changed("torch", "Reducer._get_zeros_like_grad_buckets", "to read DDP's bucket layout")
-    return list(zeros())
 
 
 def default_store() -> dist.Store:

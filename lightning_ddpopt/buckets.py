@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddpopt._compat import bucket_assignment, zeros_like_grad_buckets
+from lightning_ddpopt._compat import bucket_assignment
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.units import MIB, format_bytes
 
@@ -29,7 +29,6 @@ __all__ = [
     "BucketPlan",
     "auto_bucket_cap_mb",
     "autotune_candidates",
-    "built_bucket_bytes",
     "choose_cap",
     "gradient_bytes",
     "plan_buckets",
@@ -223,12 +222,6 @@ def choose_cap(scores: dict[float, float]) -> float:
     return max(cap for cap, score in scores.items() if score <= fastest * 1.01)
 
 
-def built_bucket_bytes(model: DistributedDataParallel) -> tuple[int, ...]:
-    """The bucket sizes, in bytes and DDP's order, that DDP's reducer holds now."""
-    buckets = zeros_like_grad_buckets(model)
-    return tuple(b.buffer().numel() * b.buffer().element_size() for b in buckets)
-
-
 #: DDP settles its bucket layout after its first synchronised step; by the end of the second the layout is final.
 LAYOUT_FINAL_AFTER_STEPS = 2
 
@@ -286,7 +279,7 @@ class BucketController:
         ``rewrap(cap)`` wraps the module in a new DDP with ``cap`` (the hook registered on it) and returns it.
         """
         if self.layout is None and ledger.closed_steps >= self._layout_due_step:
-            self.log_layout(model, ledger, say, local_phase)
+            self.log_layout(ledger, say, local_phase, final=False)
         tuner = self.autotuner
         if tuner is None or tuner.done or not tuner.observe():
             return
@@ -314,17 +307,24 @@ class BucketController:
             self.layout = None
             self._layout_due_step = ledger.closed_steps + LAYOUT_FINAL_AFTER_STEPS
 
-    def log_layout(
-        self, model: DistributedDataParallel, ledger: CommLedger | None, say: Callable[[str], None], local_phase: bool
-    ) -> None:
-        """Log the bucket sizes DDP built, from the ledger's latest record of them (else DDP's reducer)."""
+    def log_layout(self, ledger: CommLedger | None, say: Callable[[str], None], local_phase: bool, final: bool) -> None:
+        """Log the bucket sizes DDP built, from the ledger's latest record of them; without one, the plan's prediction.
+
+        Nothing is allocated to read them. While the latest step's record is still on the device, it waits for the
+        next step (``final``: the end of fit, it logs what it has).
+        """
+        assert self.plan is not None
         # The latest record shows the buckets the hooks saw, unless a step closed since is still on the device; a
         # local SGD parameter sync's round is not a bucket layout.
-        last = ledger.steps[-1] if ledger is not None and ledger.steps and not ledger.pending_steps else None
+        pending = ledger is not None and bool(ledger.pending_steps)
+        last = ledger.steps[-1] if ledger is not None and ledger.steps and not pending else None
         recorded = last.bucket_bytes if last is not None and not local_phase else ()
-        self.layout = recorded or built_bucket_bytes(model)
+        if not recorded and pending and not final:
+            return
+        self.layout = recorded or self.plan.predicted_bucket_bytes
         sizes = ", ".join(format_bytes(size) for size in self.layout)
-        say(f"ddpopt: {self._describe(self.layout)} on {self._backend}, bucket sizes [{sizes}]")
+        note = "" if recorded else " (predicted: no hook reported the buckets DDP built)"
+        say(f"ddpopt: {self._describe(self.layout)} on {self._backend}, bucket sizes [{sizes}]{note}")
 
     def autotuned_cap(self) -> float | None:
         """The cap ``bucket_cap_mb="autotune"`` settled on (measured now or reused), ``None`` while it searches."""

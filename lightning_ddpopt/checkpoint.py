@@ -3,7 +3,10 @@
 What ``checkpoint["ddpopt"]`` holds:
 
 * ``hook_states``: every rank's comm-hook state (PowerSGD's error feedback differs per rank), gathered to rank 0,
-  which writes the checkpoint; no other rank ever holds more than its own.
+  which writes the checkpoint; no other rank ever holds more than its own. The states travel on the CPU, never
+  through a GPU: moved to the CPU first, then sent to rank 0 one rank after another over a gloo group (the default
+  group if it serves CPU tensors, else one of our own), so rank 0 holds one rank's pickled state at a time besides
+  the states it writes.
 * ``hook_choice`` and ``bucket_cap_mb``: what ``comm_hook="auto"`` and ``bucket_cap_mb="autotune"`` measured and
   chose, so that a resume on the same world size reuses them instead of re-measuring (which could switch hooks
   and drop their state).
@@ -25,10 +28,13 @@ import dataclasses
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ddpopt._compat import default_store
+from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.base import CommHookState
 
@@ -108,6 +114,7 @@ class RankStates:
         self.timeout_s = timeout_s
         self._run = ""
         self._gathers = 0
+        self._cpu_group: dist.ProcessGroup | None = None  # ours, when the default group serves no CPU tensors
 
     def name_run(self, nonce: str) -> None:
         """Name this run's meetings (the same ``nonce`` on every rank): the store outlives a Trainer."""
@@ -116,18 +123,44 @@ class RankStates:
     def gather(self, state: dict[str, Any], *, rank: int, world_size: int) -> list[dict[str, Any]]:
         """Every rank's ``state`` on rank 0, an empty list on the others; every rank must call it."""
         self._gathers += 1
+        tag = f"{self._run}/{self._gathers}"
+        group = self._group_for_cpu() if world_size > 1 else None
         gathered = gather_hook_states(
-            state, rank=rank, world_size=world_size, timeout_s=self.timeout_s, tag=f"{self._run}/{self._gathers}"
+            state, rank=rank, world_size=world_size, timeout_s=self.timeout_s, tag=tag, group=group
         )
         return gathered or []
 
+    def close(self) -> None:
+        """Destroy the CPU group of our own, if one was made (at teardown)."""
+        destroy_owned_group(self, "_cpu_group")
+
+    def _group_for_cpu(self) -> dist.ProcessGroup | None:
+        """A group whose collectives take CPU tensors: ``None`` for the default one when it does.
+
+        It does with gloo or a ``"cpu:gloo,cuda:nccl"`` pair; otherwise a gloo group of our own over every rank is
+        made at the first save (every rank saves at the same point).
+        """
+        if "gloo" in str(dist.get_backend()):
+            return None
+        if self._cpu_group is None:
+            self._cpu_group = dist.new_group(backend="gloo")
+        return self._cpu_group
+
 
 def gather_hook_states(
-    state: dict[str, Any], *, rank: int, world_size: int, timeout_s: float, tag: str
+    state: dict[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    tag: str,
+    group: dist.ProcessGroup | None = None,
 ) -> list[dict[str, Any]] | None:
-    """Every rank's ``state``, on rank 0 (``None`` on the others).
+    """Every rank's ``state``, on rank 0 (``None`` on the others), its tensors on the CPU.
 
-    Every rank must call it, with the same ``tag``, unique to this save in this process group's life.
+    Every rank must call it, with the same ``tag``, unique to this save in this process group's life. ``group`` (all
+    ranks; ``None``: the default group) must take CPU tensors: each rank's state, moved to the CPU, travels to rank
+    0 there, one rank after another, so rank 0 never holds more than one pickled state at a time.
 
     Raises:
         RuntimeError: not every rank arrived within ``timeout_s`` (the message names the missing ranks).
@@ -135,8 +168,16 @@ def gather_hook_states(
     if world_size == 1:
         return [state]
     _agree_to_gather(rank, world_size, timeout_s, tag)
-    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(state, gathered, dst=0)
+    cpu = torch.device("cpu")
+    state = move_data_to_device(state, cpu)
+    if rank != 0:
+        dist.send_object_list([state], dst=0, group=group, device=cpu)
+        return None
+    gathered = [state]
+    for source in range(1, world_size):
+        received: list[Any] = [None]
+        dist.recv_object_list(received, src=source, group=group, device=cpu)
+        gathered.append(received[0])
     return gathered
 
 

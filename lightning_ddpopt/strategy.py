@@ -408,7 +408,7 @@ class OptimizedDDPStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
             local_phase = self.local_sgd is not None and self.local_sgd.local
-            self._buckets.log_layout(self.model, self.ledger, self._say, local_phase)
+            self._buckets.log_layout(self.ledger, self._say, local_phase, final=True)
         super().on_train_end()
 
     @override
@@ -418,6 +418,7 @@ class OptimizedDDPStrategy(DDPStrategy):
         super().teardown()
         # Nothing of ours may keep a process group alive past Lightning's exit-time destroy_process_group.
         self._hooks.close()
+        self._checkpoints.close()
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None

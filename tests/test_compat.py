@@ -54,12 +54,6 @@ def test_bucket_assignment_is_ddps_layout(gloo_group):
     assert _compat.bucket_assignment(tensors, cap_bytes=100_000) == [[0, 1, 2]]
 
 
-def test_zeros_like_grad_buckets_has_every_gradient(gloo_group):
-    model = _ddp()
-    buckets = _compat.zeros_like_grad_buckets(model)
-    assert sum(bucket.buffer().numel() for bucket in buckets) == sum(p.numel() for p in model.parameters())
-
-
 def test_default_store_is_the_groups_store(gloo_group):
     store = _compat.default_store()
     store.set("ddpopt/compat", "1")
@@ -136,7 +130,6 @@ _NOTHING = SimpleNamespace()
     ("call", "api"),
     [
         (lambda: _compat.attached_comm_hook(_NOTHING), "DistributedDataParallel._get_ddp_logging_data"),
-        (lambda: _compat.zeros_like_grad_buckets(_NOTHING), "Reducer._get_zeros_like_grad_buckets"),
         (lambda: _compat.group_backends(_NOTHING), "ProcessGroup._get_backend"),
         (lambda: _compat.found_inf_per_device(_NOTHING, None), "GradScaler._per_optimizer_states"),
         (lambda: _compat.scaler_scale(_NOTHING), "GradScaler._scale"),

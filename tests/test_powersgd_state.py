@@ -396,3 +396,42 @@ def test_error_buffers_alternate_and_a_non_finite_round_leaves_the_committed_err
     round_.check([torch.tensor(1.0)])
     state._close_round()
     assert set(state._backing) == {"v"} and not state._spare
+
+
+class _CommitOnDevice(pl.Callback):
+    """Makes the hook commit each round on the device, as on a GPU, and saves the state's counts at the end."""
+
+    def __init__(self, out: Path, on_device: bool) -> None:
+        self.out, self.on_device = out, on_device
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.comm_state._verdict_on_device = self.on_device
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        saved = trainer.strategy.comm_state.state_dict()  # counts the rounds skipped on the device
+        torch.save(saved["skipped_rounds"], self.out / f"skipped{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd", "int8"])
+def test_the_gpu_commit_on_the_device_gives_the_host_commits_bits(tmp_path, name):
+    # On a GPU a round's verdict never reaches the host: each new error and Q memory is selected on the device,
+    # where(finite, new, kept). Run here on the CPU, through an overflow on rank 1, it must give the same bits as the
+    # host's decision.
+    params = {}
+    for on_device in (False, True):
+        out = tmp_path / str(on_device)
+        strategy = OptimizedDDPStrategy(comm_hook=VARIANTS[name], bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+        ranks = fit_ddp(
+            out,
+            strategy,
+            model=OverflowModel(overflow_at=(6,), ranks=(1,), lr=0.01),
+            plugins=[fp16_mixed_precision("cpu", init_scale=2.0**12)],
+            callbacks=[_CommitOnDevice(out, on_device)],
+            samples=256,
+            max_steps=12,
+        )
+        assert [torch.load(out / f"skipped{rank}.pt") for rank in (0, 1)] == [1, 1]
+        torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+        params[on_device] = ranks[0]["params"]
+    torch.testing.assert_close(params[True], params[False], rtol=0, atol=0)
+    assert bool(params[True].isfinite().all())

@@ -24,22 +24,27 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.streams import SideStreams
 
 __all__ = ["ErrorFeedbackState", "SyncRound", "config_mismatch"]
 
 
 class SyncRound:
-    """One sync round's staged state, committed only if all the reduced values it checked were finite."""
+    """One sync round's staged state, committed only if all the reduced values it checked were finite.
 
-    def __init__(self, scale: torch.Tensor | None) -> None:
+    ``on_device``: the verdict stays on the device and the commit selects on the device (see
+    :meth:`ErrorFeedbackState._commit_on_device`); ``None``: so for CUDA flags, on the host for CPU ones.
+    """
+
+    def __init__(self, scale: torch.Tensor | None, on_device: bool | None = None) -> None:
         self.scale = scale
         self.errors: dict[str, torch.Tensor] = {}
         self.q_memories: dict[str, torch.Tensor] = {}
         self.sent_exactly: set[str] = set()
         self.buffers: dict[str, torch.Tensor] = {}
+        self.on_device = on_device
         self._flags: list[torch.Tensor] = []
         self._finite: torch.Tensor | None = None
-        self._ready: torch.cuda.Event | None = None
 
     def check(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         """Note whether ``tensors`` (all-reduced: the same on every rank) are finite; return that as a 0-dim flag."""
@@ -48,23 +53,26 @@ class SyncRound:
         return flag
 
     def seal(self) -> bool:
-        """End the round; return whether its verdict can be read at once (on a GPU it is read a round later)."""
-        finite = torch.stack(self._flags).all() if self._flags else torch.ones((), dtype=torch.bool)
-        if not finite.is_cuda:
-            self._finite = finite
-            return True
-        self._finite = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._finite.copy_(finite, non_blocking=True)
-        self._ready = torch.cuda.Event()
-        self._ready.record()
-        return False
+        """End the round; return whether it can be committed at once (on a GPU: when the next round opens)."""
+        if self._flags:
+            device = self._flags[0].device
+            finite = torch.stack([flag.to(device) for flag in self._flags]).all()
+        else:
+            finite = torch.ones((), dtype=torch.bool)
+        self._finite = finite
+        if self.on_device is None:
+            self.on_device = finite.is_cuda
+        return not finite.is_cuda
+
+    @property
+    def verdict(self) -> torch.Tensor:
+        """The sealed round's verdict, a 0-dim bool tensor where the flags are (``True``: every value was finite)."""
+        assert self._finite is not None, "seal() first"
+        return self._finite
 
     def finite(self) -> bool:
-        """The sealed round's verdict (on a GPU: waits for the copy of the flag, if it is still under way)."""
-        assert self._finite is not None, "seal() first"
-        if self._ready is not None:
-            self._ready.synchronize()
-        return bool(self._finite)
+        """The sealed round's verdict on the host (a host sync for a flag on a GPU)."""
+        return bool(self.verdict)
 
 
 @dataclass(kw_only=True)
@@ -88,6 +96,12 @@ class ErrorFeedbackState(CommHookState):
     _scale_unknown: set[str] = field(default_factory=set, repr=False)
     _backing: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _spare: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: Rounds skipped on the device and not yet counted in ``skipped_rounds`` (read at a save).
+    _skipped_on_device: torch.Tensor | None = field(default=None, repr=False)
+    #: Commit on the device even for CPU flags (tests of the GPU path on a CPU); ``None``: for CUDA flags.
+    _verdict_on_device: bool | None = field(default=None, repr=False)
+    #: Where the hook's chains run on CUDA; the state above is made and used on those streams.
+    _streams: SideStreams = field(default_factory=SideStreams, repr=False)
 
     def bind_module(self, module: torch.nn.Module) -> None:
         """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
@@ -125,7 +139,9 @@ class ErrorFeedbackState(CommHookState):
 
     def _errors_state_dict(self) -> dict[str, object]:
         """The step counter, the skipped rounds and the errors with their loss scales (tensors on the CPU)."""
+        self._streams.join()  # the errors were written on the hook's side stream
         self._settle()
+        self._count_skipped()
         return {
             "iteration": self.iteration,
             "skipped_rounds": self.skipped_rounds,
@@ -173,7 +189,8 @@ class ErrorFeedbackState(CommHookState):
         if self._round is None:
             self._settle()
             scale = self.loss_scale() if self.loss_scale is not None else None
-            self._round = SyncRound(scale.detach().clone() if isinstance(scale, torch.Tensor) else None)
+            scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+            self._round = SyncRound(scale, on_device=self._verdict_on_device)
         return self._round
 
     def _close_round(self, seal_now: bool = True) -> None:
@@ -197,13 +214,50 @@ class ErrorFeedbackState(CommHookState):
             return
         if round_._finite is None:
             round_.seal()
+        if round_.on_device:
+            self._commit_on_device(round_)
+            return
         if not round_.finite():
             self.skipped_rounds += 1
             self._spare.update(round_.buffers)
             return
         self._commit(round_)
 
-    def _commit(self, round_: SyncRound) -> None:
+    def _commit_on_device(self, round_: SyncRound) -> None:
+        """Commit the round whatever its verdict, selecting on the device: no host sync on a GPU.
+
+        Each new error becomes, in place, ``where(finite, new, committed)`` (zero where nothing was committed, which
+        adds nothing), each loss scale likewise, so a non-finite round commits a copy of the state before it: the
+        same values the host's decision keeps. Skipped rounds are counted on the device and added to
+        ``skipped_rounds`` at a save.
+        """
+        finite = round_.verdict
+        scales: dict[str, torch.Tensor] = {}
+        for name, new in round_.errors.items():
+            old = self.errors.get(name)
+            if old is not None and old.shape == new.shape and old.device == new.device:
+                torch.where(finite, new, old, out=new)
+            else:
+                new.masked_fill_(~finite, 0)
+            old_scale = self.error_scales.get(name)
+            if round_.scale is not None:
+                kept = old_scale if old_scale is not None else round_.scale
+                scales[name] = torch.where(finite, round_.scale, kept.to(round_.scale.device))
+        skipped = (~finite).to(torch.int64)
+        self._skipped_on_device = skipped if self._skipped_on_device is None else self._skipped_on_device + skipped
+        self._select_shared(round_, finite)
+        self._commit(round_, scales)
+
+    def _select_shared(self, round_: SyncRound, finite: torch.Tensor) -> None:
+        """For hooks with state shared by every rank (PowerSGD's Q memories): select it on the device as above."""
+
+    def _count_skipped(self) -> None:
+        if self._skipped_on_device is not None:
+            self.skipped_rounds += int(self._skipped_on_device)
+            self._skipped_on_device = None
+
+    def _commit(self, round_: SyncRound, scales: dict[str, torch.Tensor] | None = None) -> None:
+        """Make the round's errors the stored ones (``scales``: each error's loss scale, else the round's)."""
         self.errors.update(round_.errors)
         # A key's previous buffer backs no error any more (this round's errors under the key replaced all of them):
         # it is the next round's to write. Keys this round did not use (an earlier bucket layout) are forgotten, so
@@ -220,7 +274,7 @@ class ErrorFeedbackState(CommHookState):
             if round_.scale is None:
                 self.error_scales.pop(name, None)
             else:
-                self.error_scales[name] = round_.scale
+                self.error_scales[name] = scales[name] if scales is not None else round_.scale
 
     def add_error_feedback(self, round_: SyncRound, names: list[str], gradients: list[torch.Tensor]) -> None:
         """Add each gradient's stored error, rescaled from the loss scale it was stored at to this round's."""

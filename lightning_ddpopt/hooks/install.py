@@ -26,6 +26,7 @@ from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
 from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
+    WRITTEN_FOR_BACKENDS,
     HookSpec,
     get_hook_spec,
     int8_spec,
@@ -103,9 +104,10 @@ class HookInstaller:
         if hook is None:
             return
         if backend not in TESTED_BACKENDS:
+            why = WRITTEN_FOR_BACKENDS.get(backend, "it is neither tested nor written for")
             rank_zero_warn(
-                f"ddpopt: comm hook {self.comm_hook_name!r} registered on backend {backend!r}, which is not "
-                f"tested ({', '.join(TESTED_BACKENDS)} are); check its results."
+                f"ddpopt: comm hook {self.comm_hook_name!r} registered on backend {backend!r}, on which this release "
+                f"has not run its tests ({', '.join(TESTED_BACKENDS)} only): {why}; check its results."
             )
         self.registered = ledger.record_hook(hook)
         self.register(model)

@@ -44,8 +44,11 @@ Ordering and overlap:
 * **Otherwise** (a GPU, or a state built without an exchange group) a bucket's all-to-all is issued in its hook
   call and finished (waited for, summed, all-gathered) in the next bucket's call, or at once for the last bucket,
   so every rank issues ``a2a(k), all_gather(k - 1)`` in DDP's bucket order (gloo requires one order of a group's
-  collectives on every rank). On NCCL the waits only order the CUDA stream; the all-gather's result is dequantised
-  into the bucket in a future callback on gloo.
+  collectives on every rank). On CUDA every hook call runs on a side stream of the state's own, ordered after the
+  bucket's gradients (:mod:`lightning_ddpopt.hooks.streams`): the waits for the all-to-all and the all-gather
+  order that side stream only, the backward pass's stream computes the next buckets' gradients meanwhile, and the
+  bucket's CUDA-aware future makes it wait for the side stream only at DDP's end-of-backward wait. On a CPU the
+  all-gather's result is dequantised into the bucket in a future callback.
 """
 
 import math
@@ -138,6 +141,12 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     """Average the bucket over the group through int8 blocks; see the module doc."""
     if state.exchange_group is not None and bucket.buffer().device.type == "cpu":
         return _exchanged(state, bucket, state.exchange_group)
+    # On CUDA on the state's side stream (lightning_ddpopt.hooks.streams); on a CPU here, on the backward thread.
+    return state._streams.run(bucket.buffer(), lambda: _collectives(state, bucket))
+
+
+def _collectives(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Issue this bucket's all-to-all, finish the previous bucket's: both stages as collectives (see the module doc)."""
     start = time.perf_counter()
     if bucket.index() == 0 and state._in_flight is not None:
         # Left over from a backward pass that raised before its last bucket: never finish it now (this rank alone
@@ -334,7 +343,9 @@ class _BucketSync:
                 for offset, gradient in zip(self.offsets, self.gradients, strict=True):
                     gradient.copy_(mean[offset : offset + gradient.numel()].view_as(gradient))
         except Exception as error:  # DDP waits on the future: never leave it pending
-            self.round.check([torch.tensor(math.nan)])  # nor commit this round's errors
+            # Nor commit this round's errors: a flag on the round's device (a CPU flag among CUDA ones would make
+            # the round's verdict raise a device error instead of the bucket's).
+            self.round.check([torch.tensor(math.nan, device=self.buffer.device)])
             self.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
             return
         self.future.set_result(self.buffer)

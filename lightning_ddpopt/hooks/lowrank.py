@@ -52,7 +52,7 @@ def low_rank_allreduce(
         shape = (matrix.shape[1], min(*matrix.shape, config.rank))
         q = state.q_memories.get(key) if config.warm_start else None
         if q is None or q.shape != shape:
-            q = random_q(config, state.iteration, key, shape, fused)
+            q = random_q(config, state.iteration, key, shape, fused, device=matrix.device)
         qs.append(q.to(matrix))
 
     # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
@@ -99,12 +99,22 @@ def low_rank_allreduce(
 
 
 def random_q(
-    config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int], loops: bool = False
+    config: PowerSGDConfig,
+    iteration: int,
+    key: str,
+    shape: tuple[int, int],
+    loops: bool = False,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """The orthonormal start of the power iteration, seeded by (seed, iteration, key): the same on every rank."""
+    """The orthonormal start of the power iteration, seeded by (seed, iteration, key): the same on every rank.
+
+    Drawn on ``device`` (the CPU by default) by that device's generator: on a GPU no host-to-device copy, which
+    would make the host wait. Every rank draws on the same kind of device, so every rank draws the same values.
+    """
     # The CPU generator keeps only a seed's low 32 bits, so all three go through one 32-bit hash.
     seed = zlib.crc32(f"{config.seed}/{iteration}/{key}".encode())
-    q = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    device = torch.device("cpu") if device is None else device
+    q = torch.randn(shape, generator=torch.Generator(device=device).manual_seed(seed), device=device)
     _orthogonalize(q, config.orthogonalization_epsilon, loops)
     return q
 

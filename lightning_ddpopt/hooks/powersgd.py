@@ -1,4 +1,6 @@
-"""PowerSGD (Vogels et al., 2019) that is correct on gloo and NCCL with any number of buckets, with state to save.
+"""PowerSGD (Vogels et al., 2019) for gloo and NCCL with any number of buckets, with state to save.
+
+Tested on gloo (CPUs); the CUDA path below is written to torch's stream semantics and has not run on a GPU yet.
 
 No ``from __future__ import annotations`` here: DDP compares the hook's annotations with the real types.
 
@@ -15,8 +17,11 @@ bucket order, so all ranks issue the same collectives in the same order:
   one that nothing else uses during the backward pass (DDP's unused-parameter all-reduce, a loss's collectives run
   on the backward thread meanwhile, and gloo needs every rank to issue a group's collectives in one order).
   Without ``pipelined`` (the default) the chain runs inside the hook, on the backward thread.
-* **On a GPU (NCCL)** the chain runs inside the hook: a wait there only orders the CUDA stream, the host never
-  blocks on the network.
+* **On a GPU** the chain runs inside the hook call, on a CUDA side stream of the state's own, ordered after the
+  bucket's gradients (:mod:`lightning_ddpopt.hooks.streams`): its waits for P's and Q's all-reduces order that side
+  stream only, so the backward pass's stream computes the next buckets' gradients meanwhile and waits for the side
+  stream only at DDP's end-of-backward wait for the bucket's future (a CUDA-aware future: an event, no host wait).
+  The random projections are drawn on the device.
 
 The random projections are drawn from generators seeded by ``(seed, step, parameter name)``, the same on every
 rank and reproducible after a resume without saving any RNG state.
@@ -29,9 +34,10 @@ Under fp16 AMP two things keep the state sound:
   non-finite). A bucket whose factors are not finite is handed back as NaN on every rank, so the GradScaler skips
   that step everywhere (without one, AMPMonitor reports it on every rank alike); the next finite step compresses
   from the state before it.
-  On CPU the decision is taken at the round's last bucket; on a GPU the flag is copied without blocking and read
-  at the next round's first bucket, waiting (if at all) only for the previous round's sync to finish on the
-  device. Until then both rounds' error feedback is held.
+  On CPU the decision is taken at the round's last bucket. On a GPU the verdict never reaches the host: when the
+  next round opens, the round is committed on the device, each new error and Q memory replaced in place by
+  ``where(finite, new, kept)`` (:meth:`~lightning_ddpopt.hooks.feedback.ErrorFeedbackState._commit_on_device`),
+  on the side stream, after the round's own kernels. Until then both rounds' error feedback is held.
 * **Error feedback is kept in the units of its loss scale.** Each stored error remembers the loss scale of the
   backward pass that produced it (``CommHookState.loss_scale``) and is rescaled to the current scale before it
   is added, so a GradScaler's growth or backoff does not inject it 2x too large or too small.
@@ -50,7 +56,7 @@ from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
-from lightning_ddpopt.hooks.lowrank import MATRIX_DTYPES, low_rank_allreduce
+from lightning_ddpopt.hooks.lowrank import MATRIX_DTYPES, low_rank_allreduce, random_q
 
 __all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
 
@@ -194,6 +200,7 @@ class PowerSGDState(ErrorFeedbackState):
         """Iteration, error feedback with its loss scales, and Q memories (tensors on the CPU), plus the config."""
         if self._worker is not None:
             self._worker.drain()
+        self._streams.join()  # the Q memories were written on the hook's side stream
         q_memories = {key: q.detach().cpu().clone() for key, q in self.q_memories.items()}
         return {**super().state_dict(), "q_memories": q_memories}
 
@@ -217,8 +224,21 @@ class PowerSGDState(ErrorFeedbackState):
         self._regroup = None
         super()._close_round(seal_now)
 
-    def _commit(self, round_: SyncRound) -> None:
-        super()._commit(round_)
+    def _select_shared(self, round_: SyncRound, finite: torch.Tensor) -> None:
+        """Each new Q memory becomes ``where(finite, new, kept)``, selected on the device.
+
+        ``kept`` is the committed memory, else the fresh projection the next round would draw: all-reduced values
+        and one verdict, so the same on every rank.
+        """
+        for key, new in round_.q_memories.items():
+            kept = self.q_memories.get(key)
+            if kept is None or kept.shape != new.shape or kept.device != new.device:
+                shape = (new.shape[0], new.shape[1])
+                kept = random_q(self.config, self.iteration, key, shape, device=new.device).to(new.dtype)
+            torch.where(finite, new, kept, out=new)
+
+    def _commit(self, round_: SyncRound, scales: dict[str, torch.Tensor] | None = None) -> None:
+        super()._commit(round_, scales)
         if self.config.batched:
             # A parameter belongs to one batched matrix: drop keys of groups it was in before (another layout).
             regrouped = {name for key in round_.q_memories for name in key.split("|")}
@@ -245,7 +265,8 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     Before ``start_iter`` it is a plain mean allreduce, bit-for-bit equal to the ``allreduce`` hook.
     """
     if not state.pipelined or bucket.buffer().device.type != "cpu":
-        return _sync_bucket(state, bucket)
+        # On CUDA on the state's side stream (lightning_ddpopt.hooks.streams); on a CPU here, on the backward thread.
+        return state._streams.run(bucket.buffer(), lambda: _sync_bucket(state, bucket))
     if state._worker is None or not state._worker.alive():
         if state._worker is not None and state._worker.failed is not None:
             raise RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {state._worker.failed!r}")

@@ -1,0 +1,58 @@
+"""Gathering every rank's hook state to rank 0 at a save: on the CPU, one rank's state at a time."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed import distributed_c10d
+
+from lightning_ddpopt._groups import destroy_all_groups
+from lightning_ddpopt.checkpoint import RankStates
+
+
+def _state(rank: int) -> dict[str, object]:
+    # Rank r's error feedback: (r + 1) x 20000 values, so the ranks' states differ in size.
+    return {"iteration": 7, "errors": {"w": torch.full(((rank + 1) * 20000,), float(rank))}}
+
+
+def _gather_worker(rank: int, port: int, world_size: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    received: list[tuple[int, str]] = []
+    original = distributed_c10d._tensor_to_object
+
+    def probe(tensor, *args, **kwargs):  # every pickled state this rank receives, as the bytes it arrived in
+        received.append((tensor.numel() * tensor.element_size(), tensor.device.type))
+        return original(tensor, *args, **kwargs)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a gather of every rank's pickled state at once")
+
+    distributed_c10d._tensor_to_object = probe
+    distributed_c10d.gather_object = distributed_c10d.all_gather_object = forbidden
+    states = RankStates(timeout_s=30)
+    states.name_run("test")
+    gathered = states.gather(_state(rank), rank=rank, world_size=world_size)
+    states.close()
+    if rank == 0:
+        torch.save({"gathered": gathered, "received": received}, out)
+    destroy_all_groups()
+
+
+def test_states_travel_to_rank_0_on_the_cpu_one_rank_at_a_time(tmp_path):
+    # Rank 0 receives each other rank's pickled state in turn: the largest buffer it holds at once is one rank's
+    # state, not world_size x the largest (what gathering every rank's state in one collective allocates).
+    out = str(tmp_path / "gathered.pt")
+    mp.start_processes(_gather_worker, args=(29571, 3, out), nprocs=3, start_method="fork")
+    result = torch.load(out)
+    gathered = result["gathered"]
+    assert [state["iteration"] for state in gathered] == [7, 7, 7]
+    for rank, state in enumerate(gathered):
+        torch.testing.assert_close(state["errors"]["w"], _state(rank)["errors"]["w"], rtol=0, atol=0)
+    pickled = [len(pickle.dumps(_state(rank))) for rank in range(3)]
+    # One buffer per other rank, on the CPU, each about that rank's pickled state (torch's pickler, not pickle's).
+    assert [device for _, device in result["received"]] == ["cpu", "cpu"]
+    for (size, _), expected in zip(result["received"], pickled[1:], strict=True):
+        assert 0.9 * expected < size < 1.1 * expected
