@@ -18,6 +18,8 @@ check of the gradients decides alike on every rank without any collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -90,36 +92,55 @@ class Exchange:
 
     Call :meth:`gather` at a meeting, on every rank alike: where the ranks wait for each other it returns every rank's
     tensor at once; in passing it starts the all-gather and returns ``None``, and the gathered result comes out of
-    :meth:`arrived` at the next meeting (or the end of fit) - long arrived by then, so no rank waits for another.
+    :meth:`arrived` at the next meeting (or the end of fit) - long arrived by then, so no rank waits for another. On a
+    GPU every gather but the end of fit's travels: the collective and a copy into pinned host memory are queued and
+    read at the next meeting, so the host never waits for the device.
     """
 
     def __init__(self) -> None:
-        self._travelling: tuple[dist.Work, list[torch.Tensor]] | None = None
+        self._travelling: Callable[[], torch.Tensor] | None = None
 
     def arrived(self) -> torch.Tensor | None:
         """Every rank's tensor (stacked, ``(world, ...)``) from the gather that travelled since the last meeting."""
         travelling, self._travelling = self._travelling, None
-        if travelling is None:
-            return None
-        work, gathered = travelling
-        work.wait()
-        return torch.stack(gathered)
+        return travelling() if travelling is not None else None
 
-    def gather(self, local: torch.Tensor, world_size: int, in_passing: bool) -> torch.Tensor | None:
-        """Every rank's ``local`` (stacked), or ``None`` when it travels (``in_passing``; read it with :meth:`arrived`).
+    def gather(
+        self, local: torch.Tensor, world_size: int, in_passing: bool, final: bool = False
+    ) -> torch.Tensor | None:
+        """Every rank's ``local`` (stacked), or ``None`` when it travels (read it with :meth:`arrived`).
 
-        A gather still travelling must have been read first: its result would be lost.
+        It travels ``in_passing``, and on a GPU unless ``final`` (the end of fit, where the result is needed now). A
+        gather still travelling must have been read first: its result would be lost.
         """
         assert self._travelling is None, "read the travelling gather (arrived) before starting another"
         gathered = [torch.empty_like(local) for _ in range(world_size)]
-        if in_passing:
-            work = dist.all_gather(gathered, local, async_op=True)
-            assert work is not None
-            self._travelling = (work, gathered)
+        if not (in_passing or (local.is_cuda and not final)):
+            dist.all_gather(gathered, local)
+            return torch.stack(gathered)
+        work = dist.all_gather(gathered, local, async_op=True)
+        assert work is not None
+        if not local.is_cuda:
+            self._travelling = lambda: _waited(work, gathered)
             return None
-        dist.all_gather(gathered, local)
-        return torch.stack(gathered)
+        work.wait()  # orders the current stream after the gather; with NCCL the host does not wait
+        host = torch.empty((world_size, *local.shape), dtype=local.dtype, pin_memory=True)
+        host.copy_(torch.stack(gathered), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._travelling = lambda: _copied(copied, host)
+        return None
 
     def drop(self) -> None:
         """Forget a travelling gather (teardown): every rank started it, so it finishes without us."""
         self._travelling = None
+
+
+def _waited(work: dist.Work, gathered: list[torch.Tensor]) -> torch.Tensor:
+    work.wait()
+    return torch.stack(gathered)
+
+
+def _copied(copied: torch.cuda.Event, host: torch.Tensor) -> torch.Tensor:
+    copied.synchronize()  # recorded at the previous meeting: the device is long past it
+    return host

@@ -52,7 +52,8 @@ class AMPMonitor(Callback):
     value turns an infinite gradient finite before the step, and a NaN stays); a finding then covers the steps since
     the previous sync and counts as one in ``nonfinite_steps``. With ``overlap_steps`` the ranks do not wait for
     each other at a sync's start, so the verdicts exchanged there are acted on at the next sync's start (or the end
-    of fit), one window later.
+    of fit), one window later. On a GPU the check never synchronises the host: a step's verdict is copied without
+    blocking and read at the next step's check, so a finding, ``"stop"`` and ``"raise"`` come one step later.
 
     Logged at every optimizer step (``on_step``), through the Trainer's loggers:
 
@@ -139,6 +140,7 @@ class AMPMonitor(Callback):
         self._patched_module: pl.LightningModule | None = None
         self._exchange = Exchange()  # every rank's verdict, travelling from a meeting in passing to the next check
         self._travelling: _Found | None = None
+        self._deferred: _Deferred | None = None  # on a GPU, the last check's verdict, read at the next one
 
     def summary(self) -> dict[str, Any]:
         """Counts and the latest scale, for the diagnosis."""
@@ -192,7 +194,7 @@ class AMPMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._exchange.drop()
-        self._travelling = None
+        self._travelling = self._deferred = None
         if self._patched_module is not None:
             del self._patched_module.lr_scheduler_step
             self._patched_module = None
@@ -216,6 +218,7 @@ class AMPMonitor(Callback):
                 self._decide_nonfinite(trainer, pl_module, parameters=True, log=False)  # no logs at the end of fit
             else:
                 self._decide_travelled(trainer)
+                self._decide_deferred(trainer)
         report_if_last(trainer, self)
 
     @override
@@ -338,21 +341,33 @@ class AMPMonitor(Callback):
         # A rank without gradients still takes part: every rank must take the same branch.
         flag = bad.any().to(device=pl_module.device, dtype=torch.uint8).reshape(1)
         found = _Found(steps, [name for name, _ in named], bad, parameters)
+        verdict: torch.Tensor
         if trainer.world_size == 1 or (not parameters and gradients_identical(trainer)):
-            verdict = bool(flag.item())  # the same gradients on every rank: the same verdict, no collective
+            verdict = flag  # the same gradients on every rank: the same verdict, no collective
         elif isinstance(trainer.strategy, DDPStrategy):
             # One collective (the strategy's reduce adds a barrier); in passing it travels to the next check.
-            flags = self._exchange.gather(flag, trainer.world_size, in_passing)
+            flags = self._exchange.gather(flag, trainer.world_size, in_passing, final=not log)
             if flags is None:
                 self._travelling = found
                 self._log_count(pl_module, log)
                 return
-            verdict = bool(flags.max().item())
+            verdict = flags.max()
         else:
-            verdict = bool(trainer.strategy.reduce(flag.float(), reduce_op="sum").item())
-        if verdict:
+            verdict = trainer.strategy.reduce(flag.float(), reduce_op="sum")
+        self._decide_deferred(trainer)
+        if verdict.is_cuda and log:
+            # On a GPU the verdict is read at the next check, a step later, when the device has long computed it:
+            # no host sync (at the end of fit, ``log=False``, it is read at once).
+            self._deferred = _Deferred(verdict, found)
+        elif bool(verdict.item()):
             self._report_nonfinite(trainer, found)
         self._log_count(pl_module, log)
+
+    def _decide_deferred(self, trainer: pl.Trainer) -> None:
+        """Act on the previous check's verdict, deferred on a GPU (every rank defers alike)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and deferred.read():
+            self._report_nonfinite(trainer, deferred.found)
 
     def _decide_travelled(self, trainer: pl.Trainer) -> None:
         """Act on the verdicts exchanged in passing at the previous check, every rank alike."""
@@ -400,6 +415,21 @@ class _Found:
     names: list[str]
     bad: torch.Tensor
     parameters: bool
+
+
+class _Deferred:
+    """A verdict on the device, copied to the host without blocking; :meth:`read` a step later."""
+
+    def __init__(self, verdict: torch.Tensor, found: _Found) -> None:
+        self.found = found
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._host.copy_(verdict.reshape(()).bool(), non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def read(self) -> bool:
+        self._copied.synchronize()  # recorded a step ago: the device is past it, unless the host ran far ahead
+        return bool(self._host)
 
 
 def _sum(parameter: torch.nn.Parameter, with_values: bool) -> torch.Tensor:

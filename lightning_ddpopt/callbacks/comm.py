@@ -250,7 +250,8 @@ class CommProfiler(Callback):
     def _aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_passing: bool, log: bool) -> None:
         """Gather every rank's figures since the last aggregation and derive the logged ones; in passing they travel."""
         self._use_arrived(trainer.world_size, pl_module, log)
-        gathered = self._exchange.gather(self._local_figures(pl_module.device), trainer.world_size, in_passing)
+        local = self._local_figures(pl_module.device)
+        gathered = self._exchange.gather(local, trainer.world_size, in_passing, final=not log)
         if gathered is not None:
             self._use(gathered, trainer.world_size, pl_module, log)
 

@@ -307,7 +307,7 @@ class StragglerDetector(Callback):
         self._totals.zero_()
         self._steps_in_window = 0
         in_passing = not final and meets_in_passing(trainer)
-        gathered = self._exchange.gather(local, trainer.world_size, in_passing)
+        gathered = self._exchange.gather(local, trainer.world_size, in_passing, final=final)
         if gathered is None:
             self._travelling_step = trainer.global_step
         else:
