@@ -24,6 +24,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.deferred import DeferredRead
+
 __all__ = [
     "Exchange",
     "gradients_identical",
@@ -114,21 +116,20 @@ class Exchange:
         gather still travelling must have been read first: its result would be lost.
         """
         assert self._travelling is None, "read the travelling gather (arrived) before starting another"
+        travels = in_passing or (local.is_cuda and not final)
+        if local.is_cuda and travels:
+            # Into one tensor, read on a stream of its own (DeferredRead): the compute stream never waits for it.
+            out = torch.empty((world_size, *local.shape), dtype=local.dtype, device=local.device)
+            work = dist.all_gather_into_tensor(out, local, async_op=True)
+            self._travelling = DeferredRead(out, work).read
+            return None
         gathered = [torch.empty_like(local) for _ in range(world_size)]
-        if not (in_passing or (local.is_cuda and not final)):
+        if not travels:
             dist.all_gather(gathered, local)
             return torch.stack(gathered)
         work = dist.all_gather(gathered, local, async_op=True)
         assert work is not None
-        if not local.is_cuda:
-            self._travelling = lambda: _waited(work, gathered)
-            return None
-        work.wait()  # orders the current stream after the gather; with NCCL the host does not wait
-        host = torch.empty((world_size, *local.shape), dtype=local.dtype, pin_memory=True)
-        host.copy_(torch.stack(gathered), non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self._travelling = lambda: _copied(copied, host)
+        self._travelling = lambda: _waited(work, gathered)
         return None
 
     def drop(self) -> None:
@@ -139,8 +140,3 @@ class Exchange:
 def _waited(work: dist.Work, gathered: list[torch.Tensor]) -> torch.Tensor:
     work.wait()
     return torch.stack(gathered)
-
-
-def _copied(copied: torch.cuda.Event, host: torch.Tensor) -> torch.Tensor:
-    copied.synchronize()  # recorded at the previous meeting: the device is long past it
-    return host

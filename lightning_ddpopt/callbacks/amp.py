@@ -19,6 +19,7 @@ from lightning_ddpopt._compat import found_inf_per_device
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
+from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.meetings import (
     Exchange,
     gradients_identical,
@@ -358,7 +359,7 @@ class AMPMonitor(Callback):
         if verdict.is_cuda and log:
             # On a GPU the verdict is read at the next check, a step later, when the device has long computed it:
             # no host sync (at the end of fit, ``log=False``, it is read at once).
-            self._deferred = _Deferred(verdict, found)
+            self._deferred = _Deferred(DeferredRead(verdict.reshape(()).bool()), found)
         elif bool(verdict.item()):
             self._report_nonfinite(trainer, found)
         self._log_count(pl_module, log)
@@ -417,19 +418,15 @@ class _Found:
     parameters: bool
 
 
+@dataclass(frozen=True)
 class _Deferred:
-    """A verdict on the device, copied to the host without blocking; :meth:`read` a step later."""
+    """A check's verdict on its way to the host (a GPU's), with what the check found."""
 
-    def __init__(self, verdict: torch.Tensor, found: _Found) -> None:
-        self.found = found
-        self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._host.copy_(verdict.reshape(()).bool(), non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+    verdict: DeferredRead
+    found: _Found
 
     def read(self) -> bool:
-        self._copied.synchronize()  # recorded a step ago: the device is past it, unless the host ran far ahead
-        return bool(self._host)
+        return bool(self.verdict.read())
 
 
 def _sum(parameter: torch.nn.Parameter, with_values: bool) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 from lightning_ddpopt._compat import sigterm_hooks
+from lightning_ddpopt.deferred import DeferredRead
 
 __all__ = ["SigtermAtSyncs"]
 
@@ -52,7 +53,7 @@ class SigtermAtSyncs:
         self.connector: Any = None
         self.pending = False  # this rank received a SIGTERM
         # The local phase's meeting still travelling: its work and every rank's flag, all-reduced into it.
-        self._travelling: tuple[dist.Work, torch.Tensor] | None = None
+        self._travelling: DeferredRead | None = None
         self._met_at_step = -1  # the optimizer step whose first batch met in passing (once per window)
 
     def install(self) -> bool:
@@ -97,11 +98,10 @@ class SigtermAtSyncs:
         """Read the previous window's meeting, start this window's: every rank alike, none waiting for another."""
         travelling, self._travelling = self._travelling, None
         if travelling is not None:
-            work, flag = travelling
-            work.wait()
-            self._act_on(flag)
+            self._act_on(travelling.read())
         flag = self._flag()
-        self._travelling = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        # On a GPU read on a stream of its own: the compute stream never waits for the others' flags.
+        self._travelling = DeferredRead(flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
 
     def _act_on(self, flag: torch.Tensor) -> None:
         if flag.item():
