@@ -314,6 +314,8 @@ class BucketController:
         next step (``final``: the end of fit, it logs what it has).
         """
         assert self.plan is not None
+        if final and ledger is not None:
+            ledger.flush()  # the end of fit: the last steps' records, off the device
         # The latest record shows the buckets the hooks saw, unless a step closed since is still on the device; a
         # local SGD parameter sync's round is not a bucket layout.
         pending = ledger is not None and bool(ledger.pending_steps)

@@ -25,6 +25,7 @@ restarts the per-rank rest, and re-measures the ``"auto"`` / ``"autotune"`` deci
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -124,9 +125,8 @@ class RankStates:
         """Every rank's ``state`` on rank 0, an empty list on the others; every rank must call it."""
         self._gathers += 1
         tag = f"{self._run}/{self._gathers}"
-        group = self._group_for_cpu() if world_size > 1 else None
         gathered = gather_hook_states(
-            state, rank=rank, world_size=world_size, timeout_s=self.timeout_s, tag=tag, group=group
+            state, rank=rank, world_size=world_size, timeout_s=self.timeout_s, tag=tag, group=self._group_for_cpu
         )
         return gathered or []
 
@@ -154,13 +154,14 @@ def gather_hook_states(
     world_size: int,
     timeout_s: float,
     tag: str,
-    group: dist.ProcessGroup | None = None,
+    group: Callable[[], dist.ProcessGroup | None] = lambda: None,
 ) -> list[dict[str, Any]] | None:
     """Every rank's ``state``, on rank 0 (``None`` on the others), its tensors on the CPU.
 
-    Every rank must call it, with the same ``tag``, unique to this save in this process group's life. ``group`` (all
-    ranks; ``None``: the default group) must take CPU tensors: each rank's state, moved to the CPU, travels to rank
-    0 there, one rank after another, so rank 0 never holds more than one pickled state at a time.
+    Every rank must call it, with the same ``tag``, unique to this save in this process group's life. ``group()``
+    gives a group of all ranks (``None``: the default group) that takes CPU tensors, once every rank has arrived:
+    each rank's state, moved to the CPU, travels to rank 0 there, one rank after another, so rank 0 never holds more
+    than one pickled state at a time.
 
     Raises:
         RuntimeError: not every rank arrived within ``timeout_s`` (the message names the missing ranks).
@@ -168,15 +169,16 @@ def gather_hook_states(
     if world_size == 1:
         return [state]
     _agree_to_gather(rank, world_size, timeout_s, tag)
+    on = group()
     cpu = torch.device("cpu")
     state = move_data_to_device(state, cpu)
     if rank != 0:
-        dist.send_object_list([state], dst=0, group=group, device=cpu)
+        dist.send_object_list([state], dst=0, group=on, device=cpu)
         return None
     gathered = [state]
     for source in range(1, world_size):
         received: list[Any] = [None]
-        dist.recv_object_list(received, src=source, group=group, device=cpu)
+        dist.recv_object_list(received, src=source, group=on, device=cpu)
         gathered.append(received[0])
     return gathered
 

@@ -13,14 +13,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeferredRead"]
+__all__ = ["DeferredRead", "to_device"]
 
 
 class DeferredRead:
-    """``tensor``'s values on their way to the host; ``work``: the collective that fills ``tensor``, if any."""
+    """``tensor``'s values on their way to the host.
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work | None = None) -> None:
-        self._tensor, self._work = tensor, work
+    ``work``: the collective that fills ``tensor``, if any; ``inputs``: the tensors it reads, kept alive (and marked
+    in use by the copying stream, for the caching allocator) until the collective is done with them.
+    """
+
+    def __init__(
+        self, tensor: torch.Tensor, work: dist.Work | None = None, inputs: tuple[torch.Tensor, ...] = ()
+    ) -> None:
+        self._tensor, self._work, self._inputs = tensor, work, inputs
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         if not tensor.is_cuda:
@@ -34,14 +40,26 @@ class DeferredRead:
             self._host.copy_(tensor, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(stream)
-        tensor.record_stream(stream)
+        for used in (tensor, *inputs):
+            used.record_stream(stream)
 
     def read(self) -> torch.Tensor:
         """The values, on the host (on a CPU: the tensor itself, once its collective is done)."""
         if self._copied is not None:
             self._copied.synchronize()  # long passed when read a step or a meeting later
+            self._inputs = ()
             assert self._host is not None
             return self._host
         if self._work is not None:
             self._work.wait()
         return self._tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the CPU) on ``device``; to a GPU through pinned memory, so the host does not wait for the device.
+
+    A copy from ordinary host memory to a GPU waits until the device has run what was queued before it.
+    """
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -121,7 +121,7 @@ class Exchange:
             # Into one tensor, read on a stream of its own (DeferredRead): the compute stream never waits for it.
             out = torch.empty((world_size, *local.shape), dtype=local.dtype, device=local.device)
             work = dist.all_gather_into_tensor(out, local, async_op=True)
-            self._travelling = DeferredRead(out, work).read
+            self._travelling = DeferredRead(out, work, inputs=(local,)).read
             return None
         gathered = [torch.empty_like(local) for _ in range(world_size)]
         if not travels:

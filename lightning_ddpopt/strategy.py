@@ -192,23 +192,29 @@ class OptimizedDDPStrategy(DDPStrategy):
     comm_hook_name = property(lambda self: self._hooks.comm_hook_name, doc="The registered hook's name.")
     hook_choice = property(lambda self: self._hooks.hook_choice, doc="What ``comm_hook='auto'`` chose, and why.")
     bucket_plan = property(lambda self: self._buckets.plan, doc="The planned bucket cap and predicted layout.")
-    bucket_layout = property(lambda self: self._buckets.layout, doc="The bucket sizes DDP built, once final.")
+    bucket_layout = property(
+        lambda self: self._buckets.layout, doc="DDP's bucket sizes once final (the plan's if no hook saw them)."
+    )
     autotuner = property(lambda self: self._buckets.autotuner, doc="``bucket_cap_mb='autotune'``'s search.")
 
     @property
     def synced_gradients_identical(self) -> bool:
         """Whether a batch whose gradients DDP syncs leaves the same gradients on every rank.
 
-        It does with DDP's allreduce or a registry hook over every parameter (each rank receives the same result);
-        not with a user's hook, parameters DDP ignores, or Lightning's post-local SGD (``model_averaging_period``).
+        It does with DDP's allreduce or a registry hook over every parameter (each rank receives the same result), once
+        the ledger has seen this step's sync; not with a user's hook or none, parameters DDP ignores, or Lightning's
+        post-local SGD (``model_averaging_period``).
         See :func:`lightning_ddpopt.meetings.gradients_identical`.
         """
         ignored = getattr(self.model, "parameters_to_ignore", None)
+        # Evidence that this step's gradients went through the hook: the ledger saw a sync round since the last step.
+        synced = self.ledger is not None and self.ledger.recording and self.ledger.open_sync_rounds > 0
         return (
             isinstance(self.model, DistributedDataParallel)
             and self._hooks.results_identical
             and not self._model_averaging
             and not ignored
+            and synced
         )
 
     @property

@@ -45,7 +45,8 @@ def test_states_travel_to_rank_0_on_the_cpu_one_rank_at_a_time(tmp_path):
     # Rank 0 receives each other rank's pickled state in turn: the largest buffer it holds at once is one rank's
     # state, not world_size x the largest (what gathering every rank's state in one collective allocates).
     out = str(tmp_path / "gathered.pt")
-    mp.start_processes(_gather_worker, args=(29571, 3, out), nprocs=3, start_method="fork")
+    # spawn: forked from a test process that ran other process groups before, a rank can hang before it arrives.
+    mp.start_processes(_gather_worker, args=(29571, 3, out), nprocs=3, start_method="spawn")
     result = torch.load(out)
     gathered = result["gathered"]
     assert [state["iteration"] for state in gathered] == [7, 7, 7]

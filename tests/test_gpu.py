@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.timing import CudaTimeline, timeline_for
@@ -137,3 +138,62 @@ def test_local_sgd_on_nccl(tmp_path, compression):
     for record in ranks:
         assert [s["sync_rounds"] for s in record["steps"]] == [1, 1, 0, 0, 1, 0, 0, 1]
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+@two_gpus
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"comm_hook": PowerSGDConfig(rank=2, start_iter=2)},
+        {"comm_hook": "int8"},
+        {"local_sgd": LocalSGDConfig.diloco(sync_every=4, warmup_steps=2, overlap_steps=2)},
+    ],
+    ids=["powersgd", "int8", "diloco-overlap"],
+)
+def test_the_callbacks_gathers_make_no_host_sync_of_ours_on_nccl(tmp_path, kwargs):
+    from tests.test_gpu_ready import _SyncsFromThePackage
+
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(bucket_cap_mb=0.3, start_method="spawn", **kwargs),
+        accelerator="gpu",
+        precision="bf16-mixed",
+        callbacks=[
+            CommProfiler(every_n_steps=4, probe_link=False),
+            StragglerDetector(every_n_steps=4),
+            AMPMonitor(),
+            _SyncsFromThePackage(tmp_path),
+        ],
+        samples=2 * 8 * 16,
+        max_steps=16,
+    )
+    assert [torch.load(tmp_path / f"syncs{rank}.pt") for rank in (0, 1)] == [[], []]
+
+
+class _SaveAndMeasure(pl.Callback):
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        trainer.save_checkpoint(self.out / "saved.ckpt")
+        torch.cuda.synchronize()
+        torch.save(torch.cuda.max_memory_allocated() - before, self.out / f"extra{trainer.global_rank}.pt")
+
+
+@two_gpus
+def test_a_checkpoint_gathers_hook_state_without_gpu_memory_on_nccl(tmp_path):
+    # The states travel rank by rank over a gloo group of the strategy's own; before, gather_object put every rank's
+    # pickled state into CUDA tensors (world size x the largest on rank 0).
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=2, start_iter=2), start_method="spawn"),
+        accelerator="gpu",
+        callbacks=[_SaveAndMeasure(tmp_path)],
+        max_steps=6,
+    )
+    assert all(torch.load(tmp_path / f"extra{rank}.pt") < 1024 * 1024 for rank in (0, 1))
+    saved = torch.load(tmp_path / "saved.ckpt", weights_only=True, map_location="cpu")["ddpopt"]
+    assert len(saved["hook_states"]) == 2

@@ -331,6 +331,7 @@ class AMPMonitor(Callback):
         check where the ranks meet only in passing (``in_passing``).
         """
         self._decide_travelled(trainer)
+        self._decide_deferred(trainer)
         steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
         self._checked_through = self.steps
         named = [(name, p) for name, p in pl_module.named_parameters() if p.grad is not None or parameters]
@@ -341,9 +342,10 @@ class AMPMonitor(Callback):
         bad = ~torch.stack(sums).isfinite() if sums else torch.zeros(0, dtype=torch.bool)
         # A rank without gradients still takes part: every rank must take the same branch.
         flag = bad.any().to(device=pl_module.device, dtype=torch.uint8).reshape(1)
-        found = _Found(steps, [name for name, _ in named], bad, parameters)
+        alike = trainer.world_size == 1 or (not parameters and gradients_identical(trainer))
+        found = _Found(steps, [name for name, _ in named], bad, parameters, alike)
         verdict: torch.Tensor
-        if trainer.world_size == 1 or (not parameters and gradients_identical(trainer)):
+        if alike:
             verdict = flag  # the same gradients on every rank: the same verdict, no collective
         elif isinstance(trainer.strategy, DDPStrategy):
             # One collective (the strategy's reduce adds a barrier); in passing it travels to the next check.
@@ -355,7 +357,6 @@ class AMPMonitor(Callback):
             verdict = flags.max()
         else:
             verdict = trainer.strategy.reduce(flag.float(), reduce_op="sum")
-        self._decide_deferred(trainer)
         if verdict.is_cuda and log:
             # On a GPU the verdict is read at the next check, a step later, when the device has long computed it:
             # no host sync (at the end of fit, ``log=False``, it is read at once).
@@ -385,8 +386,8 @@ class AMPMonitor(Callback):
         self.nonfinite_steps += 1
         steps, parameters = found.steps, found.parameters
         names = [name for name, b in zip(found.names, found.bad.tolist(), strict=True) if b][: self.max_names]
-        per_rank: list[list[str]] = [names]
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        per_rank: list[list[str]] = [names] * trainer.world_size  # alike: the same gradients, the same names
+        if not found.alike and dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             per_rank = [[] for _ in range(trainer.world_size)]
             dist.all_gather_object(per_rank, names)
         by_rank = dict(enumerate(per_rank))
@@ -416,6 +417,7 @@ class _Found:
     names: list[str]
     bad: torch.Tensor
     parameters: bool
+    alike: bool = False  # every rank checked the same values (no exchange of names needed)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.costmodel import bus_bandwidth
+from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.ledger import CommLedger, StepRecord
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import median_seconds
@@ -277,7 +278,7 @@ class CommProfiler(Callback):
             values.clear()
         for recent in (self._step_times, self._sync_times):
             local.extend([*recent, *[math.nan] * (self.window - len(recent))])
-        return torch.tensor(local, dtype=torch.float64, device=device)
+        return to_device(torch.tensor(local, dtype=torch.float64), device)
 
     def _figures(self, gathered: torch.Tensor, world_size: int) -> dict[str, float]:
         """The logged figures from every rank's row of :meth:`_local_figures`."""

@@ -18,6 +18,7 @@ from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
+from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.ledger import StepRecord
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import Mark, Timeline
@@ -303,7 +304,7 @@ class StragglerDetector(Callback):
         """Gather every rank's sums since the last gather, and decide; in passing the sums travel to the next one."""
         self._decide_travelled(trainer, pl_module, log=not final)
         assert self._totals is not None  # made in setup
-        local = self._totals.to(pl_module.device, copy=True)
+        local = to_device(self._totals.clone(), pl_module.device)
         self._totals.zero_()
         self._steps_in_window = 0
         in_passing = not final and meets_in_passing(trainer)

@@ -139,8 +139,9 @@ class ErrorFeedbackState(CommHookState):
 
     def _errors_state_dict(self) -> dict[str, object]:
         """The step counter, the skipped rounds and the errors with their loss scales (tensors on the CPU)."""
-        self._streams.join()  # the errors were written on the hook's side stream
-        self._settle()
+        # Committed where the errors live (the hook's side stream on a GPU), then read after it.
+        self._streams.call(self._settle)
+        self._streams.join()
         self._count_skipped()
         return {
             "iteration": self.iteration,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks.feedback import SyncRound
 
@@ -52,7 +53,8 @@ def low_rank_allreduce(
         shape = (matrix.shape[1], min(*matrix.shape, config.rank))
         q = state.q_memories.get(key) if config.warm_start else None
         if q is None or q.shape != shape:
-            q = random_q(config, state.iteration, key, shape, fused, device=matrix.device)
+            # Drawn on the CPU (the same bits on every rank, whatever its GPU) and copied without a host wait.
+            q = to_device(random_q(config, state.iteration, key, shape, fused), matrix.device)
         qs.append(q.to(matrix))
 
     # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
@@ -99,22 +101,16 @@ def low_rank_allreduce(
 
 
 def random_q(
-    config: PowerSGDConfig,
-    iteration: int,
-    key: str,
-    shape: tuple[int, int],
-    loops: bool = False,
-    device: torch.device | None = None,
+    config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int], loops: bool = False
 ) -> torch.Tensor:
     """The orthonormal start of the power iteration, seeded by (seed, iteration, key): the same on every rank.
 
-    Drawn on ``device`` (the CPU by default) by that device's generator: on a GPU no host-to-device copy, which
-    would make the host wait. Every rank draws on the same kind of device, so every rank draws the same values.
+    Drawn by the CPU generator: a GPU's generator spreads its draws over the device's multiprocessors, so GPUs of
+    different models could draw different values.
     """
     # The CPU generator keeps only a seed's low 32 bits, so all three go through one 32-bit hash.
     seed = zlib.crc32(f"{config.seed}/{iteration}/{key}".encode())
-    device = torch.device("cpu") if device is None else device
-    q = torch.randn(shape, generator=torch.Generator(device=device).manual_seed(seed), device=device)
+    q = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     _orthogonalize(q, config.orthogonalization_epsilon, loops)
     return q
 

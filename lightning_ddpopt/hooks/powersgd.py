@@ -21,7 +21,7 @@ bucket order, so all ranks issue the same collectives in the same order:
   bucket's gradients (:mod:`lightning_ddpopt.hooks.streams`): its waits for P's and Q's all-reduces order that side
   stream only, so the backward pass's stream computes the next buckets' gradients meanwhile and waits for the side
   stream only at DDP's end-of-backward wait for the bucket's future (a CUDA-aware future: an event, no host wait).
-  The random projections are drawn on the device.
+  The random projections are drawn on the CPU (the same bits on every rank) and copied through pinned memory.
 
 The random projections are drawn from generators seeded by ``(seed, step, parameter name)``, the same on every
 rank and reproducible after a resume without saving any RNG state.
@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt._validate import require_int
+from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
@@ -201,6 +202,8 @@ class PowerSGDState(ErrorFeedbackState):
         if self._worker is not None:
             self._worker.drain()
         self._streams.join()  # the Q memories were written on the hook's side stream
+        self._streams.call(self._settle)  # commit the last round (on a GPU it waits for the next) before copying
+        self._streams.join()
         q_memories = {key: q.detach().cpu().clone() for key, q in self.q_memories.items()}
         return {**super().state_dict(), "q_memories": q_memories}
 
@@ -234,7 +237,7 @@ class PowerSGDState(ErrorFeedbackState):
             kept = self.q_memories.get(key)
             if kept is None or kept.shape != new.shape or kept.device != new.device:
                 shape = (new.shape[0], new.shape[1])
-                kept = random_q(self.config, self.iteration, key, shape, device=new.device).to(new.dtype)
+                kept = to_device(random_q(self.config, self.iteration, key, shape), new.device).to(new.dtype)
             torch.where(finite, new, kept, out=new)
 
     def _commit(self, round_: SyncRound, scales: dict[str, torch.Tensor] | None = None) -> None:

@@ -50,6 +50,18 @@ class SideStreams:
         with torch.cuda.stream(side):
             return chain()
 
+    def call(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on the side stream, after what the current stream queued; with no side stream yet, as it is.
+
+        For work on the kept state outside a hook call (a commit at a save).
+        """
+        if not self._streams:
+            return work()
+        ((device, side),) = self._streams.items()  # one device per rank
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            return work()
+
     def join(self) -> None:
         """Order each device's current stream after everything its side stream was given so far (no host wait)."""
         for device, side in self._streams.items():

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 from lightning_ddpopt._compat import sigterm_hooks
-from lightning_ddpopt.deferred import DeferredRead
+from lightning_ddpopt.deferred import DeferredRead, to_device
 
 __all__ = ["SigtermAtSyncs"]
 
@@ -86,7 +86,7 @@ class SigtermAtSyncs:
             self._meet_in_passing()
 
     def _flag(self) -> torch.Tensor:
-        return torch.tensor([int(self.pending or self.connector.received_sigterm)], device=self.device)
+        return to_device(torch.tensor([int(self.pending or self.connector.received_sigterm)]), self.device)
 
     def _meet(self) -> None:
         """Every rank's flag, all-reduced: if any rank received a SIGTERM, every rank stops after this batch."""
