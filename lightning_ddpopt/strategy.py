@@ -88,9 +88,9 @@ class OptimizedDDPStrategy(DDPStrategy):
             :class:`~lightning_ddpopt.hooks.PowerSGDConfig` or :class:`~lightning_ddpopt.hooks.Int8Config`, a
             torch-style hook ``hook(state, bucket) -> Future[Tensor]`` (its state in ``comm_state``), or ``None``
             for DDP's built-in allreduce with nothing recorded; ``"auto"`` measures the link and the model at
-            setup and picks ``allreduce``, ``fp16``, ``int8`` or ``powersgd`` (see
-            :mod:`lightning_ddpopt.hooks.auto`). The hook's state is saved in checkpoints (see
-            :mod:`lightning_ddpopt.checkpoint`) and restored.
+            setup and picks ``allreduce``, ``fp16`` or ``int8`` (PowerSGD too only if listed in an
+            :class:`~lightning_ddpopt.hooks.AutoConfig`; see :mod:`lightning_ddpopt.hooks.auto`). The hook's state
+            is saved in checkpoints (see :mod:`lightning_ddpopt.checkpoint`) and restored.
         comm_state: the state passed to a callable ``comm_hook``.
         bucket_cap_mb: DDP's bucket cap in MiB, a positive number, ``"auto"`` or ``"autotune"``.
         gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a gradient-sized copy per step

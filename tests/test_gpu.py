@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt import CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.timing import CudaTimeline, timeline_for
@@ -151,23 +151,10 @@ def test_local_sgd_on_nccl(tmp_path, compression):
     ids=["powersgd", "int8", "diloco-overlap"],
 )
 def test_the_callbacks_gathers_make_no_host_sync_of_ours_on_nccl(tmp_path, kwargs):
-    from tests.test_gpu_ready import _SyncsFromThePackage
+    from tests.test_gpu_ready import fit_with_every_callback
 
-    fit_ddp(
-        tmp_path,
-        OptimizedDDPStrategy(bucket_cap_mb=0.3, start_method="spawn", **kwargs),
-        accelerator="gpu",
-        precision="bf16-mixed",
-        callbacks=[
-            CommProfiler(every_n_steps=4, probe_link=False),
-            StragglerDetector(every_n_steps=4),
-            AMPMonitor(),
-            _SyncsFromThePackage(tmp_path),
-        ],
-        samples=2 * 8 * 16,
-        max_steps=16,
-    )
-    assert [torch.load(tmp_path / f"syncs{rank}.pt") for rank in (0, 1)] == [[], []]
+    strategy = OptimizedDDPStrategy(bucket_cap_mb=0.3, start_method="spawn", **kwargs)
+    assert fit_with_every_callback(tmp_path, strategy, devices=2) == [[], []]
 
 
 class _SaveAndMeasure(pl.Callback):

@@ -763,36 +763,16 @@ def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, la
         assert record["comm"]["step_time_ms"] > 0
 
 
-def test_a_nan_between_syncs_is_reported_at_the_next_sync_on_every_rank_and_stops_all(tmp_path):
+@pytest.mark.parametrize("overlap", [0, 2], ids=["plain", "overlapped"])
+def test_a_nan_between_syncs_is_reported_at_a_sync_on_every_rank_and_stops_all(tmp_path, overlap):
     # The NaN at step 5 stays on rank 1 (no gradient sync), which then trains on NaN weights. The ranks do not meet
     # before step 6's parameter sync: there every rank learns of the window's steps 3-6, with rank 1's offending
     # parameters, and every rank stops. Before, the check all-reduced a flag at every step.
-    config = LocalSGDConfig(sync_every=4, warmup_steps=2)
-    _fit(
-        tmp_path,
-        config,
-        model=NaNGradientModel(rank=1, step=5),
-        max_epochs=3,
-        callbacks=[AMPMonitor(on_nonfinite="stop"), NonfiniteReport(tmp_path)],
-    )
-    first_five = [name for name, _ in StackModel().named_parameters()][:5]
-    for rank in (0, 1):
-        record = torch.load(tmp_path / f"amp{rank}.pt")
-        assert record["reports"] == [{"step": 6, "steps": [3, 4, 5, 6], "names": {0: [], 1: first_five}}]
-        assert record["global_step"] == 6
-        expected = [
-            "ddpopt: non-finite values in optimizer steps 3-6 (local SGD: checked at each parameter sync) (rank 0 "
-            f"reporting), first offending parameters - rank 0: none; rank 1: {', '.join(first_five)}"
-        ]
-        assert record["warned"] == (expected if rank == 0 else [])
-
-
-def test_a_nan_between_overlapped_syncs_is_reported_at_the_next_sync_start_on_every_rank(tmp_path):
     # Overlapped, the ranks do not wait for each other at a sync's start: the verdicts of the check at step 6 travel
-    # and are read at the next start, step 10, where every rank reports steps 3-6 with rank 1's parameters and stops.
-    # The sync started at 6 carried rank 1's NaN change to every rank (applied at 8): the check at 10 finds every
-    # rank's parameters non-finite, read at the end of fit.
-    config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=2)
+    # and are read at the next start, step 10, where every rank reports steps 3-6 and stops. The sync started at 6
+    # carried rank 1's NaN change to every rank (applied at 8): the check at 10 finds every rank's parameters
+    # non-finite, read at the end of fit.
+    config = LocalSGDConfig(sync_every=4, warmup_steps=2, overlap_steps=overlap)
     _fit(
         tmp_path,
         config,
@@ -801,13 +781,21 @@ def test_a_nan_between_overlapped_syncs_is_reported_at_the_next_sync_start_on_ev
         callbacks=[AMPMonitor(on_nonfinite="stop"), NonfiniteReport(tmp_path)],
     )
     first_five = [name for name, _ in StackModel().named_parameters()][:5]
+    reports = [{"step": 6, "steps": [3, 4, 5, 6], "names": {0: [], 1: first_five}}]
+    if overlap:
+        reports.append({"step": 10, "steps": [7, 8, 9, 10], "names": {0: first_five, 1: first_five}})
+    first_warning = (
+        "ddpopt: non-finite values in optimizer steps 3-6 (local SGD: checked at each parameter sync) (rank 0 "
+        f"reporting), first offending parameters - rank 0: none; rank 1: {', '.join(first_five)}"
+    )
     for rank in (0, 1):
         record = torch.load(tmp_path / f"amp{rank}.pt")
-        assert record["reports"] == [
-            {"step": 6, "steps": [3, 4, 5, 6], "names": {0: [], 1: first_five}},
-            {"step": 10, "steps": [7, 8, 9, 10], "names": {0: first_five, 1: first_five}},
-        ]
-        assert record["global_step"] == 10
+        assert record["reports"] == reports
+        assert record["global_step"] == (10 if overlap else 6)
+        if rank == 0:
+            assert record["warned"][0] == first_warning and len(record["warned"]) == len(reports)
+        else:
+            assert record["warned"] == []
 
 
 @pytest.mark.parametrize("steps_per_batch", [1, 2])

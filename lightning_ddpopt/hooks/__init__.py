@@ -1,6 +1,6 @@
 """Comm hooks with torch's ``(state, bucket) -> Future[Tensor]`` signature, and their registry."""
 
-from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook
+from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
@@ -9,6 +9,7 @@ from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec,
 
 __all__ = [
     "AUTO_HOOK",
+    "AutoConfig",
     "COMM_HOOKS",
     "HookChoice",
     "CommHookState",

@@ -1,4 +1,9 @@
-"""``comm_hook="auto"``: choose allreduce, fp16, int8 or PowerSGD from measurements of this link and this model."""
+"""``comm_hook="auto"``: choose among allreduce, fp16 and int8 (PowerSGD if allowed) from measurements of this link.
+
+By default ``auto`` chooses among the near-lossless hooks only: allreduce, fp16 and int8 with error feedback.
+PowerSGD's low-rank compression can cost quality, which a time estimate does not see, so ``auto`` considers it only
+when the user lists it: ``AutoConfig(candidates=(..., "powersgd"))``.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +18,45 @@ from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
 from lightning_ddpopt.timing import median_seconds
 
-__all__ = ["AUTO_HOOK", "HookChoice", "choose_hook", "measure_hook_costs"]
+__all__ = ["AUTO_HOOK", "AutoConfig", "HookChoice", "choose_hook", "measure_hook_costs"]
 
 AUTO_HOOK = "auto"
+#: What ``auto`` may measure and choose: the near-lossless hooks, and PowerSGD (lossy) when listed.
+NEAR_LOSSLESS = ("allreduce", "fp16", "int8")
+CANDIDATES = (*NEAR_LOSSLESS, "powersgd")
 #: A hook must beat plain allreduce's estimated sync time by this factor to be chosen.
 MIN_GAIN = 1.1
 _PROBE_ELEMENTS = 4 * 1024 * 1024  # 16 MiB of fp32
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """What ``comm_hook="auto"`` chooses from (``comm_hook="auto"`` is ``AutoConfig()``).
+
+    Args:
+        candidates: the hooks to measure and choose among; ``"allreduce"`` (the baseline) must be one. By default
+            the near-lossless ones: ``("allreduce", "fp16", "int8")``. Add ``"powersgd"`` to allow PowerSGD's
+            low-rank compression (rank 4, :class:`~lightning_ddpopt.hooks.PowerSGDConfig`'s defaults), which can
+            cost quality: check its loss on a held-out set.
+    """
+
+    candidates: tuple[str, ...] = NEAR_LOSSLESS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.candidates, str) or not isinstance(self.candidates, tuple | list):
+            raise TypeError(f"AutoConfig candidates={self.candidates!r} must be a tuple of hook names")
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        unknown = [name for name in self.candidates if name not in CANDIDATES]
+        if unknown or "allreduce" not in self.candidates:
+            raise ValueError(
+                f"AutoConfig candidates={self.candidates!r} must list 'allreduce' (the baseline) and only hooks from "
+                f"{list(CANDIDATES)}"
+            )
+
+    @property
+    def allows_lossy(self) -> bool:
+        """Whether a low-rank (lossy) hook is among the candidates."""
+        return "powersgd" in self.candidates
 
 
 @dataclass(frozen=True)
@@ -30,20 +68,31 @@ class HookChoice:
     reason: str
 
 
-def choose_hook(estimates_s: dict[str, float]) -> HookChoice:
-    """The candidate with the lowest estimate, if it beats ``allreduce`` by :data:`MIN_GAIN`; else ``allreduce``."""
-    baseline = estimates_s["allreduce"]
-    best = min(estimates_s, key=estimates_s.__getitem__)
-    listed = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in estimates_s.items())
-    if best != "allreduce" and estimates_s[best] * MIN_GAIN <= baseline:
-        reason = f"estimated sync per step: {listed}; {best} is {baseline / estimates_s[best]:.1f}x faster"
-        return HookChoice(best, dict(estimates_s), reason)
-    reason = f"estimated sync per step: {listed}; compression does not pay on this link"
-    return HookChoice("allreduce", dict(estimates_s), reason)
+def choose_hook(estimates_s: dict[str, float], config: AutoConfig | None = None) -> HookChoice:
+    """The candidate with the lowest estimate, if it beats ``allreduce`` by :data:`MIN_GAIN`; else ``allreduce``.
+
+    Only ``config``'s candidates are considered (by default the near-lossless ones); the reason says which were left
+    out for quality.
+    """
+    config = config if config is not None else AutoConfig()
+    considered = {name: seconds for name, seconds in estimates_s.items() if name in config.candidates}
+    baseline = considered["allreduce"]
+    best = min(considered, key=considered.__getitem__)
+    listed = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in considered.items())
+    left_out = "" if config.allows_lossy else "; powersgd not considered (lossy: allow it with AutoConfig)"
+    if best != "allreduce" and considered[best] * MIN_GAIN <= baseline:
+        reason = f"estimated sync per step: {listed}; {best} is {baseline / considered[best]:.1f}x faster{left_out}"
+        return HookChoice(best, dict(considered), reason)
+    reason = f"estimated sync per step: {listed}; compression does not pay on this link{left_out}"
+    return HookChoice("allreduce", dict(considered), reason)
 
 
 def measure_hook_costs(
-    module: torch.nn.Module, process_group: dist.ProcessGroup | None, device: torch.device, repeats: int = 3
+    module: torch.nn.Module,
+    process_group: dist.ProcessGroup | None,
+    device: torch.device,
+    repeats: int = 3,
+    candidates: tuple[str, ...] = CANDIDATES,
 ) -> dict[str, float]:
     """Estimate each candidate's sync seconds per step for ``module``'s gradients, agreed across ranks.
 
@@ -64,14 +113,14 @@ def measure_hook_costs(
     elements = sum(p.numel() for p in params)
     probe = min(elements, _PROBE_ELEMENTS)
     estimates = {}
-    for name in ("allreduce", "fp16", "int8"):
+    for name in [name for name in NEAR_LOSSLESS if name in candidates]:
         if name == "int8" and probe < Int8Config().block_size:  # nothing for int8 to save below one block
             continue
         estimates[name] = _time_hook(name, [(probe,)], process_group, device, repeats) * elements / probe
     rank = PowerSGDConfig().rank
     matrices = [(p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() > 1]
     compressible = [shape for shape in matrices if PowerSGDConfig().compresses(*shape)]
-    if compressible:
+    if compressible and "powersgd" in candidates:
         shapes = _largest_within(compressible, _PROBE_ELEMENTS, min_rows=2 * rank)
         probed = sum(rows * cols for rows, cols in shapes)
         seconds = _time_hook("powersgd", shapes, process_group, device, repeats)

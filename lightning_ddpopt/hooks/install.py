@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt._compat import attached_comm_hook
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
-from lightning_ddpopt.hooks.auto import AUTO_HOOK, HookChoice, choose_hook, measure_hook_costs
+from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
 from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
@@ -70,7 +70,8 @@ class HookInstaller:
                 f"ddp_comm_wrapper={ddp_comm_wrapper!r} wraps ddp_comm_hook, which is not given; pass "
                 "ddp_comm_hook too, or use comm_hook="
             )
-        self.auto = comm_hook == AUTO_HOOK
+        self.auto = comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig)
+        self._auto_config = comm_hook if isinstance(comm_hook, AutoConfig) else AutoConfig()
         self._comm_state_arg = comm_state
         self._ddp_hook, self._ddp_state, self._ddp_wrapper = ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper
         self.comm_state: object | None = None
@@ -161,12 +162,14 @@ class HookInstaller:
     def _choose(
         self, model: DistributedDataParallel, device: torch.device, world_size: int, reused: HookChoice | None
     ) -> HookChoice:
-        if reused is not None:
+        if reused is not None and reused.name in self._auto_config.candidates:
             self.hook_choice = reused
             rank_zero_info(f"ddpopt: comm_hook='auto' reuses the checkpoint's choice {reused.name!r}")
             return reused
         if world_size > 1:
-            self.hook_choice = choose_hook(measure_hook_costs(model.module, model.process_group, device))
+            config = self._auto_config
+            costs = measure_hook_costs(model.module, model.process_group, device, candidates=config.candidates)
+            self.hook_choice = choose_hook(costs, config)
         else:
             self.hook_choice = HookChoice("allreduce", {}, "one process: nothing to communicate")
         rank_zero_info(f"ddpopt: comm_hook='auto' chose {self.hook_choice.name!r}: {self.hook_choice.reason}")
@@ -278,6 +281,10 @@ def _validate_comm_hook(
             f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_comm_hook!r} both given; pass one of them "
             "(comm_hook takes a registry name or a callable)"
         )
+    if isinstance(comm_hook, AutoConfig):
+        if comm_state is not None:
+            raise ValueError(f"comm_state={comm_state!r} is only used with a callable comm_hook, not with AutoConfig")
+        return None, None
     if isinstance(comm_hook, PowerSGDConfig):
         return powersgd_spec(comm_hook), None
     if isinstance(comm_hook, Int8Config):
@@ -297,7 +304,7 @@ def _validate_comm_hook(
         return None, None
     if not callable(comm_hook):
         raise TypeError(
-            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, an Int8Config, "
+            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, an Int8Config, an AutoConfig, "
             "a callable hook(state, bucket), or None"
         )
     validate_hook_callable(comm_hook)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_ddpopt._validate import require_int
-from lightning_ddpopt.hooks.auto import AUTO_HOOK
+from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig
 
 __all__ = ["INT8_BLOCK", "WIRE_DTYPES", "LocalSGDConfig", "validate_local_sgd"]
 
@@ -135,7 +135,7 @@ def validate_local_sgd(
             "0's parameters over the other ranks' local progress, and most local steps do not sync at all; use "
             "bucket_cap_mb='auto' or a number"
         )
-    if comm_hook == AUTO_HOOK:
+    if comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig):
         raise ValueError(
             "comm_hook='auto' with local_sgd: auto picks a gradient hook for every step, but with local SGD gradients "
             "sync only during the warm-up; name the warm-up's hook (e.g. comm_hook='fp16') or leave the default"
