@@ -554,3 +554,43 @@ def test_builtin_allreduce_is_not_reported_as_a_free_network(tmp_path):
     assert findings["network"]["status"] == "unknown" and findings["accumulation"]["status"] == "unknown"
     warned = torch.load(tmp_path / "warnings.pt")
     assert any("with a comm_hook other than None for sync time and bytes" in w for w in warned)
+
+
+class _SlowFirstStep(pl.Callback):
+    """A one-time second of work after the first step (as numba compiling at its first call), on every rank."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            time.sleep(1.0)
+
+
+class _LastComm(pl.Callback):
+    def __init__(self, profiler: CommProfiler, out) -> None:
+        self.profiler, self.out = profiler, out
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            torch.save(self.profiler.last_metrics, self.out / "comm.pt")
+
+
+@pytest.mark.parametrize(("skip", "jitters"), [(5, False), (0, True)])
+def test_one_time_work_in_the_first_steps_is_not_jitter(tmp_path, skip, jitters):
+    # A one-second first step among steps of a few milliseconds: left out of the jitter figures by default (the
+    # means keep it), it would make the step time's CV above 2.
+    profiler = CommProfiler(every_n_steps=100, jitter_skip_steps=skip)
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(start_method="fork"),
+        callbacks=[profiler, _SlowFirstStep(), _LastComm(profiler, tmp_path)],
+        samples=2 * 8 * 16,
+        max_steps=16,
+    )
+    metrics = torch.load(tmp_path / "comm.pt")
+    assert (metrics["step_time_cv"] > 2) is jitters
+    assert metrics["step_time_p99_ms"] > 900 if jitters else metrics["step_time_p99_ms"] < 900
+    assert metrics["step_time_ms"] > 1000 / 16  # the mean still holds the slow step
+
+
+def test_bad_jitter_skip_steps():
+    with pytest.raises(ValueError, match="jitter_skip_steps=-1 must be an int >= 0"):
+        CommProfiler(jitter_skip_steps=-1)

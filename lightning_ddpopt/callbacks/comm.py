@@ -67,7 +67,9 @@ class CommProfiler(Callback):
 
     Times are host clocks on CPU and CUDA events on a GPU (the ledger's, or without it a step-timing ledger of this
     callback's own), read back a step or so later without a host sync, so a log point covers the steps
-    each rank's device had finished. The first step of an epoch is not timed across the epoch boundary.
+    each rank's device had finished. The first step of an epoch is not timed across the epoch boundary. The jitter
+    figures (``*_cv``, ``*_p{50,95,99}_ms``) leave out each fit's first ``jitter_skip_steps`` steps: one-time work
+    (DDP's bucket rebuild, kernels compiled at their first call) would otherwise read as jitter.
 
     At the end of fit, rank 0 prints the findings of :mod:`lightning_ddpopt.diagnosis` (network, AMP from an
     :class:`AMPMonitor`, accumulation, stragglers from a :class:`StragglerDetector`) and writes them, with every
@@ -76,6 +78,7 @@ class CommProfiler(Callback):
     Args:
         every_n_steps: optimizer steps between two aggregations (and log points).
         window: steps over which jitter (CV and percentiles) is computed.
+        jitter_skip_steps: each fit's first steps, left out of the jitter figures (not of the means).
         probe_link: at fit start, time ``probe_repeats`` allreduces of ``probe_mb`` MiB to measure the link, so
             findings can say which fraction of it the training achieved.
         probe_mb: size of a probe allreduce.
@@ -89,6 +92,7 @@ class CommProfiler(Callback):
         self,
         every_n_steps: int = 20,
         window: int = 200,
+        jitter_skip_steps: int = 5,
         probe_link: bool = False,
         probe_mb: float = 16.0,
         probe_repeats: int = 3,
@@ -98,9 +102,11 @@ class CommProfiler(Callback):
         for name, value in (("every_n_steps", every_n_steps), ("window", window), ("probe_repeats", probe_repeats)):
             require_int(name, value, 1)
         require_int("max_series_points", max_series_points, 1)
+        require_int("jitter_skip_steps", jitter_skip_steps, 0)
         require_number("probe_mb", probe_mb)
         self.every_n_steps = every_n_steps
         self.window = window
+        self.jitter_skip_steps = jitter_skip_steps
         self.probe_link = probe_link
         self.probe_mb = probe_mb
         self.probe_repeats = probe_repeats
@@ -120,6 +126,7 @@ class CommProfiler(Callback):
         self._series: dict[str, list[float]] = {"step": [], "step_time_ms": [], "sync_time_ms": [], "bytes_sent": []}
         self._interval: dict[str, list[float]] = {name: [] for name in _INTERVAL_FIELDS}
         self._exchange = Exchange()  # every rank's figures, travelling from a meeting in passing to the next one
+        self._fit_steps = 0  # steps taken in this fit (the first jitter_skip_steps are not jitter)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -128,6 +135,7 @@ class CommProfiler(Callback):
             rank_zero_warn("ddpopt: CommProfiler needs more than one process to measure communication; it is off.")
             return
         self._exchange = Exchange()
+        self._fit_steps = 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -185,13 +193,17 @@ class CommProfiler(Callback):
             self._add_step(float(step), record.step_time_s, record if ledger is self._cursor.ledger else None)
 
     def _add_step(self, step: float, step_time: float | None, record: StepRecord | None) -> None:
+        self._fit_steps += 1
+        jitter = self._fit_steps > self.jitter_skip_steps  # one-time work in a fit's first steps is not jitter
         self._series["step"].append(step)
         self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
         if step_time is not None:
-            self._step_times.append(step_time)
+            if jitter:
+                self._step_times.append(step_time)
             self._interval["step_time"].append(step_time)
         if record is not None:
-            self._sync_times.append(record.sync_time_s)
+            if jitter:
+                self._sync_times.append(record.sync_time_s)
             self._interval["sync_time"].append(record.sync_time_s)
             self._interval["bytes_uncompressed"].append(float(record.logical_bytes))
             self._interval["sync_rounds"].append(float(record.sync_rounds))
