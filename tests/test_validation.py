@@ -24,7 +24,7 @@ def test_unknown_hook_name_lists_the_choices():
 
 
 def test_hook_that_is_neither_name_callable_nor_none():
-    expected = r"comm_hook=42 must be a registry name \(str\), a PowerSGDConfig, an Int8Config, an AutoConfig, a callable"
+    expected = r"comm_hook=42 must be a registry name \(str\), a PowerSGDConfig, an Int8Config, an AutoConfig, a call"
     with pytest.raises(TypeError, match=expected):
         OptimizedDDPStrategy(comm_hook=42)
 
