@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: run every GPU test and the overlap measurement, then print a summary.
-# About 8 minutes on one GPU; tests that need two GPUs skip on one.
+# Its timeouts keep it under 8 minutes on one GPU; tests that need two GPUs skip on one.
 #
 #   bash scripts/gpu_check.sh
 #
