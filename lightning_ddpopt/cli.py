@@ -24,6 +24,9 @@ class CLIError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ddpopt``; returns the exit status."""
     parser = _parser()
+    if not (sys.argv[1:] if argv is None else list(argv)):
+        parser.print_help()  # a bare `ddpopt`: what it can do, not a usage error
+        return 2
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
@@ -80,6 +83,8 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError("--world-size is required: the number of data-parallel processes")
         if args.world_size < 1:
             raise ValueError(f"--world-size {args.world_size} must be at least 1")
+        if args.world_size == 1:
+            raise ValueError("--world-size 1: one process syncs nothing and sends nothing; plan for 2 or more")
         if args.link is not None and args.gbps is not None:
             raise ValueError(f"give --link or --gbps, not both (--link {args.link}, --gbps {args.gbps:g})")
         link = resolve_link(args.link, args.gbps, args.latency_us)
@@ -136,6 +141,13 @@ def _find_report(source: Path) -> Path:
         return source
     if source.is_dir():
         found = sorted(source.rglob(REPORT_NAME), key=lambda p: p.stat().st_mtime)
+        if len(found) > 1:
+            others = ", ".join(str(p) for p in reversed(found[:-1]))
+            print(
+                f"ddpopt report: {len(found)} reports under {source}; reading the newest, {found[-1]} (the others, "
+                f"newest first: {others})",
+                file=sys.stderr,
+            )
         if found:
             return found[-1]
         raise CLIError(f"no {REPORT_NAME} under {source}")

@@ -276,6 +276,7 @@ def test_plan_efficiency_and_custom_link(capsys):
         (["plan", "--params", "-5", "--world-size", "2", "--link", "10gbe"], "'-5' must be positive"),
         (["plan", "--params", "lots", "--world-size", "2", "--link", "10gbe"], "'lots' is not a count"),
         (["plan", "--params", "1M", "--world-size", "0", "--link", "10gbe"], "--world-size 0 must be at least 1"),
+        (["plan", "--params", "1M", "--world-size", "1", "--link", "10gbe"], "one process syncs nothing"),
         (["plan", "--params", "1M", "--world-size", "2"], "--link or --gbps is required: a link preset (1gbe, "),
         (["plan", "--params", "1M", "--world-size", "2", "--gbps", "-1"], "--gbps -1 must be positive"),
         (["plan", "--params", "1M", "--world-size", "2", "--link", "1gbe", "--gbps", "1"], "not both"),
@@ -594,3 +595,22 @@ def test_one_time_work_in_the_first_steps_is_not_jitter(tmp_path, skip, jitters)
 def test_bad_jitter_skip_steps():
     with pytest.raises(ValueError, match="jitter_skip_steps=-1 must be an int >= 0"):
         CommProfiler(jitter_skip_steps=-1)
+
+
+def test_a_bare_ddpopt_prints_its_help(capsys):
+    assert ddpopt([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ddpopt") and "plan" in out and "report" in out
+
+
+def test_report_of_a_directory_with_several_reports_says_which_it_read(tmp_path, capsys):
+    import os
+
+    older, newer = tmp_path / "a" / "ddpopt_report.json", tmp_path / "b" / "ddpopt_report.json"
+    for path, mtime in ((older, 1_000_000), (newer, 2_000_000)):
+        path.parent.mkdir()
+        path.write_text("[]")
+        os.utime(path, (mtime, mtime))
+    assert ddpopt(["report", str(tmp_path)]) == 2  # not a report's contents, but found
+    err = capsys.readouterr().err
+    assert f"2 reports under {tmp_path}; reading the newest, {newer} (the others, newest first: {older})" in err
