@@ -31,7 +31,9 @@ class DeferredRead:
         self._copied: torch.cuda.Event | None = None
         if not tensor.is_cuda:
             return
-        stream = torch.cuda.Stream(device=tensor.device)
+        # From the high-priority pool: torch hands out pooled streams in turn, and a default-priority one could be a
+        # comm hook's side stream (hooks/streams.py), which would then wait for this copy's collective.
+        stream = torch.cuda.Stream(device=tensor.device, priority=-1)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # after the kernels that wrote the tensor
         with torch.cuda.stream(stream):
             if work is not None:

@@ -412,11 +412,13 @@ class _CommitOnDevice(pl.Callback):
         torch.save(saved["skipped_rounds"], self.out / f"skipped{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd", "int8"])
-def test_the_gpu_commit_on_the_device_gives_the_host_commits_bits(tmp_path, name):
+@pytest.mark.parametrize(
+    ("name", "devices", "overflow_rank"), [("powersgd", 2, 1), ("batched_powersgd", 2, 1), ("int8", 3, 0)]
+)
+def test_the_gpu_commit_on_the_device_gives_the_host_commits_bits(tmp_path, name, devices, overflow_rank):
     # On a GPU a round's verdict never reaches the host: each new error and Q memory is selected on the device,
-    # where(finite, new, kept). Run here on the CPU, through an overflow on rank 1, it must give the same bits as the
-    # host's decision.
+    # where(finite, new, kept). Run here on the CPU, through an overflow on one rank, it must give the same bits as
+    # the host's decision.
     params = {}
     for on_device in (False, True):
         out = tmp_path / str(on_device)
@@ -424,14 +426,16 @@ def test_the_gpu_commit_on_the_device_gives_the_host_commits_bits(tmp_path, name
         ranks = fit_ddp(
             out,
             strategy,
-            model=OverflowModel(overflow_at=(6,), ranks=(1,), lr=0.01),
+            devices=devices,
+            model=OverflowModel(overflow_at=(6,), ranks=(overflow_rank,), lr=0.01),
             plugins=[fp16_mixed_precision("cpu", init_scale=2.0**12)],
             callbacks=[_CommitOnDevice(out, on_device)],
-            samples=256,
+            samples=devices * 8 * 12,
             max_steps=12,
         )
-        assert [torch.load(out / f"skipped{rank}.pt") for rank in (0, 1)] == [1, 1]
-        torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+        assert [torch.load(out / f"skipped{rank}.pt") for rank in range(devices)] == [1] * devices
+        for record in ranks[1:]:
+            torch.testing.assert_close(ranks[0]["params"], record["params"], rtol=0, atol=0)
         params[on_device] = ranks[0]["params"]
     torch.testing.assert_close(params[True], params[False], rtol=0, atol=0)
     assert bool(params[True].isfinite().all())
