@@ -43,6 +43,7 @@ DEFAULT_VARIANTS = (
     "int8",
     "powersgd_r1",
     "powersgd_r4",
+    "powersgd",
     "accum4",
     "auto_hook",
     "diloco16",
@@ -458,6 +459,12 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def transformer_parameters(width: int, layers: int) -> int:
+    """The worker's GPT: embeddings (256 bytes, 64 positions), blocks (attention, 4x MLP, 2 norms), norm, head."""
+    block = 4 * width * width + 4 * width + 8 * width * width + 5 * width + 4 * width
+    return 256 * width + 64 * width + layers * block + 2 * width + width * 256 + 256
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=2)
@@ -473,8 +480,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "transformer"),
+        default="mlp",
+        help="--task throughput: mlp (default; --layers x Linear(--width, --width), SGD) or transformer (a byte-level "
+        "GPT of --layers blocks of width --width over random tokens, context 64, AdamW)",
+    )
+    parser.add_argument("--width", type=int, default=None, help="default 2048 (mlp), 512 (transformer)")
+    parser.add_argument("--layers", type=int, default=None, help="default 6 (mlp), 4 (transformer)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
     parser.add_argument(
         "--task",
@@ -500,6 +514,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="cluster", help="report file stem (default cluster)")
     args = parser.parse_args(argv)
+    transformer = args.model == "transformer"
+    args.width = args.width if args.width is not None else 512 if transformer else 2048
+    args.layers = args.layers if args.layers is not None else 4 if transformer else 6
+    if transformer and args.task == "digits":
+        parser.error("--model transformer measures throughput; use it without --task digits")
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts} must be at least 2")
     if args.repeat < 1 or (args.repeat > 1 and args.task == "digits"):
@@ -530,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loopback = True
     worker_args = [
         f"--{k}={getattr(args, k.replace('-', '_'))}"
-        for k in ("steps", "warmup", "batch-size", "width", "layers", "task", "epochs")
+        for k in ("steps", "warmup", "batch-size", "width", "layers", "task", "epochs", "model")
     ]
     rounds: list[dict[str, dict]] = []
     with Cluster(args.hosts, args.rate, args.delay_ms, loopback) as cluster:
@@ -565,7 +584,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         written = write_digits_reports(rounds[0], {**meta, "machine": machine, "command": command}, out, args.name)
     else:
         meta["model"] = (
-            f"{args.layers} x Linear({args.width}, {args.width}), "
+            f"byte-level GPT, {args.layers} blocks of width {args.width}, context 64, AdamW, "
+            f"{transformer_parameters(args.width, args.layers) / 1e6:.1f}M parameters"
+            if transformer
+            else f"{args.layers} x Linear({args.width}, {args.width}), "
             f"{args.layers * (args.width**2 + args.width) / 1e6:.1f}M parameters"
         )
         meta["timed_steps"] = args.steps - args.warmup

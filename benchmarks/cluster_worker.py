@@ -37,8 +37,10 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "fp16": (lambda: OptimizedDDPStrategy(comm_hook="fp16"), 1),
     "bf16": (lambda: OptimizedDDPStrategy(comm_hook="bf16"), 1),
     "int8": (lambda: OptimizedDDPStrategy(comm_hook="int8"), 1),
-    "powersgd_r1": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, start_iter=2)), 1),
-    "powersgd_r4": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=4, start_iter=2)), 1),
+    # A fixed rank (max_error=None); "powersgd" is the default: rank 4 raised while the error is above 0.6.
+    "powersgd_r1": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, max_error=None, start_iter=2)), 1),
+    "powersgd_r4": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=4, max_error=None, start_iter=2)), 1),
+    "powersgd": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(start_iter=2)), 1),
     "accum4": (lambda: OptimizedDDPStrategy(), 4),
     "diloco16": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16)), 1),
     "diloco16_int8": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, compression="int8")), 1),
@@ -155,6 +157,29 @@ def run_digits(args: argparse.Namespace, make_strategy: Any) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
+def _throughput_model(args: argparse.Namespace) -> pl.LightningModule:
+    """The MLP, or the byte-level GPT of ``benchmarks/transformer_quality.py`` (AdamW) at ``--width``/``--layers``."""
+    if args.model == "transformer":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from transformer_quality import TinyGPT
+
+        return TinyGPT(width=args.width, layers=args.layers, heads=max(1, args.width // 64))
+    return MLP(args.width, args.layers)
+
+
+def _throughput_data(args: argparse.Namespace, samples: int) -> TensorDataset:
+    """Random regression pairs for the MLP; random byte windows (input, next bytes) for the GPT."""
+    generator = torch.Generator().manual_seed(0)
+    if args.model == "transformer":
+        from transformer_quality import CONTEXT
+
+        tokens = torch.randint(0, 256, (samples, CONTEXT + 1), generator=generator)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return TensorDataset(
+        torch.randn(samples, args.width, generator=generator), torch.randn(samples, args.width, generator=generator)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
@@ -165,6 +190,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--task", choices=("throughput", "digits"), default="throughput")
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     parser.add_argument("--epochs", type=int, default=10, help="--task digits: epochs to train")
     parser.add_argument(
         "--callbacks", action="store_true", help="attach CommProfiler, StragglerDetector and AMPMonitor (defaults)"
@@ -181,9 +207,10 @@ def main() -> None:
         run_digits(args, make_strategy)
         return
     num_nodes = 1 if args.variant == "compute" else args.num_nodes
+    model = _throughput_model(args)
     if args.variant == "autotune":
         # Time only the steps after the search: its length depends on the model's candidate caps.
-        search = len(autotune_candidates(MLP(args.width, args.layers), num_nodes)) * (2 + 3)
+        search = len(autotune_candidates(model, num_nodes)) * (2 + 3)
         args.steps, args.warmup = args.steps + search, args.warmup + search
     if args.variant == "auto_hook":
         # auto may choose PowerSGD, which compresses from its start_iter on: time only compressed steps.
@@ -192,18 +219,14 @@ def main() -> None:
     if args.variant.startswith("diloco") or args.variant == "compute":
         # Two to four whole sync windows timed; as many compute steps, whose mean local SGD is compared with.
         args.steps = args.warmup + 64
-    samples = (args.steps + 1) * accumulate * args.batch_size * num_nodes
-    generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(
-        torch.randn(samples, args.width, generator=generator), torch.randn(samples, args.width, generator=generator)
-    )
+    data = _throughput_data(args, (args.steps + 1) * accumulate * args.batch_size * num_nodes)
     timer = StepTimer()
     measuring: list[pl.Callback] = [CommProfiler(), StragglerDetector(), AMPMonitor()] if args.callbacks else []
     pl.seed_everything(0, verbose=False)
     trainer = _quiet_trainer(
         num_nodes, make_strategy(), [timer, *measuring], max_steps=args.steps, accumulate_grad_batches=accumulate
     )
-    trainer.fit(MLP(args.width, args.layers), DataLoader(data, batch_size=args.batch_size))
+    trainer.fit(model, DataLoader(data, batch_size=args.batch_size))
     if trainer.global_rank != 0:
         return
     timed = timer.times[max(args.warmup - 1, 0) :]

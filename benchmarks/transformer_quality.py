@@ -4,8 +4,13 @@ The text ships with Python itself (``pydoc_data/topics.py``: the language refere
 downloaded: 90% trains, the last 10% is held out. Every run has the same seed, model, batches and step count; only
 the strategy's sync differs. The held-out loss is in nats per byte, the mean over the held-out set.
 
-    .venv/bin/python benchmarks/transformer_quality.py                       # every variant
+    .venv/bin/python benchmarks/transformer_quality.py                       # every variant, AdamW
+    .venv/bin/python benchmarks/transformer_quality.py --optimizer sgd --out ...   # SGD with Nesterov momentum
     .venv/bin/python benchmarks/transformer_quality.py --variants allreduce,powersgd_r4 --steps 200
+
+Variants: a registry hook's name (``allreduce``, ``fp16``, ``int8``, ``powersgd``: the default PowerSGD, whose
+rank rises while its error is above 0.6, ``auto``); ``powersgd_r<rank>[_s<start_iter>]`` (a fixed rank);
+``localsgd<H>`` (parameter averaging every H steps); ``diloco<H>[_overlap<steps>]``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy  # noqa: E402
 from lightning_ddpopt.hooks import PowerSGDConfig  # noqa: E402
+from lightning_ddpopt.ledger import local_drift  # noqa: E402
+from lightning_ddpopt.units import format_bytes  # noqa: E402
 
 CONTEXT = 64
 
@@ -36,13 +43,39 @@ CONTEXT = 64
 def _strategy(variant: str) -> OptimizedDDPStrategy:
     common: dict[str, Any] = {"start_method": "fork"}
     if variant.startswith("powersgd_r"):
-        return OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=int(variant.removeprefix("powersgd_r"))), **common)
-    if variant == "diloco16_overlap":
-        return OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, overlap_steps=8), **common)
+        # powersgd_r<rank>[_s<start_iter>]: a fixed rank (the default, "powersgd", raises it to bound the error)
+        rank, _, start = variant.removeprefix("powersgd_r").partition("_s")
+        config = PowerSGDConfig(rank=int(rank), max_error=None, **({"start_iter": int(start)} if start else {}))
+        return OptimizedDDPStrategy(comm_hook=config, **common)
+    if variant.startswith("localsgd"):  # localsgd<H>: plain averaging of the parameters every H steps
+        config = LocalSGDConfig.post_local_sgd(int(variant.removeprefix("localsgd")))
+        return OptimizedDDPStrategy(local_sgd=config, **common)
+    if variant.startswith("diloco"):
+        # diloco<H>[_overlap<steps>]: DiLoCo every H steps; overlapped by <steps> (H/2 when not given)
+        every, _, overlap = variant.removeprefix("diloco").partition("_overlap")
+        steps = (int(overlap) if overlap else int(every) // 2) if "_overlap" in variant else 0
+        return OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(int(every), overlap_steps=steps), **common)
     return OptimizedDDPStrategy(comm_hook=variant, **common)
 
 
-VARIANTS = ("allreduce", "fp16", "int8", "powersgd_r1", "powersgd_r2", "powersgd_r4", "powersgd_r8", "diloco16_overlap")
+VARIANTS = (
+    "allreduce",
+    "fp16",
+    "bf16",
+    "int8",
+    "auto",
+    "powersgd",
+    "powersgd_r1",
+    "powersgd_r2",
+    "powersgd_r4",
+    "powersgd_r8",
+    "powersgd_r16",
+    "powersgd_r32",
+    "localsgd4",
+    "localsgd8",
+    "diloco16",
+    "diloco16_overlap",
+)
 
 
 def text_bytes() -> torch.Tensor:
@@ -53,10 +86,12 @@ def text_bytes() -> torch.Tensor:
 class TinyGPT(pl.LightningModule):
     """A causal transformer over bytes: 2 layers, width 128, 4 heads, context 64."""
 
-    def __init__(self, lr: float = 3e-3, width: int = 128, layers: int = 2, heads: int = 4) -> None:
+    def __init__(
+        self, lr: float = 3e-3, width: int = 128, layers: int = 2, heads: int = 4, optimizer: str = "adamw"
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.lr = lr
+        self.lr, self.optimizer = lr, optimizer
         self.embed = nn.Embedding(256, width)
         self.position = nn.Parameter(torch.zeros(CONTEXT, width))
         layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
@@ -78,6 +113,8 @@ class TinyGPT(pl.LightningModule):
         return self.loss(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, nesterov=True)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
@@ -89,10 +126,13 @@ def windows(data: torch.Tensor, stride: int) -> TensorDataset:
 
 
 class HeldOut(pl.Callback):
-    """Rank 0 writes the held-out loss at the end of fit."""
+    """Rank 0 writes the held-out loss at the end of fit, and its mean compression error over the measured steps."""
 
     def __init__(self, held_out: TensorDataset, out: Path) -> None:
         self.held_out, self.out = held_out, out
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.ledger.error_every = 5
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank != 0:
@@ -103,10 +143,29 @@ class HeldOut(pl.Callback):
             for batch in DataLoader(self.held_out, batch_size=256):
                 total += float(pl_module.loss(batch)) * batch[0].shape[0]
                 count += batch[0].shape[0]
-        self.out.write_text(json.dumps({"held_out": total / count}))
+        steps = trainer.strategy.ledger.steps
+        errors = [s.compression_error for s in steps if s.compression_error is not None]
+        feedback = [s.error_feedback for s in steps if s.error_feedback is not None]
+        drift = [s.drift_ratio for s in steps if s.drift_ratio is not None]
+        last = list(steps)[-50:]  # after PowerSGD's rank has settled
+        state = trainer.strategy.comm_state
+        rank = getattr(state, "rank", None)
+        self.out.write_text(
+            json.dumps(
+                {
+                    "held_out": total / count,
+                    "error": sum(errors) / len(errors) if errors else math.nan,
+                    "error_feedback": sum(feedback) / len(feedback) if feedback else math.nan,
+                    "drift_ratio": sum(drift) / len(drift) if drift else math.nan,
+                    "bytes_per_step": sum(s.wire_bytes or 0 for s in last) / len(last),
+                    "rank": rank if isinstance(rank, int) else None,
+                    "rank_changes": [change[0] for change in getattr(state, "rank_changes", [])],
+                }
+            )
+        )
 
 
-def run(variant: str, steps: int, batch_size: int) -> dict[str, Any]:
+def run(variant: str, steps: int, batch_size: int, optimizer: str, lr: float) -> dict[str, Any]:
     data = text_bytes()
     split = int(0.9 * data.numel())
     train, held_out = windows(data[:split], stride=CONTEXT), windows(data[split:], stride=CONTEXT)
@@ -126,9 +185,9 @@ def run(variant: str, steps: int, batch_size: int) -> dict[str, Any]:
         )
         start = time.perf_counter()
         loader = DataLoader(train, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
-        trainer.fit(TinyGPT(), loader)
+        trainer.fit(TinyGPT(lr=lr, optimizer=optimizer), loader)
         seconds = time.perf_counter() - start
-        return {"variant": variant, "held_out": json.loads(out.read_text())["held_out"], "seconds": seconds}
+        return {"variant": variant, **json.loads(out.read_text()), "seconds": seconds}
 
 
 def main() -> None:
@@ -136,21 +195,36 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: Nesterov momentum 0.9")
+    parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 for adamw, 0.1 for sgd")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "transformer_quality.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [run(variant, args.steps, args.batch_size) for variant in args.variants.split(",")]
+    lr = args.lr if args.lr is not None else (3e-3 if args.optimizer == "adamw" else 0.1)
+    rows = [run(variant, args.steps, args.batch_size, args.optimizer, lr) for variant in args.variants.split(",")]
+    optimizer_name = "AdamW" if args.optimizer == "adamw" else "SGD with Nesterov momentum 0.9"
     baseline = next((row["held_out"] for row in rows if row["variant"] == "allreduce"), math.nan)
     lines = [
-        f"TinyGPT (2 x width 128, context 64) on Python's pydoc topics, AdamW 3e-3, {args.steps} steps, batch "
-        f"{args.batch_size} per rank, 2 CPU ranks; held-out loss in nats per byte",
+        f"TinyGPT (2 x width 128, context 64) on Python's pydoc topics, {optimizer_name} {lr:g}, {args.steps} "
+        f"steps, batch {args.batch_size} per rank, 2 CPU ranks; held-out loss in nats per byte",
         "",
-        "| variant | held-out loss | vs allreduce | fit s |",
-        "|---|---|---|---|",
+        "| variant | held-out loss | vs allreduce | compression error | error fed back | rank (raised at step) "
+        "| sent per step | fit s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         change = (row["held_out"] / baseline - 1) * 100 if baseline == baseline else math.nan
-        lines.append(f"| {row['variant']} | {row['held_out']:.4f} | {change:+.1f}% | {row['seconds']:.0f} |")
+        rank = "-" if row["rank"] is None else str(row["rank"])
+        if row["rank_changes"]:
+            rank += f" ({', '.join(str(step) for step in row['rank_changes'])})"
+        error = "-" if math.isnan(row["error"]) else f"{row['error']:.3f}"
+        fed_back = "-" if math.isnan(row["error_feedback"]) else f"{row['error_feedback']:.3f}"
+        if not math.isnan(row["drift_ratio"]):
+            error = f"drift {local_drift([row['drift_ratio']]):.2f}"
+        lines.append(
+            f"| {row['variant']} | {row['held_out']:.4f} | {change:+.1f}% | {error} | {fed_back} | {rank} | "
+            f"{format_bytes(row['bytes_per_step'])} | {row['seconds']:.0f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.write_text(text)

@@ -162,22 +162,32 @@ def _plot(series: dict[str, dict[str, list[Any]]], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CLIError("plotting needs matplotlib: pip install 'lightning-ddpopt[plot]'") from None
-    figure, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     sent = [v for data in series.values() for v in data.get("bytes_sent", []) if v is not None]
     scale, unit = byte_unit(max(sent, default=0.0))
-    panels = (("step_time_ms", "step time (ms)"), ("sync_time_ms", "sync time (ms)"), ("bytes_sent", f"{unit} sent"))
+    panels = [("step_time_ms", "step time (ms)"), ("sync_time_ms", "sync time (ms)"), ("bytes_sent", f"{unit} sent")]
+    measured = any(
+        v is not None and math.isfinite(v) for data in series.values() for v in data.get("compression_error", [])
+    )
+    if measured:  # a lossy hook measured its error on a sample of the steps
+        panels.append(("compression_error", "compression error"))
+    figure, axes = plt.subplots(len(panels), 1, figsize=(9, 2 + 2 * len(panels)), sharex=True)
     for axis, (key, label) in zip(axes, panels, strict=True):
         for rank, data in sorted(series.items(), key=lambda item: int(item[0])):
             values = [math.nan if v is None else v for v in data.get(key, [])]
             if key == "bytes_sent":
                 values = [v / scale for v in values]
             steps = data.get("step", [])[: len(values)]
+            if key == "compression_error":  # sampled steps only: points joined across the gaps
+                points = [(step, v) for step, v in zip(steps, values, strict=False) if math.isfinite(v)]
+                axis.plot([p[0] for p in points], [p[1] for p in points], label=f"rank {rank}", linewidth=1, marker=".")
+                continue
             axis.plot(steps, values, label=f"rank {rank}", linewidth=1)
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     axes[0].legend(loc="upper right", fontsize="small")
     axes[-1].set_xlabel("optimizer step")
-    figure.suptitle("ddpopt: per-rank step time, sync time and bytes per optimizer step")
+    what = "step time, sync time, bytes" + (" and compression error" if measured else "")
+    figure.suptitle(f"ddpopt: per-rank {what} per optimizer step")
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=110)

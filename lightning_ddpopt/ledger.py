@@ -9,6 +9,8 @@ except :meth:`CommLedger.flush`.
 from __future__ import annotations
 
 import functools
+import math
+import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -18,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.timing import HostTimeline, Mark, Timeline
 
-__all__ = ["BucketRecord", "CommLedger", "StepRecord"]
+__all__ = ["BucketRecord", "CommLedger", "StepRecord", "local_drift"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -39,6 +42,11 @@ class BucketRecord:
         end_s: when the hook's result was ready (on a GPU: when its collectives had finished on the device).
         transfer_hidden: the bytes travelled while the ranks trained on (local SGD's overlapped sync): ``start_s`` to
             ``end_s`` is what the step waited for them, not their transfer.
+        compression: squared norms ``(given, dropped, fed_back)`` of what this rank's lossy hook compressed, what
+            the compression dropped and the stored error it added first (0 without error feedback); ``None`` when
+            not measured (see :attr:`CommLedger.error_every`).
+        drift: for a parameter sync of local SGD, squared norms ``(own, mean)`` of this rank's parameter change
+            since the last sync and of the mean change over the ranks; ``None`` otherwise.
     """
 
     index: int
@@ -48,6 +56,8 @@ class BucketRecord:
     start_s: float
     end_s: float
     transfer_hidden: bool = False
+    compression: tuple[float, float, float] | None = None
+    drift: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,13 @@ class StepRecord:
             run or an epoch, ``end_s - start_s`` (the loader's start-up is not a step's cost). ``None`` when unknown.
         transfer_hidden: some of the step's bytes travelled while the ranks trained on (see :class:`BucketRecord`):
             ``sync_time_s`` is not their transfer time, so no bandwidth follows from it.
+        compression_error: this rank's relative compression error, ``||dropped|| / ||given||`` over the step's
+            measured buckets: what the lossy hook dropped over what it was given (gradient plus the error fed back,
+            before the dropped part is kept to be fed back next step); ``None`` when not measured.
+        error_feedback: the norm of the error fed back, over the norm of what was given; ``None`` when not measured.
+        drift_ratio: at a local SGD parameter sync, ``||own change||^2 / ||mean change||^2``; its mean over the ranks
+            minus 1 is the squared spread of the ranks' changes around their mean, relative to the mean
+            (:func:`local_drift`); ``None`` at other steps.
     """
 
     step: int
@@ -89,6 +106,9 @@ class StepRecord:
     end_s: float | None = None
     step_time_s: float | None = None
     transfer_hidden: bool = False
+    compression_error: float | None = None
+    error_feedback: float | None = None
+    drift_ratio: float | None = None
 
     @property
     def compression_ratio(self) -> float | None:
@@ -98,8 +118,29 @@ class StepRecord:
         return self.logical_bytes / self.wire_bytes
 
 
+def local_drift(drift_ratios: list[float]) -> float | None:
+    """The spread of the ranks' parameter changes around their mean, relative to the mean change.
+
+    ``drift_ratios``: every rank's :attr:`StepRecord.drift_ratio` of one sync. Since the mean change is the same on
+    every rank, ``mean(||own_i||^2) - ||mean||^2`` is the mean squared distance of the ranks' changes from it.
+    """
+    if not drift_ratios:
+        return None
+    return math.sqrt(max(0.0, statistics.fmean(drift_ratios) - 1.0))
+
+
 class _OpenBucket:
-    __slots__ = ("index", "num_elements", "logical_bytes", "wire_bytes", "start", "end", "hidden")
+    __slots__ = (
+        "index",
+        "num_elements",
+        "logical_bytes",
+        "wire_bytes",
+        "start",
+        "end",
+        "hidden",
+        "compression",
+        "drift",
+    )
 
     def __init__(self, index: int, num_elements: int, logical_bytes: int, start: Mark) -> None:
         self.index = index
@@ -109,6 +150,8 @@ class _OpenBucket:
         self.start = start
         self.end: Mark | None = None
         self.hidden = False
+        self.compression: list[DeferredRead] = []
+        self.drift: DeferredRead | None = None
 
     def marks(self) -> tuple[Mark, ...]:
         return (self.start,) if self.end is None else (self.start, self.end)
@@ -116,8 +159,24 @@ class _OpenBucket:
     def freeze(self, seconds: dict[int, float]) -> BucketRecord:
         start = seconds[id(self.start)]
         end = seconds[id(self.end)] if self.end is not None else start
+        compression = None
+        if self.compression:
+            sums = [sum(values) for values in zip(*(read.read().tolist() for read in self.compression), strict=True)]
+            compression = (sums[0], sums[1], sums[2])
+        drift = None
+        if self.drift is not None:
+            own, mean = self.drift.read().tolist()
+            drift = (own, mean)
         return BucketRecord(
-            self.index, self.num_elements, self.logical_bytes, self.wire_bytes, start, end, transfer_hidden=self.hidden
+            self.index,
+            self.num_elements,
+            self.logical_bytes,
+            self.wire_bytes,
+            start,
+            end,
+            transfer_hidden=self.hidden,
+            compression=compression,
+            drift=drift,
         )
 
 
@@ -150,17 +209,26 @@ class CommLedger:
     :attr:`recording` says whether a hook reports here: with none (``comm_hook=None``, DDP's built-in allreduce)
     steps are still counted and timed, but their syncs are unseen.
 
+    Lossy hooks measure their compression error every :attr:`error_every`-th sync round (:attr:`measuring`; 0, the
+    default, measures none: ``CommProfiler`` turns it on). A measurement costs a pass or two over the bucket, so it
+    is taken on a sample of the rounds; local SGD's drift is measured at every parameter sync (it is cheap there).
+
     Args:
         history: how many resolved steps to keep in :attr:`steps` (older ones only count in the totals).
         timeline: where times come from; host clocks by default
             (:func:`~lightning_ddpopt.timing.timeline_for` picks CUDA events for a GPU).
+        error_every: measure the compression error every this many sync rounds; 0 for never.
     """
 
-    def __init__(self, history: int = 4096, timeline: Timeline | None = None) -> None:
+    def __init__(self, history: int = 4096, timeline: Timeline | None = None, error_every: int = 0) -> None:
         if not isinstance(history, int) or history < 1:
             raise ValueError(f"history must be a positive int, got {history!r}")
+        if not isinstance(error_every, int) or isinstance(error_every, bool) or error_every < 0:
+            raise ValueError(f"error_every must be an int >= 0, got {error_every!r}")
         self.timeline: Timeline = timeline if timeline is not None else HostTimeline()
         self.recording = False
+        self.error_every = error_every
+        self._rounds_opened = 0
         self._lock = threading.Lock()
         self._rounds: list[list[_OpenBucket]] = []
         self._micro_batches = 0
@@ -208,16 +276,47 @@ class CommLedger:
                     return
         raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the current sync round's compression error is to be measured (see :attr:`error_every`)."""
+        return self.error_every > 0 and (self._rounds_opened - 1) % self.error_every == 0
+
+    def add_compression(
+        self, bucket_index: int, given_sq: torch.Tensor, dropped_sq: torch.Tensor, fed_back_sq: torch.Tensor
+    ) -> None:
+        """Add a lossy hook's squared norms for bucket ``bucket_index`` of the current round (0-dim tensors).
+
+        ``given_sq``: what was compressed (gradient plus the error fed back); ``dropped_sq``: what the compression
+        dropped; ``fed_back_sq``: the stored error that was added. They are read when the step resolves, without a
+        host sync on a GPU.
+        """
+        values = DeferredRead(torch.stack([given_sq, dropped_sq, fed_back_sq]).detach().double())
+        with self._lock:
+            for entry in self._rounds[-1] if self._rounds else ():
+                if entry.index == bucket_index:
+                    entry.compression.append(values)
+                    return
+        raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_compression called outside a hook")
+
     def add_parameter_sync(
-        self, num_elements: int, logical_bytes: int, wire_bytes: int, start: Mark, transfer_hidden: bool = False
+        self,
+        num_elements: int,
+        logical_bytes: int,
+        wire_bytes: int,
+        start: Mark,
+        transfer_hidden: bool = False,
+        drift: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Record a sync of parameters (local SGD's averaging) as one round of one bucket, from ``start`` until now.
 
         ``transfer_hidden``: the bytes travelled while the ranks trained on (an overlapped sync's arrival).
+        ``drift``: squared norms (0-dim tensors) of this rank's parameter change and of the ranks' mean change.
         """
         entry = _OpenBucket(0, num_elements, logical_bytes, start)
         entry.wire_bytes = wire_bytes
         entry.hidden = transfer_hidden
+        if drift is not None:
+            entry.drift = DeferredRead(torch.stack(drift).detach().double())
         entry.end = self.timeline.mark()
         with self._lock:
             self._rounds.append([entry])
@@ -305,6 +404,11 @@ class CommLedger:
         wire: int | None = sum(b.wire_bytes or 0 for b in buckets)
         if any(b.wire_bytes is None for b in buckets):
             wire = None
+        compression = [b.compression for b in buckets if b.compression is not None]
+        given = sum(norms[0] for norms in compression)
+        dropped = sum(norms[1] for norms in compression)
+        fed_back = sum(norms[2] for norms in compression)
+        drifts = [b.drift for b in buckets if b.drift is not None]
         start = seconds[id(closed.start)] if closed.start is not None else None
         end = seconds[id(closed.end)]
         if closed.contiguous and self._last_end_s is not None:
@@ -326,6 +430,9 @@ class CommLedger:
             end_s=end,
             step_time_s=step_time,
             transfer_hidden=any(b.transfer_hidden for b in buckets),
+            compression_error=math.sqrt(dropped / given) if compression and given > 0 else None,
+            error_feedback=math.sqrt(fed_back / given) if compression and given > 0 else None,
+            drift_ratio=drifts[-1][0] / drifts[-1][1] if drifts and drifts[-1][1] > 0 else None,
         )
         self.steps.append(record)
         self.total_steps += 1
@@ -340,5 +447,6 @@ class CommLedger:
             # DDP launches buckets strictly in index order, so bucket 0 starts a new round.
             if index == 0 or not self._rounds:
                 self._rounds.append([])
+                self._rounds_opened += 1
             self._rounds[-1].append(entry)
         return entry

@@ -240,6 +240,7 @@ class RankProbe(pl.Callback):
             record["bucket_plan"] = asdict(strategy.bucket_plan) if strategy.bucket_plan else None
             record["steps"] = [asdict(step) for step in strategy.ledger.steps] if strategy.ledger else []
             record["hook_iteration"] = getattr(strategy.comm_state, "iteration", None)
+            record["hook_rank"] = getattr(strategy.comm_state, "rank", None)  # PowerSGD's rank in use
             record["autotune_scores"] = dict(strategy.autotuner.scores) if strategy.autotuner else None
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
@@ -287,21 +288,23 @@ def fit_ddp(
 
 
 def uninterrupted_and_resumed(
-    tmp_path: Path, make_strategy: Callable[[], pl.strategies.Strategy]
+    tmp_path: Path, make_strategy: Callable[[], pl.strategies.Strategy], samples: int = 64
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
     """Two epochs straight; and one epoch, ``last.ckpt``, then resumed to two. Adam, so optimizer state matters.
 
-    Returns both runs' per-rank records and the checkpoint's path.
+    ``samples``: per epoch, over both ranks at batch 8 (64: 4 optimizer steps per epoch). Returns both runs' per-rank
+    records and the checkpoint's path.
     """
-    uninterrupted = fit_ddp(tmp_path / "full", make_strategy(), model=StackModel(optimizer="adam"), max_epochs=2)
-    fit_ddp(
-        tmp_path / "first", make_strategy(), model=StackModel(optimizer="adam"), max_epochs=1, save_last_to=tmp_path
-    )
+    adam = {"model": StackModel(optimizer="adam"), "samples": samples}
+    uninterrupted = fit_ddp(tmp_path / "full", make_strategy(), max_epochs=2, **adam)
+    adam = {"model": StackModel(optimizer="adam"), "samples": samples}
+    fit_ddp(tmp_path / "first", make_strategy(), max_epochs=1, save_last_to=tmp_path, **adam)
     checkpoint = tmp_path / "last.ckpt"
     resumed = fit_ddp(
         tmp_path / "resumed",
         make_strategy(),
         model=StackModel(optimizer="adam"),
+        samples=samples,
         max_epochs=2,
         ckpt_path=str(checkpoint),
     )

@@ -214,6 +214,23 @@ def test_resume_is_bit_exact(tmp_path, name):
         torch.testing.assert_close(after["params"], before["params"], rtol=0, atol=0)
 
 
+def test_a_rank_rise_across_a_resume_is_bit_exact(tmp_path):
+    # 7 steps an epoch: the error is measured at the epoch's last step (iteration 6) and the rank raised two steps
+    # later, after the resume; so the checkpoint holds a measurement on its way. Then again at iteration 13.
+    config = PowerSGDConfig(rank=1, start_iter=2, max_error=0.05, max_rank=4)
+
+    def strategy():
+        return OptimizedDDPStrategy(comm_hook=config, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
+
+    uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, strategy, samples=112)
+    states = torch.load(checkpoint, weights_only=True)["ddpopt"]["hook_states"]
+    assert [(s["iteration"], s["rank"]) for s in states] == [(7, 1), (7, 1)]
+    assert states[0]["rank_probe"]["decide_at"] == 8 and states[0]["rank_probe"] == states[1]["rank_probe"]
+    assert [r["hook_rank"] for r in uninterrupted] == [r["hook_rank"] for r in resumed] == [4, 4]
+    for before, after in zip(uninterrupted, resumed, strict=True):
+        torch.testing.assert_close(after["params"], before["params"], rtol=0, atol=0)
+
+
 def _first_epoch(tmp_path: Path, comm_hook: object, **kwargs) -> Path:
     strategy = OptimizedDDPStrategy(comm_hook=comm_hook, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork", **kwargs)
     fit_ddp(tmp_path / "first", strategy, max_epochs=1, save_last_to=tmp_path)
@@ -248,8 +265,11 @@ def test_resume_with_another_config_warns_and_trains_on(tmp_path):
 def test_resume_on_three_ranks_keeps_what_is_shared(tmp_path, name):
     checkpoint = _first_epoch(tmp_path, VARIANTS[name])
     ranks, warnings = _resume(tmp_path, checkpoint, VARIANTS[name], devices=3)
+    rank = VARIANTS[name].rank if name != "int8" else None  # no rise in 4 steps: the configured one
     kept = (
-        "the step count (4) is kept" if name == "int8" else "the step count (4) and the warm-start Q memories are kept"
+        "the step count (4) is kept"
+        if name == "int8"
+        else f"the step count (4), the rank ({rank}) and the warm-start Q memories are kept"
     )
     assert warnings == [
         f"ddpopt: the checkpoint was saved with world size 2 and this run has 3: {kept}; per-rank hook state "

@@ -113,6 +113,10 @@ def test_logged_bytes_are_the_exact_gradient_bytes(profiled_run):
     assert set(metrics["ddpopt/comm/compression_ratio"]) == {4 / width}
     assert set(metrics["ddpopt/comm/sync_rounds"]) == {1.0}
     assert {f"ddpopt/comm/{key}" for key in COMM_KEYS} <= set(metrics)
+    if hook == "fp16":  # measured at the first of every 10 syncs: step 1, logged from step 4 on
+        assert 0 < metrics["ddpopt/comm/compression_error"][0] < 1e-3
+    else:
+        assert "ddpopt/comm/compression_error" not in metrics
     assert {f"ddpopt/straggler/{key}" for key in STRAGGLER_KEYS} <= set(metrics)
     for busbw, algbw in zip(metrics["ddpopt/comm/busbw_gbps"], metrics["ddpopt/comm/algbw_gbps"], strict=True):
         assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2)
@@ -131,6 +135,17 @@ def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
     assert summary["ledger"]["clock"] == "host"
     assert summary["comm"]["link_busbw_gbps"] > 0
     assert summary["amp"]["scaler"] is False
+    compression = report["findings"][1]
+    if hook == "fp16":
+        assert summary["comm"]["quality"]["compression_error_measured_syncs"] == 2  # step 1 on both ranks
+        assert compression["status"] == "ok" and compression["evidence"].startswith("hook fp16: relative compression")
+    else:
+        assert summary["comm"]["quality"] == {}
+        assert compression == {
+            **compression,
+            "status": "ok",
+            "evidence": "hook allreduce: gradients are synced exactly",
+        }
     assert set(report["series"]) == {"0", "1"}
     assert len(report["series"]["1"]["sync_time_ms"]) == 8
     assert report["series"]["0"]["bytes_sent"] == [stack_gradient_bytes() // (1 if hook == "allreduce" else 2)] * 8
@@ -138,12 +153,12 @@ def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
     out = tmp_path / "plot.png"
     assert ddpopt(["report", str(tmp_path), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("ddpopt findings (network -> AMP -> accumulation -> stragglers)")
+    assert printed.startswith("ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)")
     # Mid-run, after the first aggregation (step 4 of 8), the same findings are available on demand.
     on_demand = torch.load(tmp_path / "on_demand.pt")
     assert [f["area"] for f in on_demand] == list(AREAS)
     assert on_demand[0]["status"] != "unknown" and f"hook {hook}" in on_demand[0]["evidence"]
-    assert on_demand[2]["evidence"] == "1.00 gradient syncs per optimizer step over 1.00 micro-batches"
+    assert on_demand[3]["evidence"] == "1.00 gradient syncs per optimizer step over 1.00 micro-batches"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
@@ -360,21 +375,22 @@ def test_diagnosis_order_and_recommendations():
         },
     }
     findings = diagnose(summary)
-    assert [f.area for f in findings] == ["network", "amp", "accumulation", "stragglers"]
-    assert all(f.status == "problem" for f in findings)
+    assert [f.area for f in findings] == ["network", "compression", "amp", "accumulation", "stragglers"]
+    assert [f.status for f in findings] == ["problem", "ok", "problem", "problem", "problem"]
+    assert findings[1].evidence == "hook allreduce: gradients are synced exactly"
     assert findings[0].evidence.startswith("the transfer is 60% of the step")
     assert "0.91 of the measured link" in findings[0].evidence
     # The findings' figures are the profiler's last interval, not the run's mean: the text says so.
     assert "(means of the last 20 steps over all ranks)" in findings[0].evidence
     assert ", 400 MB sent per step (means of the last 20 steps" in findings[0].evidence
     assert findings[0].recommendation.startswith("use comm_hook='fp16' (halves the bytes) or 'powersgd'")
-    assert "loss scale 0.5 below 1" in findings[1].evidence
-    assert "strategy.accumulate(every=K)" in findings[2].recommendation
-    assert findings[3].evidence == (
+    assert "loss scale 0.5 below 1" in findings[2].evidence
+    assert "strategy.accumulate(every=K)" in findings[3].recommendation
+    assert findings[4].evidence == (
         "rank 1 is 180 ms/step slower than the median rank, in data (data 190 ms, compute 30 ms, optimizer 4 ms per "
         "step); the other ranks wait for it; named in 4 of 5 windows"
     )
-    assert findings[3].recommendation.startswith("rank 1 waits for data: raise num_workers")
+    assert findings[4].recommendation.startswith("rank 1 waits for data: raise num_workers")
     assert diagnose({})[0] == Finding(
         "network",
         "unknown",
@@ -384,11 +400,72 @@ def test_diagnosis_order_and_recommendations():
     assert "PROBLEM" in format_findings(findings)
 
 
+@pytest.mark.parametrize(
+    ("hook", "optimizers", "error", "status", "advice"),
+    [
+        ("powersgd", ["AdamW"], 0.71, "problem", "raise PowerSGD's rank (PowerSGDConfig(rank=8) or max_error=0.6)"),
+        ("powersgd", ["SGD"], 0.71, "ok", ""),  # SGD with momentum loses 0.6% at 0.83 (transformer_quality)
+        ("powersgd", ["SGD"], 0.95, "problem", "raise PowerSGD's rank"),
+        ("int8", ["AdamW"], 0.011, "ok", ""),
+        ("int8", ["SGD"], 0.2, "problem", "gradients with outliers: use Int8Config(block_size=...) smaller"),
+        ("fp16", ["AdamW"], 0.05, "problem", "gradients under- or overflow the cast: use comm_hook='bf16'"),
+    ],
+)
+def test_compression_finding_by_hook_and_optimizer(hook, optimizers, error, status, advice):
+    quality = {
+        "compression_error": error,
+        "compression_error_max": error,
+        "compression_error_measured_syncs": 8,
+        "error_feedback": error,
+    }
+    summary = {"comm_hook": hook, "optimizers": optimizers, "comm": {"quality": quality}}
+    if hook == "powersgd":
+        summary["powersgd"] = {"rank": 4, "max_rank": 64, "max_error": None}
+    finding = diagnose(summary)[1]
+    assert (finding.area, finding.status) == ("compression", status)
+    assert finding.evidence.startswith(
+        f"hook {hook}: relative compression error {error:.3f} (worst rank {error:.3f}, 8 "
+    )
+    assert finding.recommendation.startswith(advice)
+
+
+def test_compression_finding_without_a_measurement_and_for_local_sgd():
+    unknown = diagnose({"comm_hook": "int8"})[1]
+    assert (unknown.status, unknown.evidence) == ("unknown", "hook int8: no compression error measured")
+    assert unknown.recommendation.startswith("add CommProfiler()")
+    at_max_rank = diagnose(
+        {
+            "comm_hook": "powersgd",
+            "optimizers": ["Adam"],
+            "comm": {
+                "quality": {
+                    "compression_error": 0.8,
+                    "compression_error_max": 0.8,
+                    "compression_error_measured_syncs": 2,
+                }
+            },
+            "powersgd": {"rank": 64, "max_rank": 64, "max_error": 0.6},
+        }
+    )[1]
+    assert at_max_rank.recommendation.startswith("the rank reached max_rank=64: raise PowerSGDConfig(max_rank=...)")
+    drifting = diagnose(
+        {
+            "local_sgd": {"sync_every": 16, "warmup_steps": 0, "syncs": 4, "skipped_inner_steps": 0},
+            "comm": {"quality": {"local_drift": 1.5, "local_drift_syncs": 4}},
+        }
+    )[1]
+    assert drifting.status == "problem"
+    assert drifting.evidence.startswith("local SGD: the ranks' parameter changes spread 1.50 x the mean change")
+    assert drifting.recommendation == "sync more often (sync_every below 16) or lower the inner learning rate"
+
+
 def test_bad_callback_arguments():
     with pytest.raises(ValueError, match="every_n_steps=0 must be an int >= 1"):
         CommProfiler(every_n_steps=0)
     with pytest.raises(ValueError, match="probe_mb=0 must be a positive number"):
         CommProfiler(probe_mb=0)
+    with pytest.raises(ValueError, match="error_every=-1 must be an int >= 0"):
+        CommProfiler(error_every=-1)
     with pytest.raises(ValueError, match="min_excess_ms=-1 must be a number >= 0"):
         StragglerDetector(min_excess_ms=-1)
 

@@ -137,7 +137,7 @@ def test_the_report_is_written_without_comm_profiler(tmp_path):
     report = json.loads((tmp_path / "ddpopt_report.json").read_text())
     assert report["summary"]["stragglers"]["last"]["phase"] == "optimizer"
     assert report["series"] == {}
-    assert [f["area"] for f in report["findings"]] == ["network", "amp", "accumulation", "stragglers"]
+    assert [f["area"] for f in report["findings"]] == ["network", "compression", "amp", "accumulation", "stragglers"]
 
 
 def test_spawned_ranks_name_rank_0_slow_in_its_backward_pass(tmp_path):

@@ -21,13 +21,23 @@ from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.deferred import to_device
-from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.ledger import CommLedger, StepRecord, local_drift
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["CommProfiler"]
 
-_INTERVAL_FIELDS = ("step_time", "sync_time", "bytes_sent", "bytes_uncompressed", "sync_rounds", "transfer_hidden")
+_INTERVAL_FIELDS = (
+    "step_time",
+    "sync_time",
+    "bytes_sent",
+    "bytes_uncompressed",
+    "sync_rounds",
+    "transfer_hidden",
+    "compression_error",
+    "error_feedback",
+    "drift_ratio",
+)
 
 
 class CommProfiler(Callback):
@@ -59,6 +69,13 @@ class CommProfiler(Callback):
                                           SGD's overlapped sync: the step waited for its arrival only)
     ``ddpopt/comm/busbw_gbps``            algbw x 2 (n - 1) / n: comparable with the link's rate
     ``ddpopt/comm/sync_rounds``           gradient syncs per optimizer step (1 with accumulation done right)
+    ``ddpopt/comm/compression_error``     a lossy hook's relative compression error, mean over ranks: the norm of
+                                          what the compression dropped over the norm of what it was given (gradient
+                                          plus the error fed back); measured every ``error_every`` syncs
+    ``ddpopt/comm/compression_error_max`` the largest rank's
+    ``ddpopt/comm/error_feedback``        the norm of the error fed back over the norm of what was given
+    ``ddpopt/comm/local_drift``           local SGD: the spread of the ranks' parameter changes around their mean
+                                          at a sync (root mean square distance), relative to the mean change
     ``ddpopt/comm/step_time_cv``          coefficient of variation of the step time over the last ``window``
     ``ddpopt/comm/step_time_p{50,95,99}_ms``  step-time percentiles over the last ``window`` steps
     ``ddpopt/comm/sync_time_cv``          coefficient of variation of the sync time
@@ -70,6 +87,11 @@ class CommProfiler(Callback):
     each rank's device had finished. The first step of an epoch is not timed across the epoch boundary. The jitter
     figures (``*_cv``, ``*_p{50,95,99}_ms``) leave out each fit's first ``jitter_skip_steps`` steps: one-time work
     (DDP's bucket rebuild, kernels compiled at their first call) would otherwise read as jitter.
+
+    The quality figures (``compression_error``, ``error_feedback``, ``local_drift``) are logged when they were
+    measured in the interval: a lossy hook (fp16, bf16, int8, PowerSGD) measures every ``error_every``-th sync (a
+    pass or two over the gradients; the ledger's :attr:`~lightning_ddpopt.ledger.CommLedger.error_every`), local
+    SGD at each parameter sync. The report keeps the run's means, and a finding says when they are high.
 
     At the end of fit, rank 0 prints the findings of :mod:`lightning_ddpopt.diagnosis` (network, AMP from an
     :class:`AMPMonitor`, accumulation, stragglers from a :class:`StragglerDetector`) and writes them, with every
@@ -86,6 +108,7 @@ class CommProfiler(Callback):
         report: print findings and write the JSON report at the end of fit.
         max_series_points: per-step points kept per rank for the report's plot; beyond twice this, every other
             point is dropped, so a long run keeps a bounded, evenly thinned series.
+        error_every: lossy hooks measure their compression error every this many syncs; 0 turns it off.
     """
 
     def __init__(
@@ -98,11 +121,13 @@ class CommProfiler(Callback):
         probe_repeats: int = 3,
         report: bool = True,
         max_series_points: int = 5000,
+        error_every: int = 10,
     ) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("window", window), ("probe_repeats", probe_repeats)):
             require_int(name, value, 1)
         require_int("max_series_points", max_series_points, 1)
         require_int("jitter_skip_steps", jitter_skip_steps, 0)
+        require_int("error_every", error_every, 0)
         require_number("probe_mb", probe_mb)
         self.every_n_steps = every_n_steps
         self.window = window
@@ -112,6 +137,7 @@ class CommProfiler(Callback):
         self.probe_repeats = probe_repeats
         self.report = report
         self.max_series_points = max_series_points
+        self.error_every = error_every
 
         self.link_busbw_gbps: float | None = None
         self.last_metrics: dict[str, float] = {}
@@ -123,7 +149,17 @@ class CommProfiler(Callback):
         self._since_log = 0
         self._step_times: deque[float] = deque(maxlen=window)
         self._sync_times: deque[float] = deque(maxlen=window)
-        self._series: dict[str, list[float]] = {"step": [], "step_time_ms": [], "sync_time_ms": [], "bytes_sent": []}
+        self._series: dict[str, list[float]] = {
+            "step": [],
+            "step_time_ms": [],
+            "sync_time_ms": [],
+            "bytes_sent": [],
+            "compression_error": [],
+        }
+        # The run's quality figures (sum, count), for the report: the logged ones cover an interval only.
+        self._quality: dict[str, list[float]] = {name: [0.0, 0] for name in _QUALITY_FIELDS}
+        #: The quality figures over the whole run and every rank (set at the end of fit; see :func:`_run_quality`).
+        self.run_quality: dict[str, float] = {}
         self._interval: dict[str, list[float]] = {name: [] for name in _INTERVAL_FIELDS}
         self._exchange = Exchange()  # every rank's figures, travelling from a meeting in passing to the next one
         self._fit_steps = 0  # steps taken in this fit (the first jitter_skip_steps are not jitter)
@@ -136,6 +172,7 @@ class CommProfiler(Callback):
             return
         self._exchange = Exchange()
         self._fit_steps = 0
+        self._quality = {name: [0.0, 0] for name in _QUALITY_FIELDS}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -152,7 +189,9 @@ class CommProfiler(Callback):
         if not self._active:
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
-        if self._cursor.ledger is None:
+        if self._cursor.ledger is not None:
+            self._cursor.ledger.error_every = self.error_every
+        else:
             self._step_clock = CommLedger(timeline=self._cursor.timeline)
             rank_zero_warn(
                 "ddpopt: CommProfiler sees no gradient syncs (use OptimizedDDPStrategy with a comm_hook other than "
@@ -197,6 +236,8 @@ class CommProfiler(Callback):
         jitter = self._fit_steps > self.jitter_skip_steps  # one-time work in a fit's first steps is not jitter
         self._series["step"].append(step)
         self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
+        error = record.compression_error if record is not None else None
+        self._series["compression_error"].append(error if error is not None else math.nan)
         if step_time is not None:
             if jitter:
                 self._step_times.append(step_time)
@@ -210,6 +251,12 @@ class CommProfiler(Callback):
             self._interval["transfer_hidden"].append(float(record.transfer_hidden))
             if record.wire_bytes is not None:
                 self._interval["bytes_sent"].append(float(record.wire_bytes))
+            for name in _QUALITY_FIELDS:
+                value = getattr(record, name)
+                if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
+                    self._interval[name].append(value)
+                    self._quality[name][0] += value
+                    self._quality[name][1] += 1
             self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
             self._series["bytes_sent"].append(float(record.wire_bytes or 0))
         _thin(self._series, self.max_series_points)
@@ -231,11 +278,12 @@ class CommProfiler(Callback):
         if trainer.strategy.reduce_boolean_decision((self._since_log > 0 or unlogged) and synced, all=False):
             self._since_log = 0
             self._aggregate(trainer, pl_module, in_passing=False, log=False)
-        series: list[Any] = [self._series]
+        gathered: list[Any] = [(self._series, self._quality)]
         if dist.is_available() and dist.is_initialized():
-            series = [None] * trainer.world_size
-            dist.all_gather_object(series, self._series)
-        self.report_series = {str(rank): s for rank, s in enumerate(series)}
+            gathered = [None] * trainer.world_size
+            dist.all_gather_object(gathered, (self._series, self._quality))
+        self.report_series = {str(rank): series for rank, (series, _) in enumerate(gathered)}
+        self.run_quality = _run_quality([quality for _, quality in gathered])
         self.report_path = report_if_last(trainer, self)
 
     summary_key = "comm"
@@ -252,13 +300,20 @@ class CommProfiler(Callback):
             "bandwidth (GB/s)": ["algbw_gbps", "busbw_gbps"],
             "jitter (coefficient of variation)": ["step_time_cv", "sync_time_cv"],
             "gradient syncs per optimizer step": ["sync_rounds"],
+            "compression error (relative)": ["compression_error", "compression_error_max", "error_feedback"],
+            "local SGD drift (relative)": ["local_drift"],
             "samples per optimizer step, all ranks": ["/ddpopt/effective_batch_size"],
         },
     )
 
     def summary(self) -> dict[str, Any]:
         """The latest aggregated figures, for the diagnosis."""
-        return {**self.last_metrics, "link_busbw_gbps": self.link_busbw_gbps, "interval_steps": self.every_n_steps}
+        return {
+            **self.last_metrics,
+            "link_busbw_gbps": self.link_busbw_gbps,
+            "interval_steps": self.every_n_steps,
+            "quality": self.run_quality,
+        }
 
     def _aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_passing: bool, log: bool) -> None:
         """Gather every rank's figures since the last aggregation and derive the logged ones; in passing they travel."""
@@ -329,6 +384,14 @@ class CommProfiler(Callback):
                 if sent and transfer and not mean("transfer_hidden"):
                     out["algbw_gbps"] = sent / transfer / 1e9
                     out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], world_size)
+        for name in ("compression_error", "error_feedback"):
+            if not math.isnan(mean(name)):
+                out[name] = mean(name)
+        if "compression_error" in out:
+            out["compression_error_max"] = float(fields["compression_error"].nan_to_num(-math.inf).max())
+        drift = local_drift([v for v in fields["drift_ratio"].tolist() if not math.isnan(v)])
+        if drift is not None:
+            out["local_drift"] = drift
         for name, window in windows.items():
             gathered_values = [v for v in window.flatten().tolist() if not math.isnan(v)]
             if len(gathered_values) >= 2:
@@ -343,6 +406,30 @@ class CommProfiler(Callback):
         seconds = median_seconds(lambda: dist.all_reduce(tensor), device, self.probe_repeats)
         algbw = tensor.numel() * 4 / seconds / 1e9
         return bus_bandwidth(algbw, world_size)
+
+
+#: Per-step quality figures of the ledger (see StepRecord), kept over the run for the report.
+_QUALITY_FIELDS = ("compression_error", "error_feedback", "drift_ratio")
+
+
+def _run_quality(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
+    """The run's quality figures from every rank's (sum, count) of each: mean and largest rank mean, local drift.
+
+    Empty for a run that measured none (a lossless hook, or ``error_every=0``).
+    """
+    out: dict[str, float] = {}
+    for name in ("compression_error", "error_feedback"):
+        means = [total / count for total, count in (rank[name] for rank in per_rank) if count]
+        if means:
+            out[name] = statistics.fmean(means)
+            out[f"{name}_max"] = max(means)
+            out[f"{name}_measured_syncs"] = sum(rank[name][1] for rank in per_rank)
+    ratios = [total / count for total, count in (rank["drift_ratio"] for rank in per_rank) if count]
+    drift = local_drift(ratios)
+    if drift is not None:
+        out["local_drift"] = drift
+        out["local_drift_syncs"] = min(rank["drift_ratio"][1] for rank in per_rank)
+    return out
 
 
 def _thin(series: dict[str, list[float]], limit: int) -> None:

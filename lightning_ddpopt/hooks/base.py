@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt.ledger import CommLedger
 
-__all__ = ["CommHookState"]
+__all__ = ["CommHookState", "squared_norm"]
 
 
 @dataclass(kw_only=True)
@@ -47,6 +47,27 @@ class CommHookState:
         """Tell the ledger how many bytes this rank sent for ``bucket``."""
         if self.ledger is not None:
             self.ledger.add_wire_bytes(bucket.index(), nbytes)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this sync round's compression error is measured (the ledger samples rounds: ``error_every``)."""
+        return self.ledger is not None and self.ledger.measuring
+
+    def record_compression(
+        self,
+        bucket: dist.GradBucket,
+        given_sq: torch.Tensor,
+        dropped_sq: torch.Tensor,
+        fed_back_sq: torch.Tensor | None = None,
+    ) -> None:
+        """Tell the ledger the squared norms of what ``bucket``'s compression was given and what it dropped.
+
+        ``fed_back_sq``: of the stored error added to the gradient first (``None``: no error feedback).
+        """
+        if self.ledger is not None:
+            if fed_back_sq is None:
+                fed_back_sq = torch.zeros((), dtype=given_sq.dtype, device=given_sq.device)
+            self.ledger.add_compression(bucket.index(), given_sq, dropped_sq, fed_back_sq)
 
     def wait(self, work: dist.Work | None) -> None:
         """Wait for ``work`` (a collective issued with ``async_op=True``), adding the time to :attr:`wait_seconds`."""
@@ -85,3 +106,15 @@ class CommHookState:
         Returns what was kept, in words, for the warning the user sees.
         """
         return "nothing is kept"
+
+
+def squared_norm(*tensors: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of ``tensors`` together, a 0-dim float64 tensor on their device (for the ledger's errors).
+
+    Each norm is taken in float32 (as fast as the data is read) and squared in float64, so a large bucket's sum of
+    squares keeps its precision.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+    for tensor in tensors:
+        total += torch.linalg.vector_norm(tensor, dtype=torch.float32).double().square()
+    return total

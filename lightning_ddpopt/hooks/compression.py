@@ -6,7 +6,7 @@ No ``from __future__ import annotations`` here: DDP compares the hooks' annotati
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.base import CommHookState, squared_norm
 
 __all__ = ["allreduce_mean_hook", "bf16_allreduce_hook", "fp16_allreduce_hook"]
 
@@ -41,6 +41,9 @@ def _allreduce_mean(
     buffer.div_(state.world_size)
     send = buffer if dtype is None or dtype == buffer.dtype else buffer.to(dtype)
     state.record_wire_bytes(bucket, send.numel() * send.element_size())
+    if send is not buffer and state.measuring:
+        given_sq = squared_norm(buffer)
+        state.record_compression(bucket, given_sq, squared_norm(buffer - send.to(buffer.dtype)))
     work = dist.all_reduce(send, group=state.process_group, async_op=True)
     assert work is not None
 

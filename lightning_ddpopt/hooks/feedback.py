@@ -23,10 +23,10 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.base import CommHookState, squared_norm
 from lightning_ddpopt.hooks.streams import SideStreams
 
-__all__ = ["ErrorFeedbackState", "SyncRound", "config_mismatch"]
+__all__ = ["ErrorFeedbackState", "SyncRound", "config_mismatch", "fed_back_sq"]
 
 
 class SyncRound:
@@ -277,17 +277,25 @@ class ErrorFeedbackState(CommHookState):
             else:
                 self.error_scales[name] = scales[name] if scales is not None else round_.scale
 
-    def add_error_feedback(self, round_: SyncRound, names: list[str], gradients: list[torch.Tensor]) -> None:
-        """Add each gradient's stored error, rescaled from the loss scale it was stored at to this round's."""
+    def add_error_feedback(
+        self, round_: SyncRound, names: list[str], gradients: list[torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Add each gradient's stored error, rescaled from the loss scale it was stored at to this round's.
+
+        Returns the squared norm of what was added when the round is measured (:attr:`measuring`), else ``None``.
+        """
+        added = []
         for name, gradient in zip(names, gradients, strict=True):
             found = self.stored_error(round_, name, gradient)
             if found is None:
                 continue
+            added.append(found)
             error, ratio = found
             if ratio is None:
                 gradient.add_(error)
             else:
                 gradient.addcmul_(error, ratio)
+        return fed_back_sq(added) if self.measuring else None
 
     def stored_error(
         self, round_: SyncRound, name: str, target: torch.Tensor
@@ -310,6 +318,23 @@ class ErrorFeedbackState(CommHookState):
         current = round_.scale if round_.scale is not None else torch.ones((), device=target.device)
         ratio = current / (stored.to(target.device) if stored is not None else 1.0)
         return error, ratio.to(target.dtype)
+
+
+def fed_back_sq(feedback: Iterable[tuple[torch.Tensor, torch.Tensor | None] | None]) -> torch.Tensor | None:
+    """The squared norm of the stored errors in ``feedback``, each at this round's loss scale; ``None`` for none.
+
+    ``feedback``: :meth:`ErrorFeedbackState.stored_error`'s results.
+    """
+    total: torch.Tensor | None = None
+    for found in feedback:
+        if found is None:
+            continue
+        error, ratio = found
+        norm_sq = squared_norm(error)
+        if ratio is not None:
+            norm_sq = norm_sq * ratio.double().square()
+        total = norm_sq if total is None else total + norm_sq
+    return total
 
 
 def config_mismatch(hook: str, state: dict[str, object], config: dict[str, object]) -> str | None:

@@ -63,7 +63,8 @@ import torch.distributed as dist
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
+from lightning_ddpopt.hooks.base import squared_norm
+from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, fed_back_sq
 from lightning_ddpopt.hooks.int8_codec import (
     all_gather_async,
     dequantize_blocks,
@@ -241,8 +242,13 @@ class _BucketSync:
         # numba's loops (the same bytes as the torch path, in one pass instead of about ten), whatever torch's
         # thread count: blocks are independent and sums over ranks keep rank order.
         self.loops = _kernels.available() and _kernels.fits(self.buffer.view(1, -1))
+        # A measured round (the ledger samples them): the compression error goes to the ledger, see _measure.
+        measuring = state.measuring
+        given_sq = fed_back = None
         if config.error_feedback and not self.loops:
-            state.add_error_feedback(round_, names, self.gradients)
+            fed_back = state.add_error_feedback(round_, names, self.gradients)
+        if measuring and not self.loops:
+            given_sq = squared_norm(*self.gradients)
         block = self.block = config.block_size
         # Every parameter starts a new block: the blocks (and so the rounding) do not depend on how DDP grouped the
         # parameters into buckets, which differs before its bucket rebuild, e.g. in the first step after a resume.
@@ -261,7 +267,9 @@ class _BucketSync:
             values = torch.empty(shape, dtype=torch.float32, device=device)
         send = torch.empty(world_size, chunk + 4 * self.blocks_per_rank, dtype=torch.int8, device=values.device)
         if self.loops:
-            self._quantize_with_loops(names, values, send)
+            measured = self._quantize_with_loops(names, values, send, measuring)
+            if measured is not None:
+                given_sq, fed_back = measured
         else:
             ends = [offset + g.numel() for offset, g in zip(self.offsets, self.gradients, strict=True)]
             for offset, end, gradient, gap_end in zip(
@@ -271,11 +279,14 @@ class _BucketSync:
                 values[end:gap_end].zero_()  # the padding of a parameter's last block, and the tail
             rows = values.view(-1, block)
             dequantized = quantize_into(rows, send, chunk)
-            if config.error_feedback:
+            if config.error_feedback or measuring:
                 rows.sub_(dequantized).view(-1).mul_(world_size)
+        errors = [values[offset : offset + g.numel()] for offset, g in zip(self.offsets, self.gradients, strict=True)]
         if config.error_feedback:
-            for name, offset, gradient in zip(names, self.offsets, self.gradients, strict=True):
-                round_.errors[name] = values[offset : offset + gradient.numel()].view_as(gradient)
+            for name, error, gradient in zip(names, errors, self.gradients, strict=True):
+                round_.errors[name] = error.view_as(gradient)
+        if given_sq is not None:
+            state.record_compression(bucket, given_sq, squared_norm(*errors), fed_back)
         self.received = torch.empty_like(send)
         state.record_wire_bytes(bucket, send.numel())
         if exchange is None:
@@ -283,8 +294,14 @@ class _BucketSync:
         else:
             self.exchange = _Exchange(exchange, bucket.index(), send, self.received)
 
-    def _quantize_with_loops(self, names: list[str], values: torch.Tensor, send: torch.Tensor) -> None:
-        """The torch path's quantisation (and errors, into ``values``) through numba's loops, parameter by parameter."""
+    def _quantize_with_loops(
+        self, names: list[str], values: torch.Tensor, send: torch.Tensor, measuring: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The torch path's quantisation (and errors, into ``values``) through numba's loops, parameter by parameter.
+
+        ``measuring``: the errors are formed even without error feedback, and the squared norms of what was given
+        (gradient plus error fed back) and of the error fed back are returned.
+        """
         state, block, per_rank = self.state, self.block, self.blocks_per_rank
         scales = torch.zeros(state.world_size, per_rank, dtype=torch.float32)
         used = self.offsets[-1] // block + math.ceil(self.gradients[-1].numel() / block)
@@ -292,12 +309,18 @@ class _BucketSync:
             rank, index = divmod(tail, per_rank)
             send[rank, index * block : (index + 1) * block].zero_()
         feedback = state.config.error_feedback
+        given, added = [], []
         for name, offset, gradient in zip(names, self.offsets, self.gradients, strict=True):
             found = state.stored_error(self.round, name, gradient) if feedback else None
+            if measuring:
+                error, ratio = found if found is not None else (None, None)
+                given.append(gradient if error is None else gradient + (error if ratio is None else error * ratio))
+                added.append(found)
             first, blocks = offset // block, math.ceil(gradient.numel() / block)
-            errors = values[offset : offset + blocks * block] if feedback else None
+            errors = values[offset : offset + blocks * block] if feedback or measuring else None
             _kernels.quantize_parameter(gradient, found, state.world_size, first, errors, send, scales, block)
         send[:, self.chunk :].copy_(scales.view(torch.int8))
+        return (squared_norm(*given), fed_back_sq(added)) if measuring else None
 
     def finish(self) -> None:
         """Wait for the all-to-all, sum and re-quantise this rank's chunk, and all-gather.

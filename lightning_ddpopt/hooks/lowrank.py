@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.hooks import _kernels
-from lightning_ddpopt.hooks.feedback import SyncRound
+from lightning_ddpopt.hooks.base import squared_norm
+from lightning_ddpopt.hooks.feedback import SyncRound, fed_back_sq
 
 if TYPE_CHECKING:
     from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
@@ -37,20 +38,23 @@ def low_rank_allreduce(
     matrices: list[torch.Tensor],
     keys: list[str],
     add_feedback: bool,
+    fed_back: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Replace each matrix M with the rank-r approximation P Q^T of its mean over ranks.
 
     ``add_feedback``: M's stored error is added first (with numba, in the pass that computes M Q). Returns this
     rank's compression errors ``M - P P^T M`` (Vogels et al., Algorithm 2: the local matrix minus its projection
     with the local Q), empty when error feedback is off. New Q memories go to ``round_``; when a
-    reduced P is not finite, the matrices come back as NaN on every rank.
+    reduced P is not finite, the matrices come back as NaN on every rank. On a measured round
+    (:attr:`~lightning_ddpopt.hooks.base.CommHookState.measuring`) the compression error goes to the ledger;
+    ``fed_back``: the squared norm of error feedback the caller added to the matrices already.
     """
     config = state.config
     wire_dtype = MATRIX_DTYPES[config.matrix_dtype]
     fused = state.kernels() == "numba" and _kernels.fits(*matrices)
     qs = []
     for matrix, key in zip(matrices, keys, strict=True):
-        shape = (matrix.shape[1], min(*matrix.shape, config.rank))
+        shape = (matrix.shape[1], min(*matrix.shape, state.rank))
         q = state.q_memories.get(key) if config.warm_start else None
         if q is None or q.shape != shape:
             # Drawn on the CPU (the same bits on every rank, whatever its GPU) and copied without a host wait.
@@ -71,6 +75,9 @@ def low_rank_allreduce(
                 error, ratio = found
                 m.add_(error) if ratio is None else m.addcmul_(error, ratio)
         local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
+    # The matrices hold the error fed back now: what the compression is given.
+    probing = state.probing
+    given_sq = squared_norm(*matrices) if state.measuring or probing else None
     ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
     finite = round_.check(ps)
     for p in ps:
@@ -95,6 +102,14 @@ def low_rank_allreduce(
                 _error_and_decompress(m, p, local_q, q, errors[-1], blocked=state.kernels() != "blas")
         else:
             torch.matmul(p, q.t(), out=m)
+    if given_sq is not None:
+        # Without error feedback no error is formed: M - P P^T M is orthogonal to P P^T M, whose norm is local Q's.
+        dropped_sq = squared_norm(*errors) if errors else (given_sq - squared_norm(*local_qs)).clamp_(min=0)
+        if probing:
+            state.add_probe(given_sq, dropped_sq)
+        if state.measuring:
+            fed_back = fed_back if fed_back is not None else fed_back_sq(feedback)
+            state.record_compression(bucket, given_sq, dropped_sq, fed_back)
     if config.warm_start:
         round_.q_memories.update(zip(keys, qs, strict=True))
     return errors

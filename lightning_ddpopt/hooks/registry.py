@@ -93,7 +93,10 @@ class HookSpec:
 def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
     """A registry entry for PowerSGD with ``config``; pass a ``PowerSGDConfig`` as ``comm_hook`` to get one."""
     dtype = "" if config.matrix_dtype == "fp32" else f", P/Q sent in {config.matrix_dtype}"
-    summary = f"{'batched ' if config.batched else ''}PowerSGD rank {config.rank} from step {config.start_iter}{dtype}"
+    rank = f"rank {config.rank}"
+    if config.max_error is not None:
+        rank += f" (raised up to {config.max_rank} while the error is above {config.max_error:g})"
+    summary = f"{'batched ' if config.batched else ''}PowerSGD {rank} from step {config.start_iter}{dtype}"
     reason = _bf16_backend if config.matrix_dtype == "bf16" else _any_backend
     return HookSpec(name, summary, powersgd_hook, functools.partial(_powersgd_state, config), reason)
 
@@ -122,7 +125,7 @@ COMM_HOOKS: dict[str, HookSpec] = {
         powersgd_spec(_POWERSGD_DEFAULT),
         powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="fp16"), "powersgd_fp16"),
         powersgd_spec(replace(_POWERSGD_DEFAULT, matrix_dtype="bf16"), "powersgd_bf16"),
-        powersgd_spec(replace(_POWERSGD_DEFAULT, batched=True, rank=16), "batched_powersgd"),
+        powersgd_spec(replace(_POWERSGD_DEFAULT, batched=True, rank=16, max_error=None), "batched_powersgd"),
     )
 }
 

@@ -97,7 +97,12 @@ class LocalSGDDriver:
         sync = self.loop.after_optimizer_step(skipped)
         if sync is not None and ledger is not None and start is not None:
             ledger.add_parameter_sync(
-                sync.num_elements, sync.logical_bytes, sync.wire_bytes, start, transfer_hidden=sync.overlapped
+                sync.num_elements,
+                sync.logical_bytes,
+                sync.wire_bytes,
+                start,
+                transfer_hidden=sync.overlapped,
+                drift=sync.drift,
             )
 
     def finish(self, trainer: pl.Trainer) -> None:

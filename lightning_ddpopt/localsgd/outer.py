@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.hooks.base import squared_norm
 from lightning_ddpopt.hooks.feedback import config_mismatch
 from lightning_ddpopt.hooks.int8_codec import all_gather_async, average_packed, packed_size, quantize_packed
 from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
@@ -25,6 +26,8 @@ class ParameterSync:
     """One parameter sync: what it sent and when (host seconds), for the ledger.
 
     ``overlapped``: it travelled while the ranks trained on; ``start_s`` to ``end_s`` is its arrival only.
+    ``drift``: squared norms (0-dim tensors) of this rank's parameter change and of the mean change it carried
+    (``None`` for a sync restored from a checkpoint in flight).
     """
 
     num_elements: int
@@ -33,6 +36,7 @@ class ParameterSync:
     start_s: float
     end_s: float
     overlapped: bool = False
+    drift: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -40,12 +44,14 @@ class _InFlight:
     """A sync started and not applied yet: what carries the mean change, and when to apply it.
 
     ``wire``: the mean change (all-reduced, or restored from a checkpoint), or with int8 every rank's packed row.
+    ``own_sq``: the squared norm of this rank's change (``None`` when restored from a checkpoint).
     """
 
     wire: torch.Tensor
     work: dist.Work | None
     apply_at: int
     wire_bytes: int
+    own_sq: torch.Tensor | None = None
 
 
 class LocalSGD:
@@ -172,6 +178,7 @@ class LocalSGD:
     def _start_sync(self) -> None:
         """Start sending the parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies its mean."""
         delta = self._local_change()
+        own_sq = squared_norm(delta)
         work: dist.Work | None
         if self.config.compression == "int8":
             packed, wire = self._int8_buffers()
@@ -182,7 +189,7 @@ class LocalSGD:
             wire.copy_(delta.div_(self.world_size))  # divided before a half-precision cast
             work = dist.all_reduce(wire, group=self.process_group, async_op=True)
             sent = wire.numel() * wire.element_size()
-        self._in_flight = _InFlight(wire, work, self.steps + self.config.overlap_steps, sent)
+        self._in_flight = _InFlight(wire, work, self.steps + self.config.overlap_steps, sent, own_sq)
 
     def _arrived_mean(self, in_flight: _InFlight) -> torch.Tensor:
         """The mean change a sync carried, in the work buffer (fp32); the sync must have arrived."""
@@ -204,7 +211,9 @@ class LocalSGD:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight.work is not None:
             in_flight.work.wait()
-        self._outer_step(self._arrived_mean(in_flight), outer_step=True)
+        mean = self._arrived_mean(in_flight)
+        drift = None if in_flight.own_sq is None else (in_flight.own_sq, squared_norm(mean))
+        self._outer_step(mean, outer_step=True)
         # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
         self._load_parameters(self.anchor, weight=1 - self.config.overlap_mixing)
         buffer_bytes = self._sync_buffers()
@@ -221,6 +230,7 @@ class LocalSGD:
             start_s=start,
             end_s=time.perf_counter(),
             overlapped=True,
+            drift=drift,
         )
 
     def finish(self) -> ParameterSync | None:
@@ -248,7 +258,9 @@ class LocalSGD:
         anchor = self.anchor
         start = time.perf_counter()
         delta = self._local_change()
+        own_sq = squared_norm(delta)
         wire_bytes = self._mean_inplace(delta)
+        drift = (own_sq, squared_norm(delta))
         self._outer_step(delta, outer_step)
         self._load_parameters(anchor)
         buffer_bytes = self._sync_buffers()
@@ -259,6 +271,7 @@ class LocalSGD:
             wire_bytes=wire_bytes + buffer_bytes,
             start_s=start,
             end_s=time.perf_counter(),
+            drift=drift,
         )
 
     def _outer_step(self, mean_delta: torch.Tensor, outer_step: bool) -> None:

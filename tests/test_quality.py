@@ -1,0 +1,235 @@
+"""The quality measurements: each lossy hook's compression error, PowerSGD's error bound, local SGD's drift.
+
+The hooks run here on a 1-rank gloo group with a stand-in bucket, so every figure can be checked against the same
+arithmetic done independently; the 2-process runs check that the figures reach the log, the report and a finding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_ddpopt import CommProfiler, LocalSGDConfig, OptimizedDDPStrategy
+from lightning_ddpopt.hooks import _kernels
+from lightning_ddpopt.hooks.auto import _ProbeBucket
+from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.compression import bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
+from lightning_ddpopt.hooks.powersgd import RANK_WINDOW, PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.ledger import CommLedger, local_drift
+from tests.helpers import StackModel, fit_ddp
+
+
+def _norm(tensor: torch.Tensor) -> float:
+    return float(tensor.double().norm())
+
+
+def _sync(hook, state, ledger: CommLedger, bucket: _ProbeBucket, values: torch.Tensor):
+    """One sync round of ``bucket`` holding ``values``; the step's ledger record."""
+    bucket.buffer().copy_(values)
+    ledger.record_hook(hook)(state, bucket).wait()
+    (record,) = ledger.close_step()
+    return record
+
+
+@pytest.mark.parametrize(
+    ("hook", "dtype"), [(fp16_allreduce_hook, torch.float16), (bf16_allreduce_hook, torch.bfloat16)]
+)
+def test_a_cast_hooks_error_is_what_the_cast_dropped(gloo_group, hook, dtype):
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(4096,)], torch.device("cpu"))
+    ledger = CommLedger(error_every=1)
+    values = torch.randn(4096) * torch.logspace(-9, 0, 4096)  # down to fp16's subnormals: a visible error
+    record = _sync(hook, CommHookState(ledger=ledger), ledger, bucket, values)
+    expected = _norm(values - values.to(dtype).float()) / _norm(values)
+    assert record.compression_error == pytest.approx(expected, rel=1e-6)
+    assert 0 < record.compression_error < 0.01
+    assert record.error_feedback == 0.0
+
+
+@pytest.mark.parametrize("loops", [True, False], ids=["numba", "torch"])
+def test_int8s_error_and_error_fed_back_are_exact(gloo_group, monkeypatch, loops):
+    if loops and not _kernels.available():
+        pytest.skip("numba is not installed")
+    if not loops:
+        monkeypatch.setattr(_kernels, "available", lambda: False)
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(300, 7), (1000,)], torch.device("cpu"))
+    ledger = CommLedger(error_every=1)
+    state = Int8State(config=Int8Config(), ledger=ledger)
+    state.bind_module(bucket.module)
+    first, second = torch.randn(3100), torch.randn(3100)
+    record = _sync(int8_hook, state, ledger, bucket, first)
+    state.state_dict()  # commits the round's errors
+    kept = torch.cat([state.errors[name].reshape(-1) for name in ("probe0", "probe1")])
+    assert record.compression_error == pytest.approx(_norm(kept) / _norm(first), rel=1e-6)
+    assert record.error_feedback == 0.0
+    record = _sync(int8_hook, state, ledger, bucket, second)
+    state.state_dict()
+    now = torch.cat([state.errors[name].reshape(-1) for name in ("probe0", "probe1")])
+    given = second + kept
+    assert record.compression_error == pytest.approx(_norm(now) / _norm(given), rel=1e-6)
+    assert record.error_feedback == pytest.approx(_norm(kept) / _norm(given), rel=1e-6)
+    assert 0.001 < record.compression_error < 0.05
+
+
+def test_ledger_samples_rounds_every_error_every(gloo_group):
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(1024,)], torch.device("cpu"))
+    ledger = CommLedger(error_every=3)
+    state = CommHookState(ledger=ledger)
+    records = [_sync(fp16_allreduce_hook, state, ledger, bucket, torch.randn(1024)) for _ in range(7)]
+    assert [r.compression_error is not None for r in records] == [True, False, False, True, False, False, True]
+    off = CommLedger()  # the default: nothing measured, nothing computed
+    assert (
+        _sync(fp16_allreduce_hook, CommHookState(ledger=off), off, bucket, torch.randn(1024)).compression_error is None
+    )
+    with pytest.raises(ValueError, match="error_every must be an int >= 0, got -1"):
+        CommLedger(error_every=-1)
+
+
+def _powersgd(config: PowerSGDConfig, ledger: CommLedger, bucket: _ProbeBucket) -> PowerSGDState:
+    state = PowerSGDState(config=config, ledger=ledger, cpu_kernels="blocked")
+    state.bind_module(bucket.module)
+    state.iteration = config.start_iter  # compressing from the first round
+    return state
+
+
+def test_powersgds_error_is_the_kept_error_and_the_same_without_error_feedback(gloo_group):
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(64, 48)], torch.device("cpu"))
+    matrix = torch.randn(64 * 48)
+    ledger = CommLedger(error_every=1)
+    state = _powersgd(PowerSGDConfig(rank=2, max_error=None, start_iter=2), ledger, bucket)
+    record = _sync(powersgd_hook, state, ledger, bucket, matrix)
+    kept = state.errors["probe0"]
+    assert record.compression_error == pytest.approx(_norm(kept) / _norm(matrix), rel=1e-6)
+    assert 0.5 < record.compression_error < 1  # rank 2 of a random 64 x 48 matrix keeps little
+    # Without error feedback no error is formed: the figure comes from P's orthogonality, and agrees.
+    plain = CommLedger(error_every=1)
+    config = PowerSGDConfig(rank=2, max_error=None, error_feedback=False, warm_start=False, start_iter=2)
+    bare = _sync(powersgd_hook, _powersgd(config, plain, bucket), plain, bucket, matrix)
+    assert bare.compression_error == pytest.approx(record.compression_error, rel=1e-4)
+
+
+def test_powersgd_raises_its_rank_while_the_error_is_above_max_error_and_resumes_exactly(gloo_group):
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
+    gradients = [torch.randn(96 * 64) for _ in range(4 * RANK_WINDOW)]
+    config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=4, start_iter=2)
+
+    def run(rounds: range, state: PowerSGDState, ledger: CommLedger) -> list[int]:
+        return [_sync(powersgd_hook, state, ledger, bucket, gradients[i]).wire_bytes for i in rounds]
+
+    ledger = CommLedger()
+    state = _powersgd(config, ledger, bucket)
+    sent = run(range(len(gradients)), state, ledger)
+    # Measured at the window's last round, applied two rounds later: 1 -> 2 -> 4 (max_rank), then no more probes.
+    first = config.start_iter + RANK_WINDOW - 1 + 2
+    assert [(step, old, new) for step, _, old, new in state.rank_changes] == [
+        (first, 1, 2),
+        (first + RANK_WINDOW, 2, 4),
+    ]
+    assert all(error > 0.3 for _, error, _, _ in state.rank_changes)
+    rank_bytes = (96 + 64) * 4  # P and Q of rank 1, fp32
+    start = config.start_iter
+    assert sent[first - start - 1] == rank_bytes and sent[first - start] == 2 * rank_bytes
+    assert sent[-1] == 4 * rank_bytes and state.rank == 4
+
+    # Saved between a measurement and its verdict (the probe travels in the checkpoint): the same rises, the same state.
+    ledger = CommLedger()
+    before = _powersgd(config, ledger, bucket)
+    cut = first - start - 1  # the round before the verdict is applied
+    run(range(cut), before, ledger)
+    saved = before.state_dict()
+    assert saved["rank_probe"] is not None and saved["rank"] == 1
+    after = PowerSGDState(config=config, ledger=ledger, cpu_kernels="blocked")
+    after.bind_module(bucket.module)
+    after.load_state_dict(saved)
+    run(range(cut, len(gradients)), after, ledger)
+    assert after.rank_changes == state.rank_changes and after.rank == 4
+    assert torch.equal(after.errors["probe0"], state.errors["probe0"])
+
+
+def test_a_fixed_rank_never_changes_and_bad_bounds_fail_at_construction(gloo_group):
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
+    ledger = CommLedger()
+    state = _powersgd(PowerSGDConfig(rank=1, max_error=None, start_iter=2), ledger, bucket)
+    for _ in range(3 * RANK_WINDOW):
+        _sync(powersgd_hook, state, ledger, bucket, torch.randn(96 * 64))
+    assert state.rank == 1 and state.rank_changes == []
+    with pytest.raises(ValueError, match=r"max_error=1\.5 must be a number between 0 and 1"):
+        PowerSGDConfig(max_error=1.5)
+    with pytest.raises(ValueError, match="max_rank=2 must be at least rank=4"):
+        PowerSGDConfig(rank=4, max_rank=2)
+
+
+def test_local_drift_is_the_spread_of_the_changes_around_their_mean():
+    torch.manual_seed(0)
+    changes = [torch.randn(100, dtype=torch.float64) + 1 for _ in range(3)]
+    mean = torch.stack(changes).mean(0)
+    expected = math.sqrt(sum(_norm(c - mean) ** 2 for c in changes) / 3) / _norm(mean)
+    ratios = [_norm(c) ** 2 / _norm(mean) ** 2 for c in changes]
+    assert local_drift(ratios) == pytest.approx(expected, rel=1e-9)
+    assert local_drift([1.0, 1.0]) == 0.0 and local_drift([]) is None
+
+
+def _report(tmp_path):
+    (path,) = tmp_path.glob("logs/version_*/ddpopt_report.json")
+    report = json.loads(path.read_text())
+    return report, {f["area"]: f for f in report["findings"]}
+
+
+def test_a_low_rank_with_adam_is_reported_with_its_error_and_the_advice(tmp_path):
+    # PowerSGD at a fixed rank 1 of 256 x 256 layers, Adam: the error is far above the bound for an adaptive
+    # optimizer; the log, the report and the finding say so, with the rank to try.
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, max_error=None, start_iter=2), start_method="fork"),
+        model=StackModel(optimizer="adam", lr=1e-3),
+        callbacks=[CommProfiler(every_n_steps=4, error_every=2)],
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        samples=128,
+    )
+    report, findings = _report(tmp_path)
+    quality = report["summary"]["comm"]["quality"]
+    assert quality["compression_error_measured_syncs"] == 2 * 3  # 2 ranks x steps 3, 5, 7 (compressed from step 3)
+    assert 0.6 < quality["compression_error"] <= quality["compression_error_max"] < 1
+    assert report["summary"]["optimizers"] == ["Adam"]
+    compression = findings["compression"]
+    assert compression["status"] == "problem"
+    assert compression["evidence"].startswith(
+        f"hook powersgd: relative compression error {quality['compression_error']:.3f}"
+    )
+    assert "rank 1; above 0.6 with Adam" in compression["evidence"]
+    assert compression["recommendation"].startswith("raise PowerSGD's rank (PowerSGDConfig(rank=2) or max_error=0.6)")
+    (metrics,) = tmp_path.glob("logs/version_*/metrics.csv")
+    header = metrics.read_text().splitlines()[0].split(",")
+    assert {"ddpopt/comm/compression_error", "ddpopt/comm/compression_error_max", "ddpopt/comm/error_feedback"} <= set(
+        header
+    )
+
+
+def test_local_sgds_drift_is_logged_and_reported(tmp_path):
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(4), start_method="fork"),
+        callbacks=[CommProfiler(every_n_steps=4)],
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        samples=128,
+    )
+    report, findings = _report(tmp_path)
+    quality = report["summary"]["comm"]["quality"]
+    assert quality["local_drift_syncs"] == 2  # steps 4 and 8
+    assert 0 < quality["local_drift"] < 1
+    assert findings["compression"]["status"] == "ok"
+    assert findings["compression"]["evidence"].startswith(
+        f"local SGD: the ranks' parameter changes spread {quality['local_drift']:.2f} x the mean change"
+    )
