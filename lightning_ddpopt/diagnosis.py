@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
+from lightning_ddpopt.hooks.powersgd import PowerSGDState
 from lightning_ddpopt.units import format_bytes
 
 __all__ = ["AREAS", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
@@ -65,10 +66,10 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "optimizers": [type(optimizer).__name__ for optimizer in trainer.optimizers],
     }
-    rank = getattr(getattr(strategy, "comm_state", None), "rank", None)
-    if isinstance(rank, int):  # PowerSGD: the rank in use, and its config's bounds
-        config = strategy.comm_state.config  # type: ignore[attr-defined]
-        summary["powersgd"] = {"rank": rank, "max_rank": config.max_rank, "max_error": config.max_error}
+    state = getattr(strategy, "comm_state", None)
+    if isinstance(state, PowerSGDState):  # the rank in use, and the config's bound
+        config = state.config
+        summary["powersgd"] = {"rank": state.rank, "max_rank": config.max_rank, "max_error": config.max_error}
     ledger = getattr(strategy, "ledger", None)
     if ledger is not None and ledger.recording and ledger.total_steps:
         steps = list(ledger.steps)
@@ -154,21 +155,27 @@ def _network(summary: dict[str, Any]) -> Finding:
 
 
 def _compression(summary: dict[str, Any]) -> Finding:
-    """What the sync's compression costs in quality: the lossy hook's measured error, or local SGD's drift."""
-    quality = (summary.get("comm") or {}).get("quality") or {}
+    """What the sync's compression costs in quality: the lossy hook's measured error, or local SGD's drift.
+
+    Judged on the profiler's latest interval (as the network finding; mid-run too), else on the run's means.
+    """
+    comm = summary.get("comm") or {}
+    quality = comm.get("quality") or {}
     hook = summary.get("comm_hook") or "none"
     local_sgd = summary.get("local_sgd")
-    if local_sgd is not None and "local_drift" in quality:
-        drift, every = quality["local_drift"], local_sgd["sync_every"]
+    drift = comm.get("local_drift", quality.get("local_drift"))
+    if local_sgd is not None and drift is not None:
+        every = local_sgd["sync_every"]
         evidence = (
             f"local SGD: the ranks' parameter changes spread {drift:.2f} x the mean change around it at a sync "
-            f"(every {every} steps, mean of {quality['local_drift_syncs']:g} syncs)"
+            f"(every {every} steps)"
         )
         if drift > LOCAL_DRIFT_LIMIT:
             advice = f"sync more often (sync_every below {every}) or lower the inner learning rate"
             return Finding("compression", "problem", evidence + f", above {LOCAL_DRIFT_LIMIT:g}", advice)
         return Finding("compression", "ok", evidence)
-    if "compression_error" not in quality:
+    error = comm.get("compression_error", quality.get("compression_error"))
+    if error is None:
         if hook in ("none", "allreduce") and local_sgd is None:
             return Finding("compression", "ok", f"hook {hook}: gradients are synced exactly")
         return Finding(
@@ -177,33 +184,44 @@ def _compression(summary: dict[str, Any]) -> Finding:
             f"hook {hook}: no compression error measured",
             "add CommProfiler() (it measures a lossy hook's error every error_every syncs)",
         )
-    error, worst = quality["compression_error"], quality["compression_error_max"]
+    worst = comm.get("compression_error_max", quality.get("compression_error_max", error))
     family = "powersgd" if "powersgd" in hook else "int8" if "int8" in hook else "cast"
     optimizers = summary.get("optimizers") or []
     adaptive = any(name in ADAPTIVE_OPTIMIZERS for name in optimizers)
     limit = COMPRESSION_ERROR_LIMITS[family][0 if adaptive else 1]
-    evidence = (
-        f"hook {hook}: relative compression error {error:.3f} (worst rank {worst:.3f}, "
-        f"{quality['compression_error_measured_syncs']:g} measured syncs), error fed back "
-        f"{quality.get('error_feedback', 0.0):.3f}"
-    )
+    evidence = f"hook {hook}: relative compression error {error:.3f} (worst rank {worst:.3f})"
+    if "compression_error" in comm and comm.get("interval_steps"):
+        evidence += f" over the last {comm['interval_steps']} steps"
+    if "compression_error" in quality:
+        measured = quality["compression_error_measured_syncs"]
+        evidence += f"; over the run {quality['compression_error']:.3f} ({measured:g} measured syncs)"
     powersgd = summary.get("powersgd")
     if powersgd is not None:
-        evidence += f", rank {powersgd['rank']}"
-    if worst <= limit:
+        evidence += f"; rank {powersgd['rank']}"
+    if error <= limit:
         return Finding("compression", "ok", evidence)
-    evidence += f"; above {limit:g} with {', '.join(optimizers) or 'this optimizer'}"
-    if family == "powersgd":
-        rank = powersgd["rank"] if powersgd else 4
-        if powersgd and powersgd["max_error"] is not None and rank >= powersgd["max_rank"]:
-            advice = f"the rank reached max_rank={rank}: raise PowerSGDConfig(max_rank=...)"
+    who = ", ".join(optimizers) or "this optimizer"
+    if family != "powersgd":
+        evidence += f"; above {limit:g} with {who}"
+        if family == "int8":
+            advice = "gradients with outliers: use Int8Config(block_size=...) smaller, or comm_hook='bf16'"
         else:
-            advice = f"raise PowerSGD's rank (PowerSGDConfig(rank={2 * rank}) or max_error=0.6)"
-        advice += ", or use comm_hook='int8' (error about 0.01)"
-    elif family == "int8":
-        advice = "gradients with outliers: use Int8Config(block_size=...) smaller, or comm_hook='bf16'"
+            advice = "gradients under- or overflow the cast: use comm_hook='bf16' (fp32's range) or 'allreduce'"
+        return Finding("compression", "problem", evidence, advice)
+    rank, bound, top = (powersgd["rank"], powersgd["max_error"], powersgd["max_rank"]) if powersgd else (4, None, 4)
+    if bound is not None and bound <= limit and rank < top:  # the bound is at work
+        evidence += f"; above {limit:g} with {who}, and the rank rises while the error is above max_error {bound:g}"
+        return Finding("compression", "ok", evidence)
+    evidence += f"; above {limit:g} with {who}"
+    if bound is None:
+        advice = (
+            f"raise PowerSGD's rank (PowerSGDConfig(rank={2 * rank})) or let it rise with the error "
+            f"(PowerSGDConfig(max_error={limit:g})), or use comm_hook='int8' (error about 0.01)"
+        )
+    elif bound > limit:
+        advice = f"lower the error bound: PowerSGDConfig(max_error={limit:g}), or use comm_hook='int8'"
     else:
-        advice = "gradients under- or overflow the cast: use comm_hook='bf16' (fp32's range) or 'allreduce'"
+        advice = f"the rank reached max_rank={rank}: raise PowerSGDConfig(max_rank=...), or use comm_hook='int8'"
     return Finding("compression", "problem", evidence, advice)
 
 

@@ -43,8 +43,9 @@ class BucketRecord:
         transfer_hidden: the bytes travelled while the ranks trained on (local SGD's overlapped sync): ``start_s`` to
             ``end_s`` is what the step waited for them, not their transfer.
         compression: squared norms ``(given, dropped, fed_back)`` of what this rank's lossy hook compressed, what
-            the compression dropped and the stored error it added first (0 without error feedback); ``None`` when
-            not measured (see :attr:`CommLedger.error_every`).
+            the compression dropped of it and the stored error it added first (0 without error feedback); ``None``
+            when not measured (see :attr:`CommLedger.error_every`). This rank's own part: int8's re-quantisation of
+            the summed chunks and the rounding of a half-precision sum are not counted.
         drift: for a parameter sync of local SGD, squared norms ``(own, mean)`` of this rank's parameter change
             since the last sync and of the mean change over the ranks; ``None`` otherwise.
     """

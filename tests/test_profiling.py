@@ -403,7 +403,7 @@ def test_diagnosis_order_and_recommendations():
 @pytest.mark.parametrize(
     ("hook", "optimizers", "error", "status", "advice"),
     [
-        ("powersgd", ["AdamW"], 0.71, "problem", "raise PowerSGD's rank (PowerSGDConfig(rank=8) or max_error=0.6)"),
+        ("powersgd", ["AdamW"], 0.71, "problem", "raise PowerSGD's rank (PowerSGDConfig(rank=8)) or let it rise"),
         ("powersgd", ["SGD"], 0.71, "ok", ""),  # SGD with momentum loses 0.6% at 0.83 (transformer_quality)
         ("powersgd", ["SGD"], 0.95, "problem", "raise PowerSGD's rank"),
         ("int8", ["AdamW"], 0.011, "ok", ""),
@@ -424,9 +424,34 @@ def test_compression_finding_by_hook_and_optimizer(hook, optimizers, error, stat
     finding = diagnose(summary)[1]
     assert (finding.area, finding.status) == ("compression", status)
     assert finding.evidence.startswith(
-        f"hook {hook}: relative compression error {error:.3f} (worst rank {error:.3f}, 8 "
+        f"hook {hook}: relative compression error {error:.3f} (worst rank {error:.3f}); over the run {error:.3f} "
+        "(8 measured syncs)"
     )
     assert finding.recommendation.startswith(advice)
+
+
+@pytest.mark.parametrize(
+    ("rank", "max_error", "status", "text"),
+    [
+        (16, 0.6, "ok", "; above 0.6 with AdamW, and the rank rises while the error is above max_error 0.6"),
+        (16, 0.8, "problem", "lower the error bound: PowerSGDConfig(max_error=0.6), or use comm_hook='int8'"),
+        (64, 0.6, "problem", "the rank reached max_rank=64: raise PowerSGDConfig(max_rank=...)"),
+    ],
+)
+def test_compression_finding_for_powersgds_error_bound(rank, max_error, status, text):
+    # The latest interval's error (the profiler's last log point) is judged, as the network finding's figures.
+    summary = {
+        "comm_hook": "powersgd",
+        "optimizers": ["AdamW"],
+        "comm": {"compression_error": 0.62, "compression_error_max": 0.65, "interval_steps": 20},
+        "powersgd": {"rank": rank, "max_rank": 64, "max_error": max_error},
+    }
+    finding = diagnose(summary)[1]
+    assert finding.status == status
+    assert finding.evidence.startswith(
+        f"hook powersgd: relative compression error 0.620 (worst rank 0.650) over the last 20 steps; rank {rank}"
+    )
+    assert text in (finding.evidence if status == "ok" else finding.recommendation)
 
 
 def test_compression_finding_without_a_measurement_and_for_local_sgd():
@@ -455,7 +480,10 @@ def test_compression_finding_without_a_measurement_and_for_local_sgd():
         }
     )[1]
     assert drifting.status == "problem"
-    assert drifting.evidence.startswith("local SGD: the ranks' parameter changes spread 1.50 x the mean change")
+    assert drifting.evidence == (
+        "local SGD: the ranks' parameter changes spread 1.50 x the mean change around it at a sync (every 16 steps), "
+        "above 1"
+    )
     assert drifting.recommendation == "sync more often (sync_every below 16) or lower the inner learning rate"
 
 

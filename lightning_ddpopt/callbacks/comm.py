@@ -91,7 +91,10 @@ class CommProfiler(Callback):
     The quality figures (``compression_error``, ``error_feedback``, ``local_drift``) are logged when they were
     measured in the interval: a lossy hook (fp16, bf16, int8, PowerSGD) measures every ``error_every``-th sync (a
     pass or two over the gradients; the ledger's :attr:`~lightning_ddpopt.ledger.CommLedger.error_every`), local
-    SGD at each parameter sync. The report keeps the run's means, and a finding says when they are high.
+    SGD at each parameter sync. The error is each rank's own compression of its gradient (int8's re-quantisation of
+    the summed chunks and the rounding of a half-precision sum are not counted), and a round with non-finite values
+    is left out (``AMPMonitor`` reports those). The report keeps the run's means, and a finding says when they are
+    high.
 
     At the end of fit, rank 0 prints the findings of :mod:`lightning_ddpopt.diagnosis` (network, AMP from an
     :class:`AMPMonitor`, accumulation, stragglers from a :class:`StragglerDetector`) and writes them, with every
@@ -173,6 +176,7 @@ class CommProfiler(Callback):
         self._exchange = Exchange()
         self._fit_steps = 0
         self._quality = {name: [0.0, 0] for name in _QUALITY_FIELDS}
+        self.run_quality = {}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -242,7 +242,8 @@ class _BucketSync:
         # numba's loops (the same bytes as the torch path, in one pass instead of about ten), whatever torch's
         # thread count: blocks are independent and sums over ranks keep rank order.
         self.loops = _kernels.available() and _kernels.fits(self.buffer.view(1, -1))
-        # A measured round (the ledger samples them): the compression error goes to the ledger, see _measure.
+        # A measured round (the ledger samples them): the squared norms of what is quantised and of what the
+        # quantisation drops (the errors, formed even without error feedback) go to the ledger.
         measuring = state.measuring
         given_sq = fed_back = None
         if config.error_feedback and not self.loops:

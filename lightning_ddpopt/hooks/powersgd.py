@@ -26,6 +26,12 @@ bucket order, so all ranks issue the same collectives in the same order:
 The random projections are drawn from generators seeded by ``(seed, step, parameter name)``, the same on every
 rank and reproducible after a resume without saving any RNG state.
 
+**The error bound** (``PowerSGDConfig.max_error``): every ``RANK_WINDOW``-th compressed round measures its relative
+compression error, after its last bucket all-reduces the two squared norms (one more small collective on the
+hook's group, in the same place of the chain on every rank), and two rounds later every rank reads the sum (on a GPU
+through a :class:`~lightning_ddpopt.deferred.DeferredRead`, long arrived unless the host runs two syncs ahead of
+the device) and doubles the rank if the error is above the bound. A non-finite round's measurement decides nothing.
+
 Under fp16 AMP two things keep the state sound:
 
 * **Non-finite gradients never enter the state.** A sync round stages its new error feedback and Q memories and
@@ -57,7 +63,7 @@ from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.deferred import DeferredRead, to_device
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
+from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, config_mismatch
 from lightning_ddpopt.hooks.lowrank import MATRIX_DTYPES, low_rank_allreduce, random_q
 
 __all__ = ["RANK_WINDOW", "PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
@@ -115,8 +121,11 @@ class PowerSGDConfig:
     def __post_init__(self) -> None:
         require_int("PowerSGDConfig rank", self.rank, 1)
         require_int("PowerSGDConfig max_rank", self.max_rank, 1)
-        if self.max_rank < self.rank:
-            raise ValueError(f"PowerSGDConfig max_rank={self.max_rank} must be at least rank={self.rank}")
+        if self.max_error is not None and self.max_rank < self.rank:
+            raise ValueError(
+                f"PowerSGDConfig max_rank={self.max_rank} must be at least rank={self.rank} (max_error bounds the "
+                "error by raising the rank from rank up to max_rank; max_error=None keeps rank fixed)"
+            )
         if self.max_error is not None and (
             isinstance(self.max_error, bool)
             or not isinstance(self.max_error, int | float)
@@ -287,6 +296,16 @@ class PowerSGDState(ErrorFeedbackState):
         """The PowerSGDConfig as saved."""
         return asdict(self.config)
 
+    def mismatch(self, state: dict[str, object]) -> str | None:
+        """Name the config fields in which ``state`` differs, leaving out the error bound (``max_error``, ``max_rank``).
+
+        The bound may change on a resume (and a state saved before it existed has none): the rank reached is kept,
+        within the new bound (see :meth:`_load_rank`).
+        """
+        bound = {"max_error", "max_rank"}
+        config = {key: value for key, value in self.config_dict().items() if key not in bound}
+        return config_mismatch(self.label, state, config)
+
     def state_dict(self) -> dict[str, object]:
         """Iteration, error feedback with its loss scales, and Q memories (tensors on the CPU), plus the config."""
         if self._worker is not None:
@@ -306,12 +325,20 @@ class PowerSGDState(ErrorFeedbackState):
         return {"rank": self.rank, "rank_changes": list(self.rank_changes), "rank_probe": probe}
 
     def _load_rank(self, state: dict[str, object]) -> None:
-        """Restore :meth:`_rank_state` (a state saved before the rank could change: ``config.rank``)."""
-        rank, changes = state.get("rank", self.config.rank), state.get("rank_changes", [])
+        """Restore :meth:`_rank_state`: the rank reached, within this config's bound, and a measurement on its way.
+
+        Without ``max_error`` the rank is the config's; with it, the saved one (a state saved before the rank could
+        change: the config's), at least ``rank`` and at most ``max_rank``.
+        """
+        config = self.config
+        saved, changes = state.get("rank", config.rank), state.get("rank_changes", [])
         probe = state.get("rank_probe")
-        assert isinstance(rank, int) and isinstance(changes, list)
-        self.rank, self.rank_changes, self._probe_sums = rank, [tuple(change) for change in changes], None
-        self._probe = None
+        assert isinstance(saved, int) and isinstance(changes, list)
+        self.rank_changes, self._probe_sums, self._probe = [tuple(change) for change in changes], None, None
+        if config.max_error is None:
+            self.rank = config.rank
+            return
+        self.rank = min(max(saved, config.rank), config.max_rank)
         if isinstance(probe, dict):
             self._probe = (DeferredRead(torch.tensor(probe["norms"], dtype=torch.float64)), int(probe["decide_at"]))
 
@@ -487,6 +514,10 @@ def _compress_and_allreduce(
             others.append(gradient)
             other_names.append(name)
     if others:
+        if config.error_feedback:
+            # A matrix a raised rank no longer compresses sends its stored error with it (then the error is dropped);
+            # the others have none stored.
+            state.add_error_feedback(round_, other_names, others)
         _allreduce_exact(state, round_, bucket, other_names, others)
     if matrices:
         errors = low_rank_allreduce(state, round_, bucket, matrices, keys, add_feedback=config.error_feedback)
@@ -578,6 +609,8 @@ def _compress_as_square(
     else:
         square = flat if side * side == numel else torch.cat([flat, flat.new_zeros(side * side - numel)])
         matrix, key = square.view(side, side), "|".join(names)
+        if fed_back is None and state.config.error_feedback:  # added elsewhere (a regrouped round): not known here
+            fed_back = torch.full((), math.nan, dtype=torch.float64, device=matrix.device)
         (error,) = low_rank_allreduce(state, round_, bucket, [matrix], [key], add_feedback=False, fed_back=fed_back)
         if square is not flat:
             flat.copy_(square[:numel])
