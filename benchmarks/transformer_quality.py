@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pydoc_data.topics
 import sys
 import tempfile
@@ -207,6 +208,12 @@ def main() -> None:
     lines = [
         f"TinyGPT (2 x width 128, context 64) on Python's pydoc topics, {optimizer_name} {lr:g}, {args.steps} "
         f"steps, batch {args.batch_size} per rank, 2 CPU ranks; held-out loss in nats per byte",
+        "",
+        f"Command: `{' '.join(['benchmarks/transformer_quality.py', *sys.argv[1:]])}`",
+        f"Run {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores, one torch thread per rank. Compression error: "
+        "the mean over every 5th step of rank 0's relative error (local SGD: the drift of the ranks' changes at a "
+        "sync); rank: PowerSGD's at the end, and the steps it was raised at; sent per step: rank 0's mean over the "
+        "last 50 steps.",
         "",
         "| variant | held-out loss | vs allreduce | compression error | error fed back | rank (raised at step) "
         "| sent per step | fit s |",

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
-from lightning_ddpopt.hooks.powersgd import PowerSGDState
+from lightning_ddpopt.hooks.powersgd import ADAPTIVE_OPTIMIZERS, ERROR_BOUNDS, PowerSGDState
 from lightning_ddpopt.units import format_bytes
 
 __all__ = ["AREAS", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
@@ -24,14 +24,15 @@ COMM_SHARE_PROBLEM = 0.3
 #: Step-time coefficient of variation above this is reported as jitter.
 JITTER_CV = 0.2
 #: Relative compression errors above which a lossy hook is reported as costing quality, by hook family, with an
-#: adaptive optimizer (Adam and its kin) and with others. Measured with benchmarks/transformer_quality.py (a small
-#: GPT, 200 steps): PowerSGD at error 0.54 / 0.71 / 0.87 lost 0.1% / 1.9% / 8.3% of the held-out loss with AdamW, and
-#: at 0.83 only 0.6% with SGD and Nesterov momentum; int8 (0.011) and fp16 (< 0.001) lost nothing.
-COMPRESSION_ERROR_LIMITS = {"powersgd": (0.6, 0.9), "int8": (0.05, 0.05), "cast": (0.01, 0.01)}
+#: adaptive optimizer (Adam and its kin) and with others. PowerSGD's are its ``max_error="auto"`` bounds (measured:
+#: see ``hooks.powersgd.ERROR_BOUNDS``); int8 (0.011) and fp16 (< 0.001) lost nothing on the same benchmark.
+COMPRESSION_ERROR_LIMITS = {
+    "powersgd": (ERROR_BOUNDS["adaptive"], ERROR_BOUNDS["other"]),
+    "int8": (0.05, 0.05),
+    "cast": (0.01, 0.01),
+}
 #: Local SGD drift (spread of the ranks' changes around their mean, relative to it) above which a finding is raised.
 LOCAL_DRIFT_LIMIT = 1.0
-#: Optimizers that scale each coordinate by its own history: a compression error costs them more.
-ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
     state = getattr(strategy, "comm_state", None)
     if isinstance(state, PowerSGDState):  # the rank in use, and the config's bound
         config = state.config
-        summary["powersgd"] = {"rank": state.rank, "max_rank": config.max_rank, "max_error": config.max_error}
+        summary["powersgd"] = {"rank": state.rank, "max_rank": config.max_rank, "max_error": state.error_bound}
     ledger = getattr(strategy, "ledger", None)
     if ledger is not None and ledger.recording and ledger.total_steps:
         steps = list(ledger.steps)

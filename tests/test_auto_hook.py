@@ -47,7 +47,7 @@ def test_by_default_auto_never_trades_quality_for_powersgds_speed():
     # Allowed, it is the error-bounded PowerSGD, and the reason says its estimate is for the starting rank.
     assert lossy.reason.endswith(
         "powersgd is 35.7x faster (PowerSGD estimated at rank 4; its rank rises while its measured compression error "
-        "is above 0.6, which costs more)"
+        "is above its bound, which costs more)"
     )
 
 

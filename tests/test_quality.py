@@ -20,7 +20,7 @@ from lightning_ddpopt.hooks.auto import _ProbeBucket
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import RANK_WINDOW, PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.powersgd import ERROR_BOUNDS, RANK_WINDOW, PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.ledger import CommLedger, local_drift
 from tests.helpers import StackModel, fit_ddp
 
@@ -288,3 +288,26 @@ def test_the_error_bound_may_change_on_a_resume_and_older_states_load(gloo_group
     assert PowerSGDConfig(rank=128, max_error=None).rank == 128  # max_rank bounds only a rising rank
     with pytest.raises(ValueError, match="max_rank=2 must be at least rank=4"):
         PowerSGDConfig(rank=4, max_rank=2)
+
+
+@pytest.mark.parametrize(("optimizer", "bound"), [("adam", 0.6), ("sgd", 0.9)])
+def test_the_default_bound_follows_the_optimizer(tmp_path, optimizer, bound):
+    # max_error="auto": AdamW-like optimizers lose more to the same error (transformer_quality), so they get 0.6.
+    ranks = fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook="powersgd", start_method="fork"),
+        model=StackModel(optimizer=optimizer),
+        max_steps=2,
+    )
+    assert [r["hook_bound"] for r in ranks] == [bound, bound]
+    assert ERROR_BOUNDS == {"adaptive": 0.6, "other": 0.9}
+
+
+def test_without_the_strategy_the_default_bound_is_the_adaptive_one(gloo_group):
+    state = PowerSGDState(config=PowerSGDConfig())
+    assert state.error_bound == 0.6
+    state.fit_bound_to([torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)])
+    assert state.error_bound == 0.9
+    fixed = PowerSGDState(config=PowerSGDConfig(max_error=0.3))
+    fixed.fit_bound_to([])
+    assert fixed.error_bound == 0.3  # a number is kept whatever the optimizer

@@ -231,6 +231,17 @@ class HookInstaller:
             # int8's stages travel point to point, driven by worker threads: on a group nothing else uses meanwhile.
             state.exchange_group = self._group = own_group()
 
+    def fit_to_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Resolve what depends on the optimizers: PowerSGD's ``max_error="auto"`` bound (logged on rank 0)."""
+        state = self.comm_state
+        if isinstance(state, PowerSGDState) and state.config.max_error == "auto":
+            state.fit_bound_to(optimizers)
+            names = ", ".join(type(optimizer).__name__ for optimizer in optimizers) or "no optimizer"
+            rank_zero_info(
+                f"ddpopt: PowerSGD's error bound is {state.error_bound:g} for {names} (max_error='auto'); its rank "
+                f"starts at {state.rank} and doubles, up to {state.config.max_rank}, while the error is above it"
+            )
+
     def restore(self, saved: SavedRun, world_size: int, rank: int) -> None:
         """Load this rank's saved hook state; warn (on rank 0) about what could not be restored."""
         if not saved.hook_states:

@@ -66,7 +66,14 @@ from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, config_mismatch
 from lightning_ddpopt.hooks.lowrank import MATRIX_DTYPES, low_rank_allreduce, random_q
 
-__all__ = ["RANK_WINDOW", "PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
+__all__ = ["ADAPTIVE_OPTIMIZERS", "ERROR_BOUNDS", "RANK_WINDOW", "PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
+
+#: Optimizers that scale each coordinate by its own history (Adam and its kin): a compression error costs them more.
+ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam")
+#: ``max_error="auto"``'s bound: with an adaptive optimizer, and with others. Measured with
+#: ``benchmarks/transformer_quality.py`` (a small GPT, 200 steps): errors of 0.54 / 0.71 / 0.87 cost AdamW 0.1% /
+#: 1.9% / 8.3% of the held-out loss; 0.83 cost SGD with Nesterov momentum 0.6%.
+ERROR_BOUNDS = {"adaptive": 0.6, "other": 0.9}
 
 #: Syncs between two measurements of the compression error that may raise the rank (``PowerSGDConfig.max_error``).
 RANK_WINDOW = 5
@@ -88,8 +95,11 @@ class PowerSGDConfig:
         max_error: the bound on the relative compression error (the norm of what the compression dropped over the
             norm of what it was given, summed over the ranks): every ``RANK_WINDOW`` syncs the error is measured,
             and while it is above the bound the rank doubles, up to ``max_rank``. ``None`` keeps ``rank`` fixed.
-            The default, 0.6, keeps a small transformer trained with AdamW within 2% of allreduce's held-out
-            loss (``benchmarks/transformer_quality.py``), where a fixed rank 4 loses 8%.
+            ``"auto"`` (the default): 0.6 when an optimizer is adaptive (Adam and its kin, :data:`ADAPTIVE_OPTIMIZERS`),
+            else 0.9 (:data:`ERROR_BOUNDS`), as ``OptimizedDDPStrategy`` finds them at setup; a state used without
+            the strategy takes 0.6 unless :meth:`PowerSGDState.fit_bound_to` is called. With AdamW, 0.6 keeps a small
+            transformer within 2% of allreduce's held-out loss where a fixed rank 4 loses 8%; with SGD and momentum
+            rank 4 loses 0.6% at an error of 0.83 (``benchmarks/transformer_quality.py``).
         max_rank: the largest rank ``max_error`` may raise the rank to.
         start_iter: synchronised optimizer steps of plain allreduce before compression starts. It counts sync
             rounds, i.e. optimizer steps, not micro-batches (accumulation skips the syncs in between). With error
@@ -107,7 +117,7 @@ class PowerSGDConfig:
     """
 
     rank: int = 4
-    max_error: float | None = 0.6
+    max_error: float | Literal["auto"] | None = "auto"
     max_rank: int = 64
     start_iter: int = 10
     min_compression_rate: float = 2.0
@@ -126,14 +136,18 @@ class PowerSGDConfig:
                 f"PowerSGDConfig max_rank={self.max_rank} must be at least rank={self.rank} (max_error bounds the "
                 "error by raising the rank from rank up to max_rank; max_error=None keeps rank fixed)"
             )
-        if self.max_error is not None and (
-            isinstance(self.max_error, bool)
-            or not isinstance(self.max_error, int | float)
-            or not 0 < self.max_error < 1
+        if (
+            self.max_error is not None
+            and self.max_error != "auto"
+            and (
+                isinstance(self.max_error, bool)
+                or not isinstance(self.max_error, int | float)
+                or not 0 < self.max_error < 1
+            )
         ):
             raise ValueError(
-                f"PowerSGDConfig max_error={self.max_error!r} must be a number between 0 and 1 (exclusive), or None "
-                "for a fixed rank"
+                f"PowerSGDConfig max_error={self.max_error!r} must be a number between 0 and 1 (exclusive), 'auto' "
+                "(by the optimizer) or None for a fixed rank"
             )
         require_int("PowerSGDConfig start_iter", self.start_iter, 0)
         if (self.error_feedback or self.warm_start) and self.start_iter < 2:
@@ -200,6 +214,8 @@ class PowerSGDState(ErrorFeedbackState):
     cpu_kernels: CPUKernels | None = None
     #: The rank in use: ``config.rank``, raised by ``config.max_error``; the same on every rank.
     rank: int = 0
+    #: The error bound in use: ``config.max_error``, ``"auto"`` resolved (see :meth:`fit_bound_to`).
+    error_bound: float | None = field(default=None, init=False)
     #: ``(step, error, old rank, new rank)`` for each rise of the rank, in order.
     rank_changes: list[tuple[int, float, int, int]] = field(default_factory=list)
     _regroup: _Regroup | None = field(default=None, repr=False)
@@ -213,6 +229,14 @@ class PowerSGDState(ErrorFeedbackState):
         super().__post_init__()
         if not self.rank:
             self.rank = self.config.rank
+        bound = self.config.max_error
+        self.error_bound = ERROR_BOUNDS["adaptive"] if bound == "auto" else bound
+
+    def fit_bound_to(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Resolve ``max_error="auto"`` for these optimizers: the adaptive bound if any is adaptive, else the other."""
+        if self.config.max_error == "auto":
+            adaptive = any(type(optimizer).__name__ in ADAPTIVE_OPTIMIZERS for optimizer in optimizers)
+            self.error_bound = ERROR_BOUNDS["adaptive" if adaptive else "other"]
 
     @property
     def probing(self) -> bool:
@@ -223,7 +247,7 @@ class PowerSGDState(ErrorFeedbackState):
     def _probe_due(self) -> bool:
         """Whether this round is one to measure for ``max_error`` (every ``RANK_WINDOW``-th compressed round)."""
         config = self.config
-        if config.max_error is None or self.rank >= config.max_rank or self.iteration < config.start_iter:
+        if self.error_bound is None or self.rank >= config.max_rank or self.iteration < config.start_iter:
             return False
         return (self.iteration - config.start_iter) % RANK_WINDOW == RANK_WINDOW - 1
 
@@ -244,7 +268,7 @@ class PowerSGDState(ErrorFeedbackState):
     def adapt_rank(self) -> None:
         """At a round's first bucket: apply a measurement's verdict when its round has come (the same on every rank).
 
-        The rank doubles (up to ``max_rank``) when the error summed over the ranks is above ``max_error``.
+        The rank doubles (up to ``max_rank``) when the error summed over the ranks is above the bound.
         """
         if self._probe_due:
             self._probe_sums = []
@@ -254,12 +278,13 @@ class PowerSGDState(ErrorFeedbackState):
         self._probe = None
         given, dropped = read.read().tolist()
         error = math.sqrt(dropped / given) if given > 0 else math.nan
-        assert self.config.max_error is not None
-        if math.isfinite(error) and error > self.config.max_error:
+        bound = self.error_bound
+        assert bound is not None
+        if math.isfinite(error) and error > bound:
             new_rank = min(2 * self.rank, self.config.max_rank)
             self.rank_changes.append((self.iteration, error, self.rank, new_rank))
             rank_zero_info(
-                f"ddpopt: PowerSGD's compression error {error:.2f} is above max_error {self.config.max_error:g} at "
+                f"ddpopt: PowerSGD's compression error {error:.2f} is above max_error {bound:g} at "
                 f"rank {self.rank}: rank {new_rank} from sync {self.iteration}"
             )
             self.rank = new_rank

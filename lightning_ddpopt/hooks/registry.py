@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.powersgd import ERROR_BOUNDS, PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.precision import native_bf16
 
@@ -94,7 +94,10 @@ def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
     """A registry entry for PowerSGD with ``config``; pass a ``PowerSGDConfig`` as ``comm_hook`` to get one."""
     dtype = "" if config.matrix_dtype == "fp32" else f", P/Q sent in {config.matrix_dtype}"
     rank = f"rank {config.rank}"
-    if config.max_error is not None:
+    if config.max_error == "auto":
+        bounds = f"{ERROR_BOUNDS['adaptive']:g} with Adam-like optimizers, {ERROR_BOUNDS['other']:g} with others"
+        rank += f" (raised up to {config.max_rank} while the error is above {bounds})"
+    elif config.max_error is not None:
         rank += f" (raised up to {config.max_rank} while the error is above {config.max_error:g})"
     summary = f"{'batched ' if config.batched else ''}PowerSGD {rank} from step {config.start_iter}{dtype}"
     reason = _bf16_backend if config.matrix_dtype == "bf16" else _any_backend
