@@ -11,12 +11,14 @@ import lightning.pytorch as pl
 from lightning_ddpopt.hooks.powersgd import ADAPTIVE_OPTIMIZERS, ERROR_BOUNDS, PowerSGDState
 from lightning_ddpopt.units import format_bytes
 
-__all__ = ["AREAS", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
+__all__ = ["AREAS", "FINDINGS_TITLE", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
 
 #: The file CommProfiler writes at the end of fit and ``ddpopt report`` reads.
 REPORT_NAME = "ddpopt_report.json"
 
 AREAS = ("network", "compression", "amp", "accumulation", "stragglers")
+#: The first line of the findings, as printed and in TensorBoard.
+FINDINGS_TITLE = "ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)"
 Status = Literal["problem", "ok", "unknown"]
 
 #: Sync above this share of the step makes the network the bottleneck.
@@ -104,7 +106,7 @@ def diagnose(summary: dict[str, Any]) -> list[Finding]:
 
 def format_findings(findings: list[Finding], width: int = 118) -> str:
     """A plain-text table: area, status, evidence and recommendation, wrapped to ``width`` columns."""
-    lines = ["ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)"]
+    lines = [FINDINGS_TITLE]
     for finding in findings:
         head = f"  {finding.area:<13}{finding.status.upper():<9}"
         body = finding.evidence + (f" -> {finding.recommendation}" if finding.recommendation else "")
@@ -190,12 +192,12 @@ def _compression(summary: dict[str, Any]) -> Finding:
     optimizers = summary.get("optimizers") or []
     adaptive = any(name in ADAPTIVE_OPTIMIZERS for name in optimizers)
     limit = COMPRESSION_ERROR_LIMITS[family][0 if adaptive else 1]
-    evidence = f"hook {hook}: relative compression error {error:.3f} (worst rank {worst:.3f})"
+    evidence = f"hook {hook}: relative compression error {_error(error)} (worst rank {_error(worst)})"
     if "compression_error" in comm and comm.get("interval_steps"):
         evidence += f" over the last {comm['interval_steps']} steps"
     if "compression_error" in quality:
         measured = quality["compression_error_measured_syncs"]
-        evidence += f"; over the run {quality['compression_error']:.3f} ({measured:g} measured syncs)"
+        evidence += f"; over the run {_error(quality['compression_error'])} ({measured:g} measured syncs)"
     powersgd = summary.get("powersgd")
     if powersgd is not None:
         evidence += f"; rank {powersgd['rank']}"
@@ -224,6 +226,11 @@ def _compression(summary: dict[str, Any]) -> Finding:
     else:
         advice = f"the rank reached max_rank={rank}: raise PowerSGDConfig(max_rank=...), or use comm_hook='int8'"
     return Finding("compression", "problem", evidence, advice)
+
+
+def _error(value: float) -> str:
+    """A relative error: three decimals, or two significant digits below 0.01 (fp16's are about 0.0004)."""
+    return f"{value:.3f}" if value >= 0.01 else f"{value:.2g}"
 
 
 def _amp(summary: dict[str, Any]) -> Finding:

@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_ddpopt.diagnosis import Finding
+from lightning_ddpopt.diagnosis import FINDINGS_TITLE, Finding
 
 __all__ = ["FINDINGS_TAG", "Charts", "charts", "findings_markdown", "write_findings", "write_layout_if_first"]
 
@@ -84,4 +84,4 @@ def findings_markdown(findings: Sequence[Finding]) -> str:
 
     rows = [f"| {f.area} | {f.status.upper()} | {cell(f.evidence)} | {cell(f.recommendation)} |" for f in findings]
     header = "| area | status | evidence | recommendation |\n|---|---|---|---|"
-    return "\n".join(["ddpopt findings (network -> AMP -> accumulation -> stragglers)", "", header, *rows])
+    return "\n".join([FINDINGS_TITLE, "", header, *rows])
