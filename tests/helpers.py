@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
+import sys
 import threading
 import time
 import warnings
@@ -244,6 +246,17 @@ class RankProbe(pl.Callback):
             record["hook_bound"] = getattr(strategy.comm_state, "error_bound", None)  # and its error bound
             record["autotune_scores"] = dict(strategy.autotuner.scores) if strategy.autotuner else None
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+def load_script(relative_path: str) -> Any:
+    """Import a script of this repository (``examples/...``, ``benchmarks/...``) as a module of its file's name."""
+    path = Path(__file__).parents[1] / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def fit_ddp(

@@ -4,8 +4,6 @@ a second small real task (scikit-learn's breast cancer data)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,21 +15,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpopt import COMM_HOOKS, LocalSGDConfig, OptimizedDDPStrategy, fp16_mixed_precision
-from tests.helpers import fit_ddp
+from tests.helpers import fit_ddp, load_script
 
 EPOCHS = 6
 
 
-def _load_example():
-    path = Path(__file__).parents[1] / "examples" / "train_digits.py"
-    spec = importlib.util.spec_from_file_location("train_digits", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_digits"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
+example = load_script("examples/train_digits.py")
 TRAIN, TEST = example.digits_split()
 
 

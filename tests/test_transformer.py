@@ -8,9 +8,7 @@ suite; that benchmark publishes the full-size figures.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,21 +18,12 @@ from torch.utils.data import DataLoader
 from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
 from lightning_ddpopt.diagnosis import COMPRESSION_ERROR_LIMITS
 from lightning_ddpopt.hooks import PowerSGDConfig
-from tests.helpers import fit_ddp
+from tests.helpers import fit_ddp, load_script
 
 STEPS = 80
 
 
-def _load_benchmark():
-    path = Path(__file__).parents[1] / "benchmarks" / "transformer_quality.py"
-    spec = importlib.util.spec_from_file_location("transformer_quality", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["transformer_quality"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_script("benchmarks/transformer_quality.py")
 _DATA = bench.text_bytes()
 _SPLIT = int(0.9 * _DATA.numel())
 TRAIN = bench.windows(_DATA[:_SPLIT], stride=bench.CONTEXT)
