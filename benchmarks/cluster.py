@@ -87,13 +87,17 @@ class Host:
 
 @dataclass
 class Cluster:
-    """Creates the namespaces and links on entry, deletes them on exit (and at interpreter exit or a signal)."""
+    """Creates the namespaces and links on entry, deletes them on exit (and at interpreter exit or a signal).
+
+    Workers still running then are killed first: deleting a namespace does not end the processes inside it.
+    """
 
     hosts_count: int
     rate: str
     delay_ms: float = 0.0
     loopback: bool = False
     hosts: list[Host] = field(default_factory=list)
+    running: list[subprocess.Popen] = field(default_factory=list)
     _created: list[str] = field(default_factory=list)
 
     def __enter__(self) -> Cluster:
@@ -114,7 +118,12 @@ class Cluster:
         self.teardown()
 
     def teardown(self) -> None:
-        """Delete every namespace this cluster created (their veths go with them)."""
+        """Kill the workers still running; delete every namespace this cluster created (their veths go with them)."""
+        while self.running:
+            worker = self.running.pop()
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
         while self._created:
             subprocess.run(["ip", "netns", "del", self._created.pop()], check=False, capture_output=True)
 
@@ -220,6 +229,7 @@ def run_variant(cluster: Cluster, variant: str, port: int, worker_args: Sequence
         processes.append(
             subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
+    cluster.running[:] = processes  # killed at a signal or exit if still running
     outputs = []
     deadline = time.monotonic() + timeout
     for process in processes:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
-from lightning_ddpopt.hooks.powersgd import ADAPTIVE_OPTIMIZERS, ERROR_BOUNDS, PowerSGDState
+from lightning_ddpopt.hooks.powersgd import ERROR_BOUNDS, PowerSGDState, is_adaptive
 from lightning_ddpopt.units import format_bytes
 
 __all__ = ["AREAS", "FINDINGS_TITLE", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
@@ -42,7 +42,7 @@ class Finding:
     """One line of the diagnosis.
 
     Attributes:
-        area: ``"network"``, ``"amp"``, ``"accumulation"`` or ``"stragglers"``.
+        area: ``"network"``, ``"compression"``, ``"amp"``, ``"accumulation"`` or ``"stragglers"``.
         status: ``"problem"``, ``"ok"`` or ``"unknown"`` (not measured).
         evidence: the figures behind the verdict.
         recommendation: what to do; empty when nothing needs doing.
@@ -68,6 +68,7 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
         "backend": getattr(strategy, "process_group_backend", None),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "optimizers": [type(optimizer).__name__ for optimizer in trainer.optimizers],
+        "adaptive_optimizer": any(map(is_adaptive, trainer.optimizers)),
     }
     state = getattr(strategy, "comm_state", None)
     if isinstance(state, PowerSGDState):  # the rank in use, and the config's bound
@@ -190,7 +191,7 @@ def _compression(summary: dict[str, Any]) -> Finding:
     worst = comm.get("compression_error_max", quality.get("compression_error_max", error))
     family = "powersgd" if "powersgd" in hook else "int8" if "int8" in hook else "cast"
     optimizers = summary.get("optimizers") or []
-    adaptive = any(name in ADAPTIVE_OPTIMIZERS for name in optimizers)
+    adaptive = summary.get("adaptive_optimizer", any(map(is_adaptive, optimizers)))
     limit = COMPRESSION_ERROR_LIMITS[family][0 if adaptive else 1]
     evidence = f"hook {hook}: relative compression error {_error(error)} (worst rank {_error(worst)})"
     if "compression_error" in comm and comm.get("interval_steps"):

@@ -265,7 +265,7 @@ class OptimizedDDPStrategy(DDPStrategy):
                 " DDP's static graph mode mis-syncs gradients under no_sync (pytorch#143580). Use static_graph=False."
             )
         super().setup(trainer)
-        if self.optimizers:  # set up by now (fitting), after the hook was registered
+        if trainer.state.fn == TrainerFn.FITTING:  # the optimizers are set up by now, after the hook was registered
             self._hooks.fit_to_optimizers(self.optimizers)
         if self.world_size > 1:
             # Names this run's checkpoint meetings on the store, which outlives a Trainer in the same processes.

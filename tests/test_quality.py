@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -20,7 +20,14 @@ from lightning_ddpopt.hooks.auto import _ProbeBucket
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import ERROR_BOUNDS, RANK_WINDOW, PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.powersgd import (
+    ERROR_BOUNDS,
+    RANK_WINDOW,
+    PowerSGDConfig,
+    PowerSGDState,
+    is_adaptive,
+    powersgd_hook,
+)
 from lightning_ddpopt.ledger import CommLedger, local_drift
 from tests.helpers import StackModel, fit_ddp
 
@@ -311,3 +318,55 @@ def test_without_the_strategy_the_default_bound_is_the_adaptive_one(gloo_group):
     fixed = PowerSGDState(config=PowerSGDConfig(max_error=0.3))
     fixed.fit_bound_to([])
     assert fixed.error_bound == 0.3  # a number is kept whatever the optimizer
+
+
+def test_a_lower_ceiling_on_resume_drops_a_measurement_made_at_another_rank(gloo_group):
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
+    config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=8, start_iter=2)
+    ledger = CommLedger()
+    state = _powersgd(config, ledger, bucket)
+    # Rises at 8 and 13 (to 4); the probe of iteration 16 is on its way when saved after iteration 16's round.
+    for _ in range(15):
+        _sync(powersgd_hook, state, ledger, bucket, torch.randn(96 * 64))
+    saved = state.state_dict()
+    assert saved["rank"] == 4 and saved["rank_probe"]["decide_at"] == 18
+    lower = PowerSGDState(config=replace(config, max_rank=2), cpu_kernels="blocked")
+    lower.bind_module(bucket.module)
+    lower.load_state_dict(saved)
+    for _ in range(5):
+        _sync(powersgd_hook, lower, ledger, bucket, torch.randn(96 * 64))
+    assert lower.rank == 2 and lower.rank_changes == state.rank_changes  # no rise logged, none recorded
+
+
+def test_a_matrix_a_raised_rank_no_longer_compresses_sends_its_stored_error(gloo_group):
+    # 20 x 16 compresses up to rank 4 (320 >= 36 x r x 2); the bound raises the rank from 2 to 4 to 8, where the
+    # matrix goes exactly: its kept error must go with it (on one rank the result is the gradient plus that error).
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(20, 16)], torch.device("cpu"))
+    config = PowerSGDConfig(rank=2, max_error=0.01, max_rank=8, start_iter=2)
+    ledger = CommLedger()
+    state = _powersgd(config, ledger, bucket)
+    for _ in range(11):  # iterations 2 to 12: raised to 4 at 8; the verdict raising it to 8 comes at 13
+        _sync(powersgd_hook, state, ledger, bucket, torch.randn(320))
+    assert state.rank == 4
+    state.state_dict()  # commits the round
+    kept = state.errors["probe0"].reshape(-1).clone()
+    assert kept.norm() > 0
+    gradient = torch.randn(320)
+    record = _sync(powersgd_hook, state, ledger, bucket, gradient)
+    assert state.rank == 8 and record.wire_bytes == 320 * 4  # sent exactly
+    torch.testing.assert_close(bucket.buffer(), gradient + kept, rtol=0, atol=1e-6)
+    state.state_dict()
+    assert "probe0" not in state.errors  # nothing left to feed back
+
+
+def test_adaptive_optimizers_are_recognised_by_name_and_base_class():
+    parameters = [torch.nn.Parameter(torch.zeros(1))]
+
+    class Custom(torch.optim.Adam):
+        pass
+
+    assert is_adaptive(torch.optim.AdamW(parameters)) and is_adaptive(Custom(parameters))
+    assert is_adaptive("FusedAdam") and is_adaptive("AdamW8bit") and is_adaptive(torch.optim.RMSprop(parameters))
+    assert not is_adaptive(torch.optim.SGD(parameters, lr=0.1)) and not is_adaptive("SGD")

@@ -66,10 +66,19 @@ from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, config_mismatch
 from lightning_ddpopt.hooks.lowrank import MATRIX_DTYPES, low_rank_allreduce, random_q
 
-__all__ = ["ADAPTIVE_OPTIMIZERS", "ERROR_BOUNDS", "RANK_WINDOW", "PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
+__all__ = [
+    "ADAPTIVE_OPTIMIZERS",
+    "ERROR_BOUNDS",
+    "RANK_WINDOW",
+    "PowerSGDConfig",
+    "PowerSGDState",
+    "is_adaptive",
+    "powersgd_hook",
+]
 
 #: Optimizers that scale each coordinate by its own history (Adam and its kin): a compression error costs them more.
-ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam")
+#: Matched in a class name or any base's, case-insensitively (AdamW, FusedAdam, AdamW8bit, a subclass of Adam, ...).
+ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "adadelta", "adafactor", "rmsprop", "lamb")
 #: ``max_error="auto"``'s bound: with an adaptive optimizer, and with others. Measured with
 #: ``benchmarks/transformer_quality.py`` (a small GPT, 200 steps): errors of 0.54 / 0.71 / 0.87 cost AdamW 0.1% /
 #: 1.9% / 8.3% of the held-out loss; 0.83 cost SGD with Nesterov momentum 0.6%.
@@ -235,8 +244,7 @@ class PowerSGDState(ErrorFeedbackState):
     def fit_bound_to(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Resolve ``max_error="auto"`` for these optimizers: the adaptive bound if any is adaptive, else the other."""
         if self.config.max_error == "auto":
-            adaptive = any(type(optimizer).__name__ in ADAPTIVE_OPTIMIZERS for optimizer in optimizers)
-            self.error_bound = ERROR_BOUNDS["adaptive" if adaptive else "other"]
+            self.error_bound = ERROR_BOUNDS["adaptive" if any(map(is_adaptive, optimizers)) else "other"]
 
     @property
     def probing(self) -> bool:
@@ -280,8 +288,8 @@ class PowerSGDState(ErrorFeedbackState):
         error = math.sqrt(dropped / given) if given > 0 else math.nan
         bound = self.error_bound
         assert bound is not None
-        if math.isfinite(error) and error > bound:
-            new_rank = min(2 * self.rank, self.config.max_rank)
+        new_rank = min(2 * self.rank, self.config.max_rank)
+        if math.isfinite(error) and error > bound and new_rank > self.rank:
             self.rank_changes.append((self.iteration, error, self.rank, new_rank))
             rank_zero_info(
                 f"ddpopt: PowerSGD's compression error {error:.2f} is above max_error {bound:g} at "
@@ -364,7 +372,7 @@ class PowerSGDState(ErrorFeedbackState):
             self.rank = config.rank
             return
         self.rank = min(max(saved, config.rank), config.max_rank)
-        if isinstance(probe, dict):
+        if isinstance(probe, dict) and self.rank == saved:  # a measurement at another rank decides nothing here
             self._probe = (DeferredRead(torch.tensor(probe["norms"], dtype=torch.float64)), int(probe["decide_at"]))
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
@@ -410,6 +418,21 @@ class PowerSGDState(ErrorFeedbackState):
                 if regrouped.intersection(key.split("|")):
                     del self.q_memories[key]
         self.q_memories.update(round_.q_memories)
+
+
+def is_adaptive(optimizer: object) -> bool:
+    """Whether ``optimizer`` (or the optimizer it wraps, e.g. ``ZeroRedundancyOptimizer``'s) is Adam-like.
+
+    Its class's or a base class's name contains one of :data:`ADAPTIVE_OPTIMIZERS` (a class name alone works too).
+    """
+    if isinstance(optimizer, str):
+        names = [optimizer]
+    else:
+        inner = getattr(optimizer, "optim", None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return is_adaptive(inner)
+        names = [cls.__name__ for cls in type(optimizer).__mro__]
+    return any(kind in name.lower() for name in names for kind in ADAPTIVE_OPTIMIZERS)
 
 
 def local_cpu_kernels() -> CPUKernels:
