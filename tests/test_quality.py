@@ -107,6 +107,32 @@ def _powersgd(config: PowerSGDConfig, ledger: CommLedger, bucket: _ProbeBucket) 
     return state
 
 
+def _matrix(
+    config: PowerSGDConfig, shape: tuple[int, int] = (96, 64), error_every: int = 0
+) -> tuple[_ProbeBucket, CommLedger, PowerSGDState]:
+    """A stand-in bucket holding one matrix, a ledger and a PowerSGD state compressing from the first round."""
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([shape], torch.device("cpu"))
+    ledger = CommLedger(error_every=error_every)
+    return bucket, ledger, _powersgd(config, ledger, bucket)
+
+
+def _random_rounds(state: PowerSGDState, ledger: CommLedger, bucket: _ProbeBucket, count: int) -> list:
+    """``count`` sync rounds of random gradients; their ledger records."""
+    size = bucket.buffer().numel()
+    return [_sync(powersgd_hook, state, ledger, bucket, torch.randn(size)) for _ in range(count)]
+
+
+def _restored(
+    config: PowerSGDConfig, saved: dict, bucket: _ProbeBucket, ledger: CommLedger | None = None
+) -> PowerSGDState:
+    """A fresh state of ``config`` that loaded ``saved``."""
+    state = PowerSGDState(config=config, ledger=ledger, cpu_kernels="blocked")
+    state.bind_module(bucket.module)
+    state.load_state_dict(saved)
+    return state
+
+
 def test_powersgds_error_is_the_kept_error_and_the_same_without_error_feedback(gloo_group):
     torch.manual_seed(0)
     bucket = _ProbeBucket([(64, 48)], torch.device("cpu"))
@@ -155,21 +181,15 @@ def test_powersgd_raises_its_rank_while_the_error_is_above_max_error_and_resumes
     run(range(cut), before, ledger)
     saved = before.state_dict()
     assert saved["rank_probe"] is not None and saved["rank"] == 1
-    after = PowerSGDState(config=config, ledger=ledger, cpu_kernels="blocked")
-    after.bind_module(bucket.module)
-    after.load_state_dict(saved)
+    after = _restored(config, saved, bucket, ledger)
     run(range(cut, len(gradients)), after, ledger)
     assert after.rank_changes == state.rank_changes and after.rank == 4
     assert torch.equal(after.errors["probe0"], state.errors["probe0"])
 
 
 def test_a_fixed_rank_never_changes_and_bad_bounds_fail_at_construction(gloo_group):
-    torch.manual_seed(0)
-    bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
-    ledger = CommLedger()
-    state = _powersgd(PowerSGDConfig(rank=1, max_error=None, start_iter=2), ledger, bucket)
-    for _ in range(3 * RANK_WINDOW):
-        _sync(powersgd_hook, state, ledger, bucket, torch.randn(96 * 64))
+    bucket, ledger, state = _matrix(PowerSGDConfig(rank=1, max_error=None, start_iter=2))
+    _random_rounds(state, ledger, bucket, 3 * RANK_WINDOW)
     assert state.rank == 1 and state.rank_changes == []
     with pytest.raises(ValueError, match=r"max_error=1\.5 must be a number between 0 and 1"):
         PowerSGDConfig(max_error=1.5)
@@ -245,11 +265,8 @@ def test_local_sgds_drift_is_logged_and_reported(tmp_path):
 
 def test_a_non_finite_probe_round_raises_nothing(gloo_group):
     # The probe round's gradients overflow: its measurement is NaN on every rank, so no verdict; the next probe's is.
-    torch.manual_seed(0)
-    bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
     config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=2, start_iter=2)
-    ledger = CommLedger(error_every=1)
-    state = _powersgd(config, ledger, bucket)
+    bucket, ledger, state = _matrix(config, error_every=1)
     probe_round = RANK_WINDOW - 1  # iteration start_iter + RANK_WINDOW - 1
     records = []
     for index in range(3 * RANK_WINDOW):
@@ -264,21 +281,16 @@ def test_a_non_finite_probe_round_raises_nothing(gloo_group):
 
 
 def test_the_error_bound_may_change_on_a_resume_and_older_states_load(gloo_group):
-    torch.manual_seed(0)
-    bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
     config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=4, start_iter=2)
-    ledger = CommLedger()
-    state = _powersgd(config, ledger, bucket)
-    for _ in range(2 * RANK_WINDOW + 3):
-        _sync(powersgd_hook, state, ledger, bucket, torch.randn(96 * 64))
+    bucket, ledger, state = _matrix(config)
+    _random_rounds(state, ledger, bucket, 2 * RANK_WINDOW + 3)
     saved = state.state_dict()
     assert saved["rank"] == 4
 
     def loaded(**changes) -> PowerSGDState:
-        other = PowerSGDState(config=PowerSGDConfig(**{**asdict(config), **changes}), cpu_kernels="blocked")
-        other.bind_module(bucket.module)
-        assert other.mismatch(saved) is None  # the bound is not part of the config compared
-        other.load_state_dict(saved)
+        changed = PowerSGDConfig(**{**asdict(config), **changes})
+        assert PowerSGDState(config=changed).mismatch(saved) is None  # the bound is not part of the config compared
+        other = _restored(changed, saved, bucket)
         assert other.iteration == saved["iteration"] and torch.equal(other.errors["probe0"], state.errors["probe0"])
         return other
 
@@ -321,34 +333,22 @@ def test_without_the_strategy_the_default_bound_is_the_adaptive_one(gloo_group):
 
 
 def test_a_lower_ceiling_on_resume_drops_a_measurement_made_at_another_rank(gloo_group):
-    torch.manual_seed(0)
-    bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
     config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=8, start_iter=2)
-    ledger = CommLedger()
-    state = _powersgd(config, ledger, bucket)
+    bucket, ledger, state = _matrix(config)
     # Rises at 8 and 13 (to 4); the probe of iteration 16 is on its way when saved after iteration 16's round.
-    for _ in range(15):
-        _sync(powersgd_hook, state, ledger, bucket, torch.randn(96 * 64))
+    _random_rounds(state, ledger, bucket, 15)
     saved = state.state_dict()
     assert saved["rank"] == 4 and saved["rank_probe"]["decide_at"] == 18
-    lower = PowerSGDState(config=replace(config, max_rank=2), cpu_kernels="blocked")
-    lower.bind_module(bucket.module)
-    lower.load_state_dict(saved)
-    for _ in range(5):
-        _sync(powersgd_hook, lower, ledger, bucket, torch.randn(96 * 64))
+    lower = _restored(replace(config, max_rank=2), saved, bucket, ledger)
+    _random_rounds(lower, ledger, bucket, 5)
     assert lower.rank == 2 and lower.rank_changes == state.rank_changes  # no rise logged, none recorded
 
 
 def test_a_matrix_a_raised_rank_no_longer_compresses_sends_its_stored_error(gloo_group):
     # 20 x 16 compresses up to rank 4 (320 >= 36 x r x 2); the bound raises the rank from 2 to 4 to 8, where the
     # matrix goes exactly: its kept error must go with it (on one rank the result is the gradient plus that error).
-    torch.manual_seed(0)
-    bucket = _ProbeBucket([(20, 16)], torch.device("cpu"))
-    config = PowerSGDConfig(rank=2, max_error=0.01, max_rank=8, start_iter=2)
-    ledger = CommLedger()
-    state = _powersgd(config, ledger, bucket)
-    for _ in range(11):  # iterations 2 to 12: raised to 4 at 8; the verdict raising it to 8 comes at 13
-        _sync(powersgd_hook, state, ledger, bucket, torch.randn(320))
+    bucket, ledger, state = _matrix(PowerSGDConfig(rank=2, max_error=0.01, max_rank=8, start_iter=2), (20, 16))
+    _random_rounds(state, ledger, bucket, 11)  # iterations 2 to 12: raised to 4 at 8; to 8 by the verdict at 13
     assert state.rank == 4
     state.state_dict()  # commits the round
     kept = state.errors["probe0"].reshape(-1).clone()
