@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ddpopt import fabric  # registers the Fabric strategy's names in Fabric's registry
 from lightning_ddpopt.__about__ import __version__
 from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
 from lightning_ddpopt.hooks import COMM_HOOKS
@@ -20,6 +21,7 @@ __all__ = [
     "StepRecord",
     "StragglerDetector",
     "__version__",
+    "fabric",
     "fp16_mixed_precision",
 ]
 

@@ -33,6 +33,7 @@ __all__ = [
     "data_fetcher",
     "default_store",
     "found_inf_per_device",
+    "unscale_once",
     "group_backends",
     "last_batch_of_epoch",
     "say_during_training",
@@ -141,6 +142,22 @@ def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: torch.optim.Op
     if states is None:
         raise _changed("torch", "GradScaler._per_optimizer_states", "to tell skipped steps")
     return states[id(optimizer)].get("found_inf_per_device", {})
+
+
+def unscale_once(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Unscale ``optimizer``'s gradients unless done since the last ``update()`` (a user's gradient clipping does).
+
+    Optimizers that unscale inside ``step()`` (fused ones) are left to it, as ``GradScaler.step`` leaves them.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        raise _changed("torch", "GradScaler._per_optimizer_states", "to unscale the gradients once")
+    from torch.amp.grad_scaler import OptState
+
+    if states[id(optimizer)]["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
 
 
 def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:

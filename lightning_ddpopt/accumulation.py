@@ -1,4 +1,4 @@
-"""Gradient accumulation for manual optimization: which micro-batch syncs and steps, and the warning when all do."""
+"""Gradient accumulation in loops of one's own: which micro-batch syncs and steps, and the warning when all do."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_ddpopt._compat import last_batch_of_epoch
 from lightning_ddpopt._validate import require_int
 
-__all__ = ["AccumulationStep", "ManualAccumulation", "next_accumulation_step"]
+__all__ = ["AccumulationStep", "ExtraSyncs", "ManualAccumulation", "next_accumulation_step"]
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,40 @@ def next_accumulation_step(previous_micro_batch: int, every: int, last_batch_of_
     return AccumulationStep(micro_batch, every, micro_batch >= every or last_batch_of_epoch)
 
 
+class ExtraSyncs:
+    """Warns once when a loop synchronised gradients on more than one micro-batch of an optimizer step.
+
+    Args:
+        loop: what the loop is, in words (``"manual-optimization loop"``).
+        advice: how to sync only the last micro-batch, in the loop's own terms.
+    """
+
+    def __init__(self, loop: str, advice: str) -> None:
+        self.loop = loop
+        self.advice = advice
+        self.warned = False
+
+    def check(self, sync_rounds: int, micro_batches: int) -> None:
+        """Warn (once, on rank 0) if this step's ``sync_rounds`` were more than one."""
+        if self.warned or sync_rounds <= 1:
+            return
+        self.warned = True
+        rank_zero_warn(
+            f"ddpopt: this {self.loop} synchronised gradients {sync_rounds} times for one optimizer step "
+            f"({micro_batches} micro-batches): every micro-batch paid a full allreduce. {self.advice}"
+        )
+
+
 class ManualAccumulation:
     """The strategy's ``accumulate()`` for manual optimization, and the warning for loops that sync every batch."""
 
     def __init__(self) -> None:
         self._micro_batch_in_group = 0
-        self._warned_extra_syncs = False
+        self._extra_syncs = ExtraSyncs(
+            "manual-optimization loop",
+            "Run forward and manual_backward inside `with self.trainer.strategy.accumulate(every=K) as step:` and "
+            "call opt.step() only `if step.should_step`, so only the last micro-batch of each group syncs.",
+        )
 
     def next_step(self, module: pl.LightningModule | None, every: int, static_graph: bool) -> AccumulationStep:
         """The current micro-batch's step; raises for automatic optimization and for DDP's static graph."""
@@ -66,12 +94,5 @@ class ManualAccumulation:
 
     def check_syncs_per_step(self, module: pl.LightningModule | None, sync_rounds: int, micro_batches: int) -> None:
         """Warn once when a manual-optimization loop synchronised gradients on more than one micro-batch."""
-        if self._warned_extra_syncs or sync_rounds <= 1 or module is None or module.automatic_optimization:
-            return
-        self._warned_extra_syncs = True
-        rank_zero_warn(
-            f"ddpopt: this manual-optimization loop synchronised gradients {sync_rounds} times for one optimizer "
-            f"step ({micro_batches} micro-batches): every micro-batch paid a full allreduce. Run forward and "
-            "manual_backward inside `with self.trainer.strategy.accumulate(every=K) as step:` and call "
-            "opt.step() only `if step.should_step`, so only the last micro-batch of each group syncs."
-        )
+        if module is not None and not module.automatic_optimization:
+            self._extra_syncs.check(sync_rounds, micro_batches)

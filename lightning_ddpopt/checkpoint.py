@@ -58,6 +58,8 @@ class SavedRun:
             without local SGD.
         local_sgd_ranks: with local SGD, every rank's inner optimizer states (``{"optimizer_states": [...]}``),
             by global rank.
+        grad_scaler: the GradScaler's state, saved by front ends that save none of their own (Fabric); ``None`` for
+            the Trainer's, which saves it itself.
     """
 
     world_size: int
@@ -67,6 +69,7 @@ class SavedRun:
     bucket_cap_mb: float | None = None
     local_sgd: dict[str, Any] | None = None
     local_sgd_ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    grad_scaler: dict[str, Any] | None = None
 
     def to_checkpoint(self) -> dict[str, Any]:
         """Plain types only, so that ``torch.load(weights_only=True)`` reads it."""
@@ -84,6 +87,7 @@ class SavedRun:
             bucket_cap_mb=entry.get("bucket_cap_mb"),
             local_sgd=entry.get("local_sgd"),
             local_sgd_ranks=list(entry.get("local_sgd_ranks") or []),
+            grad_scaler=entry.get("grad_scaler"),
         )
 
     def decision_note(self, world_size: int) -> str | None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_ddpopt._compat import scaler_scale
 from lightning_ddpopt._validate import require_int
 
-__all__ = ["bf16_supported", "current_loss_scale", "fp16_mixed_precision", "native_bf16"]
+__all__ = ["bf16_supported", "current_loss_scale", "fp16_grad_scaler", "fp16_mixed_precision", "native_bf16"]
 
 
 def fp16_mixed_precision(
@@ -24,7 +24,8 @@ def fp16_mixed_precision(
     """A ``MixedPrecision("16-mixed")`` plugin whose GradScaler has the given settings.
 
     Pass it as ``Trainer(plugins=[fp16_mixed_precision(...)])``. On ``device="cpu"`` it runs real fp16 autocast
-    with a GradScaler (Lightning turns a plain ``precision="16-mixed"`` into bf16 on CPU).
+    with a GradScaler (Lightning turns a plain ``precision="16-mixed"`` into bf16 on CPU). For Fabric, see
+    :func:`lightning_ddpopt.fabric.fp16_mixed_precision`.
 
     Args:
         device: ``"cuda"`` or ``"cpu"``.
@@ -33,6 +34,25 @@ def fp16_mixed_precision(
         backoff_factor: multiplies the scale at every overflow, whose optimizer step is skipped (in (0, 1)).
         growth_interval: overflow-free steps between two growths (>= 1).
     """
+    scaler = fp16_grad_scaler(
+        device,
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
+    return MixedPrecision("16-mixed", device, scaler=scaler)
+
+
+def fp16_grad_scaler(
+    device: str,
+    *,
+    init_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> torch.amp.GradScaler:
+    """A GradScaler with the given settings, each checked (see :func:`fp16_mixed_precision`)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} is not valid; choose 'cuda' or 'cpu'")
     if not (isinstance(init_scale, int | float) and math.isfinite(init_scale) and init_scale > 0):
@@ -42,14 +62,13 @@ def fp16_mixed_precision(
     if not (isinstance(backoff_factor, int | float) and 0 < backoff_factor < 1):
         raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1")
     require_int("growth_interval", growth_interval, 1)
-    scaler = torch.amp.GradScaler(
+    return torch.amp.GradScaler(
         device,
         init_scale=init_scale,
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
     )
-    return MixedPrecision("16-mixed", device, scaler=scaler)
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -76,8 +95,8 @@ def bf16_supported(device: torch.device) -> tuple[bool, str]:
     return True, "bf16 autocast runs on CPUs: use precision='bf16-mixed'"
 
 
-def current_loss_scale(precision_plugin: Precision | None) -> torch.Tensor | None:
-    """The loss scale of ``precision_plugin``'s GradScaler as the scaler holds it, or ``None`` without one.
+def current_loss_scale(precision_plugin: object | None) -> torch.Tensor | None:
+    """The loss scale of ``precision_plugin``'s GradScaler (the Trainer's or Fabric's plugin), or ``None`` without one.
 
     Read during a backward pass, it is the scale that pass runs with (the scaler updates it after the step). It is
     the scaler's own tensor, on the device: ``GradScaler.get_scale()`` would sync the host on a GPU. Copy it to keep it.

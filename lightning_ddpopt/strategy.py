@@ -34,23 +34,19 @@ from lightning_ddpopt._compat import (
     say_during_training,
 )
 from lightning_ddpopt._groups import destroy_process_group_at_exit, group_like
-from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
-from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
-from lightning_ddpopt.buckets import BucketController, validate_bucket_cap_mb
-from lightning_ddpopt.checkpoint import CHECKPOINT_KEY, RankStates, SavedRun
-from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
+from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
+from lightning_ddpopt.core import CoreViews, StrategyCore, register_strategy_names
+from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
-from lightning_ddpopt.ledger import CommLedger
-from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
+from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
-from lightning_ddpopt.timing import timeline_for
 
 __all__ = ["OptimizedDDPStrategy"]
 
 
-class OptimizedDDPStrategy(DDPStrategy):
+class OptimizedDDPStrategy(CoreViews, DDPStrategy):
     """A drop-in :class:`~lightning.pytorch.strategies.DDPStrategy` that makes data-parallel training scale.
 
     Differences from the stock strategy:
@@ -142,15 +138,21 @@ class OptimizedDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_versions()
-        validate_local_sgd(
-            local_sgd,
+        self._core = StrategyCore(
             comm_hook=comm_hook,
-            default_hook=DEFAULT_COMM_HOOK,
-            ddp_comm_hook=ddp_comm_hook,
-            model_averaging_period=model_averaging_period,
+            comm_state=comm_state,
             bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            cpu_affinity=cpu_affinity,
+            checkpoint_timeout=checkpoint_timeout,
+            local_sgd=local_sgd,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
         )
-        self._hooks = HookInstaller(comm_hook, comm_state, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -167,35 +169,8 @@ class OptimizedDDPStrategy(DDPStrategy):
             **kwargs,
         )
         check_ddp_strategy_internals(self)
-        # DistributedDataParallel gets only what differs from its own defaults (all False).
-        ddp_flags = {
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "find_unused_parameters": find_unused_parameters,
-            "static_graph": static_graph,
-        }
-        self._ddp_kwargs.update((name, True) for name, value in ddp_flags.items() if value)
-        self._buckets = BucketController(validate_bucket_cap_mb(bucket_cap_mb))
-        self._cpu_affinity = validate_cpu_affinity(cpu_affinity)
-        self._checkpoints = RankStates(require_number("checkpoint_timeout", checkpoint_timeout))
-        self._local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
-        self._model_averaging = model_averaging_period is not None  # Lightning's post-local SGD
+        self._ddp_kwargs.update(self._core.ddp_flags)
         self._accumulation = ManualAccumulation()
-        self.ledger: CommLedger | None = None
-        self.core_binding: CoreBinding | None = None
-        # A loaded checkpoint's entry, and which of its parts still wait for the component that restores them.
-        self._saved: SavedRun | None = None
-        self._hook_state_pending = False
-        self._local_sgd_pending = False
-
-    # What the components hold, under the names users and callbacks read.
-    comm_state = property(lambda self: self._hooks.comm_state, doc="The comm hook's state (``None`` without one).")
-    comm_hook_name = property(lambda self: self._hooks.comm_hook_name, doc="The registered hook's name.")
-    hook_choice = property(lambda self: self._hooks.hook_choice, doc="What ``comm_hook='auto'`` chose, and why.")
-    bucket_plan = property(lambda self: self._buckets.plan, doc="The planned bucket cap and predicted layout.")
-    bucket_layout = property(
-        lambda self: self._buckets.layout, doc="DDP's bucket sizes once final (the plan's if no hook saw them)."
-    )
-    autotuner = property(lambda self: self._buckets.autotuner, doc="``bucket_cap_mb='autotune'``'s search.")
 
     @property
     def synced_gradients_identical(self) -> bool:
@@ -206,36 +181,18 @@ class OptimizedDDPStrategy(DDPStrategy):
         post-local SGD (``model_averaging_period``).
         See :func:`lightning_ddpopt.meetings.gradients_identical`.
         """
-        ignored = getattr(self.model, "parameters_to_ignore", None)
-        # Evidence that this step's gradients went through the hook: the ledger saw a sync round since the last step.
-        synced = self.ledger is not None and self.ledger.recording and self.ledger.open_sync_rounds > 0
-        return (
-            isinstance(self.model, DistributedDataParallel)
-            and self._hooks.results_identical
-            and not self._model_averaging
-            and not ignored
-            and synced
-        )
-
-    @property
-    def local_sgd(self) -> LocalSGD | None:
-        """Local SGD's outer loop (anchor, counters), once the model is wrapped; ``None`` without local SGD."""
-        return self._local_sgd.loop if self._local_sgd is not None else None
+        return self._core.gradients_identical(self.model)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._bind_cores()
-        # CUDA events on a GPU (host clocks would time kernel queueing), host clocks on CPU.
-        self.ledger = CommLedger(timeline=timeline_for(self.root_device))
-
-    def _bind_cores(self) -> None:
-        self.core_binding = bind_cores(
-            self._cpu_affinity,
+        self._core.start(
+            self.root_device,
             local_rank=self.local_rank,
             local_world_size=self.num_processes,
             node_rank=self.node_rank,
             world_size=self.world_size,
+            rank=self.global_rank,
         )
 
     @override
@@ -246,11 +203,7 @@ class OptimizedDDPStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: PathType, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        self._saved = SavedRun.from_checkpoint(entry) if entry else None
-        self._hook_state_pending = self._local_sgd_pending = self._saved is not None
-        self._restore_hook_state()
-        self._restore_local_sgd()
+        self._core.load(checkpoint.get(CHECKPOINT_KEY), isinstance(self.model, DistributedDataParallel))
         return checkpoint
 
     @override
@@ -266,64 +219,43 @@ class OptimizedDDPStrategy(DDPStrategy):
             )
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # the optimizers are set up by now, after the hook was registered
-            self._hooks.fit_to_optimizers(self.optimizers)
+            self._core.hooks.fit_to_optimizers(self.optimizers)
         if self.world_size > 1:
             # Names this run's checkpoint meetings on the store, which outlives a Trainer in the same processes.
-            self._checkpoints.name_run(self.broadcast(secrets.token_hex(8)))
-        if self._local_sgd is not None:
-            self._local_sgd.setup(trainer, self.world_size, self.root_device)
+            self._core.name_run(self.broadcast(secrets.token_hex(8)))
+        if self._core.local_sgd is not None:
+            self._core.local_sgd.setup(trainer, self.world_size, self.root_device)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        reused = self._reused_decision("bucket_cap_mb") if self._buckets.requested == "autotune" else None
-        self._ddp_kwargs["bucket_cap_mb"] = self._buckets.cap_for(model, self.world_size, self.root_device, reused)
+        self._ddp_kwargs["bucket_cap_mb"] = self._core.bucket_cap(model, self.root_device)
         return super()._setup_model(model)
 
     @override
     def _register_ddp_hooks(self) -> None:
         model = self.model
-        assert isinstance(model, DistributedDataParallel) and self.ledger is not None
-        backend = self._get_process_group_backend()
-        self._hooks.install(
+        assert isinstance(model, DistributedDataParallel)
+        self._core.install(
             model,
-            backend=backend,
-            ledger=self.ledger,
+            backend=self._get_process_group_backend(),
             device=self.root_device,
-            world_size=self.world_size,
             loss_scale=self._loss_scale,
             own_group=self._group_of_own,
-            reused_choice=self._reused_decision("hook_choice") if self._hooks.choosing else None,
         )
-        if self._hooks.registered is not None:
-            self._restore_hook_state()
-        if self._local_sgd is not None:
-            self._local_sgd.start(model, self._group_of_own)
-            self._restore_local_sgd()
-        self._buckets.log_plan(backend, self.comm_hook_name)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # With local SGD each rank's inner optimizer state is its own: load this rank's, saved beside rank 0's.
-        saved = self._saved
-        if (
-            self._local_sgd is not None
-            and saved is not None
-            and saved.world_size == self.world_size
-            and len(saved.local_sgd_ranks) == self.world_size
-        ):
-            checkpoint = {**checkpoint, "optimizer_states": saved.local_sgd_ranks[self.global_rank]["optimizer_states"]}
-        super().load_optimizer_state_dict(checkpoint)
+        own = self._core.saved_optimizer_states()
+        super().load_optimizer_state_dict(checkpoint if own is None else {**checkpoint, "optimizer_states": own})
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.ledger is not None:
-            try:
-                samples: int | None = extract_batch_size(batch)
-            except (MisconfigurationException, RecursionError):
-                samples = None
-            self.ledger.add_micro_batch(samples, first_of_epoch=batch_idx == 0)
-        if self._local_sgd is not None and isinstance(self.model, DistributedDataParallel):
-            self._local_sgd.before_batch(self.model)
+        try:
+            samples: int | None = extract_batch_size(batch)
+        except (MisconfigurationException, RecursionError):
+            samples = None
+        self._core.before_micro_batch(self.model, samples, first_of_epoch=batch_idx == 0)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -334,24 +266,19 @@ class OptimizedDDPStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        scale = self._loss_scale() if self._local_sgd is not None else None
+        scale = self._loss_scale() if self._core.local_sgd is not None else None
         scale_before = scale.detach().clone() if scale is not None else None
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
-        if self._local_sgd is not None and self.local_sgd is not None:
-            self._local_sgd.after_optimizer_step(scale_before, self._loss_scale(), self.ledger if ddp else None)
-        if ddp is None or self.ledger is None:
-            return output
         # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
-        for record in self.ledger.close_step():
+        for record in self._core.after_optimizer_step(
+            self.model, scale_before, self._loss_scale(), self._say, self._rewrap
+        ):
             self._accumulation.check_syncs_per_step(self.lightning_module, record.sync_rounds, record.micro_batches)
             if record.samples and self.lightning_module is not None:
                 # Assumes every rank runs batches of the same size, as DistributedSampler makes them.
                 self.lightning_module.log(
                     "ddpopt/effective_batch_size", float(record.samples * self.world_size), on_step=True, on_epoch=False
                 )
-        local_phase = self.local_sgd is not None and self.local_sgd.local
-        self._buckets.after_step(ddp, self.ledger, self._say, self._rewrap, local_phase)
         return output
 
     @contextmanager
@@ -391,67 +318,32 @@ class OptimizedDDPStrategy(DDPStrategy):
         Every rank must call this, as with Lightning's ``DDPStrategy``; with a stateful hook a call on fewer ranks
         raises within ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
         """
-        rank, world_size = self.global_rank, self.world_size
-        hook_state = self._hooks.state_dict()
-        # The same hook on every rank, so every rank gathers or none does.
-        states = self._checkpoints.gather(hook_state, rank=rank, world_size=world_size) if hook_state else []
-        local_states: list[dict[str, Any]] = []
-        if self._local_sgd is not None and "optimizer_states" in checkpoint:  # not for weights-only checkpoints
-            local_states = self._checkpoints.gather(
-                self._local_sgd.rank_state(self.optimizers), rank=rank, world_size=world_size
-            )
-        if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = SavedRun(
-                world_size=world_size,
-                comm_hook=self.comm_hook_name,
-                hook_states=states,
-                hook_choice=self.hook_choice if self._hooks.auto else None,
-                bucket_cap_mb=self._buckets.autotuned_cap(),
-                local_sgd=self.local_sgd.state_dict() if self.local_sgd is not None else None,
-                local_sgd_ranks=local_states,
-            ).to_checkpoint()
+        # Local SGD's per-rank inner optimizer states, except in weights-only checkpoints.
+        optimizers = self.optimizers if "optimizer_states" in checkpoint else None
+        entry = self._core.checkpoint_entry(optimizers)
+        if entry is not None:
+            checkpoint[CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def on_train_end(self) -> None:
         if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
-            local_phase = self.local_sgd is not None and self.local_sgd.local
-            self._buckets.log_layout(self.ledger, self._say, local_phase, final=True)
+            self._core.buckets.log_layout(self.ledger, self._say, self._core.local_phase, final=True)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
-        if self._local_sgd is not None:
-            self._local_sgd.teardown()
+        if self._core.local_sgd is not None:
+            self._core.local_sgd.teardown()
         super().teardown()
         # Nothing of ours may keep a process group alive past Lightning's exit-time destroy_process_group.
-        self._hooks.close()
-        self._checkpoints.close()
-        if self.core_binding is not None:
-            self.core_binding.release()
-            self.core_binding = None
+        self._core.close()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         """Register ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets such as ``ddp_optimized_fp16``."""
-        start_methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
-        for suffix, start_method in start_methods.items():
-            strategy_registry.register(
-                f"{cls.strategy_name}{suffix}",
-                cls,
-                description=f"OptimizedDDPStrategy with start_method={start_method!r}",
-                start_method=start_method,
-            )
-        for hook in ("fp16", "bf16"):
-            for suffix in ("", "_spawn"):
-                strategy_registry.register(
-                    f"{cls.strategy_name}{suffix}_{hook}",
-                    cls,
-                    description=f"OptimizedDDPStrategy with comm_hook={hook!r}, start_method={start_methods[suffix]!r}",
-                    comm_hook=hook,
-                    start_method=start_methods[suffix],
-                )
+        register_strategy_names(cls, strategy_registry, "OptimizedDDPStrategy")
 
     def _loss_scale(self) -> torch.Tensor | None:
         return current_loss_scale(self.precision_plugin)
@@ -466,32 +358,8 @@ class OptimizedDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         self._ddp_kwargs["bucket_cap_mb"] = cap_mb
         self.model = super()._setup_model(self.model.module)
-        self._hooks.register(self.model)
+        self._core.hooks.register(self.model)
         return self.model
 
     def _say(self, message: str) -> None:
         say_during_training(self.lightning_module, self.is_global_zero, message)
-
-    def _reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb"]) -> Any:
-        return self._saved.reused(name, self.world_size) if self._saved is not None else None
-
-    def _restore_hook_state(self) -> None:
-        """Load this rank's saved hook state once both the checkpoint and the registered hook exist."""
-        if self._saved is None or not self._hook_state_pending or not isinstance(self.model, DistributedDataParallel):
-            return
-        self._hook_state_pending = False
-        self._hooks.restore(self._saved, self.world_size, self.global_rank)
-
-    def _restore_local_sgd(self) -> None:
-        """Load the saved outer loop once both the checkpoint and this fit's local SGD loop exist.
-
-        A checkpoint is loaded before setup: a loop left by an earlier fit (its model unwrapped at teardown) waits for
-        the one this fit builds.
-        """
-        if self._saved is None or self.local_sgd is None or not self._local_sgd_pending:
-            return
-        if not isinstance(self.model, DistributedDataParallel):
-            return
-        self._local_sgd_pending = False
-        assert self._local_sgd is not None
-        self._local_sgd.restore(self._saved.local_sgd)

@@ -74,7 +74,7 @@ def test_lightning_cli_lazy_instance(tmp_path):
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, OptimizedDDPStrategy)
-    assert strategy._hooks.spec is not None and strategy._hooks.spec.name == "fp16"
+    assert strategy._core.hooks.spec is not None and strategy._core.hooks.spec.name == "fp16"
     assert strategy._start_method == "spawn"
 
 
@@ -117,4 +117,4 @@ def test_post_local_sgd_with_node_subgroups_is_refused_on_cpu():
         ddp_comm_hook=post_local_sgd.post_localSGD_hook, ddp_comm_state=state, model_averaging_period=2
     )
     with pytest.raises(ValueError, match="PostLocalSGDState"):
-        strategy._hooks._check_post_local_sgd(torch.device("cpu"))
+        strategy._core.hooks._check_post_local_sgd(torch.device("cpu"))

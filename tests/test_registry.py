@@ -28,13 +28,13 @@ def test_registered_names_resolve(name, start_method, hook):
     strategy = StrategyRegistry.get(name)
     assert isinstance(strategy, OptimizedDDPStrategy)
     assert strategy._start_method == start_method
-    assert strategy._hooks.spec is get_hook_spec(hook)
+    assert strategy._core.hooks.spec is get_hook_spec(hook)
 
 
 def test_trainer_accepts_the_name():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_optimized_spawn_fp16", logger=False)
     assert isinstance(trainer.strategy, OptimizedDDPStrategy)
-    assert trainer.strategy._hooks.spec is COMM_HOOKS["fp16"]
+    assert trainer.strategy._core.hooks.spec is COMM_HOOKS["fp16"]
 
 
 def test_hook_registry_names():
@@ -65,9 +65,9 @@ trainer:
     cli = LightningCLI(StackModel, run=False, args=["--config", str(config)], save_config_callback=None)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, OptimizedDDPStrategy)
-    assert strategy._hooks.spec is COMM_HOOKS["bf16"]
-    assert strategy._buckets.requested == 4.5
-    assert strategy._cpu_affinity is True
+    assert strategy._core.hooks.spec is COMM_HOOKS["bf16"]
+    assert strategy._core.buckets.requested == 4.5
+    assert strategy._core.cpu_affinity is True
     assert strategy._start_method == "spawn"
     assert strategy._ddp_kwargs["find_unused_parameters"] is True
 

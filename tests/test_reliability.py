@@ -76,8 +76,8 @@ def test_teardown_releases_the_process_group_it_holds(gloo_group, owned):
 
     strategy = OptimizedDDPStrategy(CPUAccelerator(), comm_hook="powersgd", cluster_environment=LightningEnvironment())
     group = torch.distributed.group.WORLD
-    strategy._hooks.comm_state = PowerSGDState(config=PowerSGDConfig(), process_group=group)
-    strategy._hooks._owns_state = owned  # built from the registry, or a user's own state
+    strategy._core.hooks.comm_state = PowerSGDState(config=PowerSGDConfig(), process_group=group)
+    strategy._core.hooks._owns_state = owned  # built from the registry, or a user's own state
     strategy.teardown()
     # Lightning destroys the group at exit; a reference kept here would leave it to interpreter shutdown. A
     # user's own state is theirs: it keeps its group for the next fit.

@@ -102,16 +102,20 @@ def test_cpu_affinity_bad_values():
 def test_cpu_affinity_true_with_more_local_ranks_than_cores_fails_at_setup():
     strategy = OptimizedDDPStrategy(cpu_affinity=True)
     ranks = len(available_cores()) + 1
-    strategy.parallel_devices = [torch.device("cpu")] * ranks
     with pytest.raises(ValueError, match=f"needs at least one core per local rank: {ranks} local ranks but only"):
-        strategy._bind_cores()
+        _start(strategy, local_ranks=ranks)
 
 
 def test_cpu_affinity_list_must_match_local_ranks_at_setup():
     strategy = OptimizedDDPStrategy(cpu_affinity=[[available_cores()[0]]])
-    strategy.parallel_devices = [torch.device("cpu")] * 2
     with pytest.raises(ValueError, match="cpu_affinity gives 1 core sets but there are 2 local ranks"):
-        strategy._bind_cores()
+        _start(strategy, local_ranks=2)
+
+
+def _start(strategy: OptimizedDDPStrategy, local_ranks: int) -> None:
+    """What the strategy's setup_environment starts once the process group exists: binding the cores first."""
+    cpu = torch.device("cpu")
+    strategy._core.start(cpu, local_rank=0, local_world_size=local_ranks, node_rank=0, world_size=local_ranks, rank=0)
 
 
 def test_static_graph_with_accumulation_is_refused_at_setup(tmp_path):

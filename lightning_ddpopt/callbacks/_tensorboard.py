@@ -1,7 +1,8 @@
 """What TensorBoard shows of a run: a chart layout for the ``ddpopt/*`` scalars and the findings as text.
 
 The scalars themselves reach every logger through ``LightningModule.log``; this module only adds what TensorBoard
-can show besides them, for each ``TensorBoardLogger`` among the Trainer's loggers (other loggers are left alone):
+can show besides them, for each ``TensorBoardLogger`` among the Trainer's (or Fabric's) loggers (other loggers are
+left alone):
 
 - at the start of training, a layout for TensorBoard's *Custom Scalars* tab: one section per measuring callback
   ("ddpopt network", "ddpopt stragglers", "ddpopt AMP"), related series on one chart (e.g. mean, slowest and
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.fabric.loggers import TensorBoardLogger  # the base of the Trainer's too
 
 from lightning_ddpopt.diagnosis import FINDINGS_TITLE, Finding
 

@@ -11,7 +11,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -347,7 +346,7 @@ class AMPMonitor(Callback):
         verdict: torch.Tensor
         if alike:
             verdict = flag  # the same gradients on every rank: the same verdict, no collective
-        elif isinstance(trainer.strategy, DDPStrategy):
+        elif dist.is_available() and dist.is_initialized():
             # One collective (the strategy's reduce adds a barrier); in passing it travels to the next check.
             flags = self._exchange.gather(flag, trainer.world_size, in_passing, final=not log)
             if flags is None:

@@ -105,14 +105,12 @@ class LocalSGDDriver:
                 drift=sync.drift,
             )
 
-    def finish(self, trainer: pl.Trainer) -> None:
+    def finish(self, say: Callable[[str], None]) -> None:
         """Ranks that trained alone since the last sync end with their average: one model on every rank."""
         if self.loop is not None and self.loop.finish() is not None:
-            say_during_training(
-                trainer.lightning_module,
-                trainer.is_global_zero,
+            say(
                 "ddpopt: local SGD averaged the ranks' parameters at the end of training (they had trained apart "
-                "since the last sync)",
+                "since the last sync)"
             )
 
     def restore(self, saved: dict[str, Any] | None) -> None:
@@ -149,7 +147,7 @@ class _FinalAverage(pl.Callback):
         self.driver = driver
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.driver.finish(trainer)
+        self.driver.finish(lambda message: say_during_training(pl_module, trainer.is_global_zero, message))
 
 
 def _to_cpu(state: Any) -> Any:

@@ -1,0 +1,359 @@
+"""What the Trainer's and Fabric's strategies share: the components of an optimized DDP run and the order between them.
+
+Lightning has two front ends, and each has a ``DDPStrategy`` of its own: :class:`lightning_ddpopt.OptimizedDDPStrategy`
+subclasses the Trainer's, :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` Fabric's. Both hand their events to
+one :class:`StrategyCore`, which owns the components (the hook installer, the bucket controller, the ledger, the
+checkpoint gathers, local SGD's driver, the core binding) and calls them in the order their rules need, so the two
+front ends cannot drift apart. :class:`CoreViews` gives both strategies the same public properties over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddpopt._validate import require_number
+from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
+from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPlan, validate_bucket_cap_mb
+from lightning_ddpopt.checkpoint import RankStates, SavedRun
+from lightning_ddpopt.hooks.auto import HookChoice
+from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
+from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
+from lightning_ddpopt.timing import timeline_for
+
+__all__ = ["CoreViews", "StrategyCore", "register_strategy_names"]
+
+
+class StrategyCore:
+    """The components of one strategy, from its arguments to its teardown, whichever front end drives them.
+
+    Args: those of :class:`~lightning_ddpopt.OptimizedDDPStrategy` of the same names (Lightning's ``ddp_comm_*``
+    and ``model_averaging_period`` only through the Trainer's).
+
+    Raises:
+        ValueError, TypeError: at construction, for arguments that cannot work together, naming them.
+    """
+
+    def __init__(
+        self,
+        *,
+        comm_hook: object,
+        comm_state: object | None,
+        bucket_cap_mb: object,
+        gradient_as_bucket_view: bool,
+        find_unused_parameters: bool,
+        static_graph: bool,
+        cpu_affinity: bool | list[list[int]],
+        checkpoint_timeout: float,
+        local_sgd: LocalSGDConfig | None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+    ) -> None:
+        validate_local_sgd(
+            local_sgd,
+            comm_hook=comm_hook,
+            default_hook=DEFAULT_COMM_HOOK,
+            ddp_comm_hook=ddp_comm_hook,
+            model_averaging_period=model_averaging_period,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.hooks = HookInstaller(comm_hook, comm_state, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        # DistributedDataParallel gets only what differs from its own defaults (all False).
+        flags = {
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+        }
+        self.ddp_flags = {name: True for name, value in flags.items() if value}
+        self.buckets = BucketController(validate_bucket_cap_mb(bucket_cap_mb))
+        self.cpu_affinity = validate_cpu_affinity(cpu_affinity)
+        self.checkpoints = RankStates(require_number("checkpoint_timeout", checkpoint_timeout))
+        self.local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
+        self.model_averaging = model_averaging_period is not None  # Lightning's post-local SGD
+        self.ledger: CommLedger | None = None
+        self.core_binding: CoreBinding | None = None
+        self.world_size = 1
+        self.rank = 0
+        # A loaded checkpoint's entry, and which of its parts still wait for the component that restores them.
+        self._saved: SavedRun | None = None
+        self._hook_state_pending = False
+        self._local_sgd_pending = False
+
+    def start(
+        self,
+        device: torch.device,
+        *,
+        local_rank: int,
+        local_world_size: int,
+        node_rank: int,
+        world_size: int,
+        rank: int,
+    ) -> None:
+        """Once the process group exists: bind this rank's cores and open its ledger.
+
+        The ledger times with CUDA events on a GPU (host clocks would time kernel queueing), host clocks on CPU.
+        """
+        self.world_size, self.rank = world_size, rank
+        self.core_binding = bind_cores(
+            self.cpu_affinity,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            world_size=world_size,
+        )
+        self.ledger = CommLedger(timeline=timeline_for(device))
+
+    def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:
+        """DDP's ``bucket_cap_mb`` for ``module``: as planned, or a checkpoint's autotuned cap that still applies."""
+        reused = self.reused_decision("bucket_cap_mb") if self.buckets.requested == "autotune" else None
+        return self.buckets.cap_for(module, self.world_size, device, reused)
+
+    def install(
+        self,
+        model: DistributedDataParallel,
+        *,
+        backend: str,
+        device: torch.device,
+        loss_scale: Callable[[], torch.Tensor | None],
+        own_group: Callable[[], dist.ProcessGroup],
+    ) -> None:
+        """Register the hook on the freshly wrapped ``model``, start local SGD over it, restore what waited for them."""
+        assert self.ledger is not None, "start() first"
+        self.hooks.install(
+            model,
+            backend=backend,
+            ledger=self.ledger,
+            device=device,
+            world_size=self.world_size,
+            loss_scale=loss_scale,
+            own_group=own_group,
+            reused_choice=self.reused_decision("hook_choice") if self.hooks.choosing else None,
+        )
+        if self.hooks.registered is not None:
+            self._restore_hook_state()
+        if self.local_sgd is not None:
+            self.local_sgd.start(model, own_group)
+            self._restore_local_sgd()
+        self.buckets.log_plan(backend, self.hooks.comm_hook_name)
+
+    def load(self, entry: dict[str, Any] | None, model_wrapped: bool) -> SavedRun | None:
+        """Take a checkpoint's entry; restore its parts now if the model is wrapped, else once it is."""
+        self._saved = SavedRun.from_checkpoint(entry) if entry else None
+        self._hook_state_pending = self._local_sgd_pending = self._saved is not None
+        if model_wrapped:
+            self._restore_hook_state()
+            self._restore_local_sgd()
+        return self._saved
+
+    def saved_optimizer_states(self) -> list[dict[str, Any]] | None:
+        """With local SGD, this rank's inner optimizer states from the loaded checkpoint (``None``: use rank 0's).
+
+        Each rank's inner optimizer state is its own, saved beside rank 0's; another world size cannot map them.
+        """
+        saved = self._saved
+        if (
+            self.local_sgd is None
+            or saved is None
+            or saved.world_size != self.world_size
+            or len(saved.local_sgd_ranks) != self.world_size
+        ):
+            return None
+        return saved.local_sgd_ranks[self.rank]["optimizer_states"]
+
+    def before_micro_batch(self, model: torch.nn.Module | None, samples: int | None, first_of_epoch: bool) -> None:
+        """Count a training micro-batch in the ledger; local SGD turns DDP's gradient sync off for a local one."""
+        if self.ledger is not None:
+            self.ledger.add_micro_batch(samples, first_of_epoch=first_of_epoch)
+        if self.local_sgd is not None and isinstance(model, DistributedDataParallel):
+            self.local_sgd.before_batch(model)
+
+    def after_optimizer_step(
+        self,
+        model: torch.nn.Module | None,
+        scale_before: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        say: Callable[[str], None],
+        rewrap: Callable[[float], DistributedDataParallel],
+    ) -> list[StepRecord]:
+        """Close the step: local SGD counts it (and syncs when due), the ledger closes it, buckets are tuned.
+
+        ``scale_before`` / ``scale``: the loss scale before and after the step (local SGD's skipped-step count).
+        Returns the ledger's records that resolved now (on a GPU usually an earlier step's).
+        """
+        ddp = model if isinstance(model, DistributedDataParallel) else None
+        if self.local_sgd is not None and self.local_sgd.loop is not None:
+            self.local_sgd.after_optimizer_step(scale_before, scale, self.ledger if ddp else None)
+        if ddp is None or self.ledger is None:
+            return []
+        records = self.ledger.close_step()
+        self.buckets.after_step(ddp, self.ledger, say, rewrap, self.local_phase)
+        return records
+
+    @property
+    def local_phase(self) -> bool:
+        """Whether local SGD trains apart now (its gradients are not synchronised)."""
+        loop = self.local_sgd.loop if self.local_sgd is not None else None
+        return loop is not None and loop.local
+
+    def gradients_identical(self, model: torch.nn.Module | None) -> bool:
+        """See :attr:`CoreViews.synced_gradients_identical`."""
+        ignored = getattr(model, "parameters_to_ignore", None)
+        # Evidence that this step's gradients went through the hook: the ledger saw a sync round since the last step.
+        synced = self.ledger is not None and self.ledger.recording and self.ledger.open_sync_rounds > 0
+        return (
+            isinstance(model, DistributedDataParallel)
+            and self.hooks.results_identical
+            and not self.model_averaging
+            and not ignored
+            and synced
+        )
+
+    def checkpoint_entry(
+        self, optimizers: list[torch.optim.Optimizer] | None, grad_scaler: dict[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """The ``checkpoint["ddpopt"]`` entry on rank 0 (``None`` elsewhere); every rank must call it.
+
+        ``optimizers``: the inner optimizers whose per-rank states local SGD saves (``None`` for a checkpoint
+        without optimizer states). ``grad_scaler``: a GradScaler's state for front ends that save none of their own.
+        """
+        rank, world_size = self.rank, self.world_size
+        hook_state = self.hooks.state_dict()
+        # The same hook on every rank, so every rank gathers or none does.
+        states = self.checkpoints.gather(hook_state, rank=rank, world_size=world_size) if hook_state else []
+        local_states: list[dict[str, Any]] = []
+        if self.local_sgd is not None and optimizers is not None:
+            local_states = self.checkpoints.gather(
+                self.local_sgd.rank_state(optimizers), rank=rank, world_size=world_size
+            )
+        if rank != 0:
+            return None
+        loop = self.local_sgd.loop if self.local_sgd is not None else None
+        return SavedRun(
+            world_size=world_size,
+            comm_hook=self.hooks.comm_hook_name,
+            hook_states=states,
+            hook_choice=self.hooks.hook_choice if self.hooks.auto else None,
+            bucket_cap_mb=self.buckets.autotuned_cap(),
+            local_sgd=loop.state_dict() if loop is not None else None,
+            local_sgd_ranks=local_states,
+            grad_scaler=grad_scaler,
+        ).to_checkpoint()
+
+    def name_run(self, nonce: str) -> None:
+        """Name this run's checkpoint meetings (the same ``nonce`` on every rank): the store outlives a run."""
+        self.checkpoints.name_run(nonce)
+
+    def close(self) -> None:
+        """Stop local SGD and the hook's threads, destroy our groups, release the cores.
+
+        Nothing of ours may keep a process group alive past the exit-time ``destroy_process_group``.
+        """
+        if self.local_sgd is not None:
+            self.local_sgd.teardown()
+        self.hooks.close()
+        self.checkpoints.close()
+        if self.core_binding is not None:
+            self.core_binding.release()
+            self.core_binding = None
+
+    def reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb"]) -> Any:
+        """A checkpoint's measured decision that this run may reuse, or ``None``."""
+        return self._saved.reused(name, self.world_size) if self._saved is not None else None
+
+    def _restore_hook_state(self) -> None:
+        """Load this rank's saved hook state once both the checkpoint and the registered hook exist."""
+        if self._saved is None or not self._hook_state_pending:
+            return
+        self._hook_state_pending = False
+        self.hooks.restore(self._saved, self.world_size, self.rank)
+
+    def _restore_local_sgd(self) -> None:
+        """Load the saved outer loop once both the checkpoint and this run's local SGD loop exist.
+
+        A Trainer's checkpoint is loaded before setup: a loop left by an earlier fit (its model unwrapped at
+        teardown) waits for the one this fit builds.
+        """
+        if self._saved is None or self.local_sgd is None or self.local_sgd.loop is None or not self._local_sgd_pending:
+            return
+        self._local_sgd_pending = False
+        self.local_sgd.restore(self._saved.local_sgd)
+
+
+class CoreViews:
+    """What a strategy's :class:`StrategyCore` holds, under the names users and callbacks read."""
+
+    _core: StrategyCore
+
+    @property
+    def ledger(self) -> CommLedger | None:
+        """This rank's :class:`~lightning_ddpopt.ledger.CommLedger` (from process-group setup on)."""
+        return self._core.ledger
+
+    @property
+    def core_binding(self) -> CoreBinding | None:
+        """The cores this rank was bound to with ``cpu_affinity`` (``None`` without)."""
+        return self._core.core_binding
+
+    @property
+    def comm_state(self) -> object | None:
+        """The comm hook's state (``None`` without one)."""
+        return self._core.hooks.comm_state
+
+    @property
+    def comm_hook_name(self) -> str | None:
+        """The registered hook's name."""
+        return self._core.hooks.comm_hook_name
+
+    @property
+    def hook_choice(self) -> HookChoice | None:
+        """What ``comm_hook='auto'`` chose, and why."""
+        return self._core.hooks.hook_choice
+
+    @property
+    def bucket_plan(self) -> BucketPlan | None:
+        """The planned bucket cap and predicted layout."""
+        return self._core.buckets.plan
+
+    @property
+    def bucket_layout(self) -> tuple[int, ...] | None:
+        """DDP's bucket sizes once final (the plan's if no hook saw them)."""
+        return self._core.buckets.layout
+
+    @property
+    def autotuner(self) -> BucketAutotuner | None:
+        """``bucket_cap_mb='autotune'``'s search."""
+        return self._core.buckets.autotuner
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        """Local SGD's outer loop (anchor, counters), once the model is wrapped; ``None`` without local SGD."""
+        return self._core.local_sgd.loop if self._core.local_sgd is not None else None
+
+
+def register_strategy_names(cls: type, registry: Any, what: str) -> None:
+    """Register ``cls`` under ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets (``ddp_optimized_fp16``).
+
+    The same names in the Trainer's and Fabric's registries; ``what`` names the class in the descriptions.
+    """
+    start_methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
+    name = cls.strategy_name  # type: ignore[attr-defined]
+    for suffix, start_method in start_methods.items():
+        registry.register(
+            f"{name}{suffix}", cls, description=f"{what} with start_method={start_method!r}", start_method=start_method
+        )
+    for hook in ("fp16", "bf16"):
+        for suffix in ("", "_spawn"):
+            registry.register(
+                f"{name}{suffix}_{hook}",
+                cls,
+                description=f"{what} with comm_hook={hook!r}, start_method={start_methods[suffix]!r}",
+                comm_hook=hook,
+                start_method=start_methods[suffix],
+            )

@@ -1,0 +1,409 @@
+"""OptimizedDDPStrategy for Lightning Fabric: the Trainer strategy's hooks, buckets, local SGD, ledger and checkpoints.
+
+Fabric's ``DDPStrategy`` takes no comm hook at all. This subclass hands Fabric's events to the same
+:class:`~lightning_ddpopt.core.StrategyCore` the Trainer's strategy uses, so both front ends register the same hooks
+and keep the same state. Where Fabric has no event of its own, the strategy makes one:
+
+* a training micro-batch starts at the wrapped model's forward with gradients enabled (a forward pre-hook on DDP):
+  the ledger counts it there and local SGD turns DDP's gradient sync off for a local batch; a forward without
+  gradients or in eval mode (validation) marks a break, so the next step's time starts at its own batch;
+* ``fabric.no_backward_sync(model)`` goes through the strategy's own sync control, which also refuses
+  ``static_graph=True`` there (pytorch#143580);
+* ``optimizer.step()`` reaches :meth:`OptimizedDDPStrategy.optimizer_step`: the step is closed in the ledger, local
+  SGD syncs when due, and the observers of :attr:`OptimizedDDPStrategy.before_optimizer_step` (a
+  :class:`~lightning_ddpopt.fabric.Monitor`'s callbacks) see the gradients unscaled, as the Trainer's callbacks do;
+* :meth:`OptimizedDDPStrategy.finish` ends training (local SGD's final average), as the Trainer's end of fit does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddpopt._compat import PathType, StrategyRegistryType, check_versions, unscale_once
+from lightning_ddpopt._groups import destroy_process_group_at_exit, group_like
+from lightning_ddpopt.accumulation import ExtraSyncs
+from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
+from lightning_ddpopt.core import CoreViews, StrategyCore, register_strategy_names
+from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK
+from lightning_ddpopt.hooks.int8 import Int8Config
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.localsgd import LocalSGDConfig
+from lightning_ddpopt.precision import current_loss_scale
+
+__all__ = ["OptimizedDDPStrategy"]
+
+
+class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
+    """Fabric's ``DDPStrategy`` with the comm hooks, bucket planning, local SGD, ledger and checkpoints of this package.
+
+    The keyword arguments are those of the Trainer's :class:`lightning_ddpopt.OptimizedDDPStrategy`, with the same
+    meaning (Lightning's ``ddp_comm_*`` and ``model_averaging_period`` belong to the Trainer's only); its names are
+    registered in Fabric's strategy registry too (``Fabric(strategy="ddp_optimized_fp16")``). One model per
+    strategy: set up a second one and it raises.
+
+    Example::
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=OptimizedDDPStrategy(comm_hook="powersgd"))
+        fabric.launch()
+        model, optimizer = fabric.setup(model, optimizer)
+
+    Checkpoints: ``fabric.save`` adds the hook's state (every rank's, gathered to rank 0), local SGD's outer loop
+    and every rank's inner optimizer states, the measured decisions and the GradScaler's state (which Fabric does not
+    save) under ``"ddpopt"``; ``fabric.load`` restores them (before or after ``fabric.setup``) and does not return
+    that key. With local SGD, each rank's optimizer in the loaded ``state`` gets its own saved state, matched by
+    order: keep the optimizers in the same order in the saved and the loaded ``state``. Every rank must call both,
+    as Fabric requires.
+
+    With local SGD, call :meth:`finish` on every rank when training ends (a :class:`~lightning_ddpopt.fabric.Monitor`'s
+    ``finish()`` does): the ranks trained apart since the last sync and end with their average.
+
+    Args:
+        accelerator: see Fabric's ``DDPStrategy``.
+        parallel_devices: see Fabric's ``DDPStrategy``.
+        cluster_environment: see Fabric's ``DDPStrategy``.
+        checkpoint_io: see Fabric's ``DDPStrategy``.
+        precision: see Fabric's ``DDPStrategy``.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: NCCL on CUDA, gloo otherwise.
+        timeout: process-group timeout.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        comm_hook: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        comm_state: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        bucket_cap_mb: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        gradient_as_bucket_view: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        find_unused_parameters: see ``DistributedDataParallel``.
+        static_graph: see ``DistributedDataParallel``; refused with ``fabric.no_backward_sync`` (pytorch#143580).
+        cpu_affinity: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
+        local_sgd: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        **kwargs: forwarded to ``DistributedDataParallel``.
+    """
+
+    strategy_name = "ddp_optimized"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        comm_hook: str | PowerSGDConfig | Int8Config | Callable | None = DEFAULT_COMM_HOOK,
+        comm_state: object | None = None,
+        bucket_cap_mb: float | Literal["auto", "autotune"] = "auto",
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        cpu_affinity: bool | list[list[int]] = False,
+        checkpoint_timeout: float = 30.0,
+        local_sgd: LocalSGDConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        check_versions()
+        self._core = StrategyCore(
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            cpu_affinity=cpu_affinity,
+            checkpoint_timeout=checkpoint_timeout,
+            local_sgd=local_sgd,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._ddp_kwargs.update(self._core.ddp_flags)
+        self._backward_sync_control = _SyncControl(self)
+        #: Called with the optimizer before each optimizer step, its gradients unscaled (a Monitor's callbacks).
+        self.before_optimizer_step: list[Callable[[Optimizer], None]] = []
+        #: The optimizers set up through this strategy, in order.
+        self.optimizers: list[Optimizer] = []
+        #: Optimizer steps taken (the Trainer's ``global_step``).
+        self.optimizer_steps = 0
+        self.model: DistributedDataParallel | None = None
+        self._sync_blocked = 0
+        self._between_steps = True  # a break (start, validation) since the last training forward
+        self._extra_syncs = ExtraSyncs(
+            "Fabric loop",
+            "Run forward and fabric.backward of every micro-batch but the last inside "
+            "`with fabric.no_backward_sync(model):`, so only the last micro-batch of each step syncs.",
+        )
+        self._closed = False
+
+    @property
+    def synced_gradients_identical(self) -> bool:
+        """Whether this step's synchronised gradients are the same on every rank (see the Trainer strategy's)."""
+        return self._core.gradients_identical(self.model)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+        # Registered after the process group's exit handler, so it runs first: our groups and threads go before it.
+        atexit.register(self._close)
+        self._core.start(
+            self.root_device,
+            local_rank=self.local_rank,
+            local_world_size=self.num_processes,
+            node_rank=self.node_rank,
+            world_size=self.world_size,
+            rank=self.global_rank,
+        )
+        if self.world_size > 1:
+            self._core.name_run(self.broadcast(secrets.token_hex(8)))
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        if self.model is not None:
+            raise ValueError(
+                f"OptimizedDDPStrategy sets up one model and already holds {type(self.model.module).__name__}; "
+                f"{type(module).__name__} would be a second one. Wrap the models in one nn.Module and set that up."
+            )
+        self._ddp_kwargs["bucket_cap_mb"] = self._core.bucket_cap(module, self.root_device)
+        model = self._wrap(module)
+        self._core.install(
+            model,
+            backend=self._get_process_group_backend(),
+            device=self.root_device,
+            loss_scale=self._loss_scale,
+            own_group=self._group_of_own,
+        )
+        if self.optimizers:
+            self._core.hooks.fit_to_optimizers(self.optimizers)
+        return model
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self.optimizers.append(optimizer)
+        if self.model is not None:  # PowerSGD's max_error="auto" bound follows the optimizers
+            self._core.hooks.fit_to_optimizers(self.optimizers)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        scaler = getattr(self.precision, "scaler", None)
+        if self.before_optimizer_step:
+            if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and isinstance(optimizer, Optimizer):
+                unscale_once(scaler, optimizer)  # as the Trainer does before on_before_optimizer_step
+            for observe in self.before_optimizer_step:
+                observe(optimizer)
+        scale = self._loss_scale() if self._core.local_sgd is not None else None
+        scale_before = scale.detach().clone() if scale is not None else None
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.optimizer_steps += 1
+        for record in self._core.after_optimizer_step(
+            self.model, scale_before, self._loss_scale(), rank_zero_info, self._rewrap
+        ):
+            self._extra_syncs.check(record.sync_rounds, record.micro_batches)
+        return output
+
+    def finish(self) -> None:
+        """End training, on every rank: local SGD averages the ranks; DDP's bucket layout is logged if not yet.
+
+        Ranks under local SGD trained apart since the last parameter sync; after this every rank holds the same
+        model. Call it before a final ``fabric.save``.
+        """
+        if self._core.local_sgd is not None:
+            self._core.local_sgd.finish(rank_zero_info)
+        if self.bucket_layout is None and self.model is not None:
+            self._core.buckets.log_layout(self.ledger, rank_zero_info, self._core.local_phase, final=True)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: PathType,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Add the hook's state (every rank's, gathered to rank 0), local SGD's and the GradScaler's, then save.
+
+        Every rank must call it, as Fabric requires; with a stateful hook a call on fewer ranks raises within
+        ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
+        """
+        if CHECKPOINT_KEY in state:
+            raise ValueError(f"the checkpoint state has a key {CHECKPOINT_KEY!r}, which OptimizedDDPStrategy uses")
+        optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
+        scaler = getattr(self.precision, "scaler", None)
+        scaler_state = scaler.state_dict() if isinstance(scaler, torch.amp.GradScaler) else None
+        entry = self._core.checkpoint_entry(optimizers or None, grad_scaler=scaler_state)
+        if entry is not None:
+            state = {**state, CHECKPOINT_KEY: entry}
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: PathType,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load as Fabric does, then restore this package's part of the checkpoint (not returned to the caller)."""
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        if isinstance(state, Module | Optimizer):  # a raw state dict: nothing of ours in it
+            return remainder
+        saved = self._core.load(remainder.pop(CHECKPOINT_KEY, None), model_wrapped=self.model is not None)
+        scaler = getattr(self.precision, "scaler", None)
+        if saved is not None and saved.grad_scaler is not None and isinstance(scaler, torch.amp.GradScaler):
+            scaler.load_state_dict(saved.grad_scaler)
+        own = self._core.saved_optimizer_states()
+        optimizers = [value for value in (state or {}).values() if isinstance(value, Optimizer)]
+        if own is not None and optimizers:
+            if len(own) != len(optimizers):
+                rank_zero_warn(
+                    f"ddpopt: the checkpoint holds {len(own)} inner optimizer states per rank and the loaded state "
+                    f"has {len(optimizers)} optimizers; every rank keeps rank 0's optimizer state"
+                )
+            else:
+                for optimizer, optimizer_state in zip(optimizers, own, strict=True):
+                    optimizer.load_state_dict(optimizer_state)
+        return remainder
+
+    @override
+    def teardown(self) -> None:
+        self._close()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
+        """Register ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets such as ``ddp_optimized_fp16``."""
+        register_strategy_names(cls, strategy_registry, "OptimizedDDPStrategy (Fabric)")
+
+    def _wrap(self, module: Module) -> DistributedDataParallel:
+        model = super().setup_module(module)
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self.model = model
+        return model
+
+    def _before_forward(self, model: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A training forward starts a micro-batch; any other (validation) is a break between steps."""
+        if not (torch.is_grad_enabled() and model.training):
+            self._between_steps = True
+            return
+        try:
+            samples: int | None = extract_batch_size((args, kwargs))
+        except (MisconfigurationException, RecursionError):
+            samples = None
+        self._core.before_micro_batch(model, samples, first_of_epoch=self._between_steps)
+        self._between_steps = False
+        if self._sync_blocked:  # fabric.no_backward_sync outranks local SGD's warm-up, which just allowed the sync
+            assert isinstance(model, DistributedDataParallel)
+            model.require_backward_grad_sync = False
+
+    @contextmanager
+    def _blocking_sync(self, model: DistributedDataParallel) -> Iterator[None]:
+        if self._core.ddp_flags.get("static_graph"):
+            raise ValueError(
+                "fabric.no_backward_sync cannot run with static_graph=True: DDP's static graph mode mis-syncs "
+                "gradients under no_sync (pytorch#143580). Use static_graph=False."
+            )
+        self._sync_blocked += 1
+        try:
+            with model.no_sync():
+                yield
+        finally:
+            self._sync_blocked -= 1
+
+    def _rewrap(self, cap_mb: float) -> DistributedDataParallel:
+        """Wrap the module in a new DDP with ``cap_mb`` (autotune); the parameters, optimizer and hook state stay.
+
+        Fabric holds the DDP module inside its own wrapper, which the strategy never sees: every module that holds
+        the old DDP as a submodule is pointed at the new one.
+        """
+        old = self.model
+        assert old is not None
+        self._ddp_kwargs["bucket_cap_mb"] = cap_mb
+        new = self._wrap(old.module)
+        self._core.hooks.register(new)
+        if not _swap_submodule(old, new):
+            raise RuntimeError("ddpopt: bucket_cap_mb='autotune' found no module holding the DDP-wrapped model")
+        return new
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        return current_loss_scale(self.precision)
+
+    def _group_of_own(self) -> torch.distributed.ProcessGroup:
+        """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""
+        assert self.model is not None
+        return group_like(self.model.process_group, self._get_process_group_backend(), self._timeout)
+
+    def _close(self) -> None:
+        """Our threads and groups go before the process group (Fabric calls no teardown; exit does this)."""
+        if not self._closed:
+            self._closed = True
+            self._core.close()
+
+
+class _SyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync`` through the strategy, which knows when a micro-batch's sync is blocked."""
+
+    def __init__(self, strategy: OptimizedDDPStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DistributedDataParallel):
+            raise TypeError(
+                "Blocking backward sync is only possible if the module passed to no_backward_sync is wrapped in "
+                f"DistributedDataParallel. Got: {type(module).__name__}."
+            )
+        return self._strategy._blocking_sync(module)
+
+
+def _swap_submodule(old: Module, new: Module) -> int:
+    """Replace ``old`` by ``new`` in every module's registry of submodules; return how many held it."""
+    swapped = 0
+    for holder in gc.get_referrers(old):
+        if not isinstance(holder, Mapping) or not any(
+            getattr(owner, "_modules", None) is holder for owner in gc.get_referrers(holder)
+        ):
+            continue
+        assert isinstance(holder, dict)
+        for name, value in list(holder.items()):
+            if value is old:
+                holder[name] = new
+                swapped += 1
+    return swapped
+
+
+if OptimizedDDPStrategy.strategy_name not in STRATEGY_REGISTRY:
+    OptimizedDDPStrategy.register_strategies(STRATEGY_REGISTRY)
