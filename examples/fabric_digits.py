@@ -49,8 +49,10 @@ def train(fabric: Fabric, args: argparse.Namespace, checkpoint: str) -> None:
                 if last_micro_batch:
                     optimizer.step()
                     optimizer.zero_grad()
-    monitor.finish()  # 3: findings, report, local SGD's final average
+    report = monitor.finish()  # 3: findings, report, local SGD's final average
     fabric.save(checkpoint, {**state, "epoch": args.epochs})
+    if report is not None:
+        print(f"plot the run: .venv/bin/ddpopt report {report.parent}")
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_digits.py"
+FABRIC_EXAMPLE = EXAMPLE.with_name("fabric_digits.py")
 
 
-def _run(tmp_path: Path, *args: str) -> str:
+def _run(tmp_path: Path, *args: str, example: Path = EXAMPLE) -> str:
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--epochs", "1", "--log-dir", str(tmp_path), *args],
+        [sys.executable, str(example), "--epochs", "1", "--log-dir", str(tmp_path), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -43,3 +44,15 @@ def test_one_process_without_callbacks_gives_no_report_hint(tmp_path):
     assert "ddpopt report" not in out and "ddpopt findings" not in out
     assert not list(tmp_path.rglob("ddpopt_report.json"))
     assert "test accuracy: " in out
+
+
+def test_the_fabric_example_accumulates_reports_and_saves(tmp_path):
+    out = _run(tmp_path, "--accumulate", "2", "--hook", "int8", example=FABRIC_EXAMPLE)
+    run_dir = tmp_path / "fabric_digits" / "version_0"
+    assert f"plot the run: .venv/bin/ddpopt report {run_dir}\n" in out
+    assert (run_dir / "ddpopt_report.json").is_file() and (run_dir / "metrics.csv").is_file()
+    assert (tmp_path / "fabric_digits.ckpt").is_file()
+    # 23 batches per rank and epoch in groups of 2: one sync per optimizer step, the epoch's last group shorter.
+    assert "1.00 gradient syncs per optimizer step over 1.92 micro-batches" in out
+    assert "hook int8: relative compression error" in out
+    assert "held-out accuracy: " in out

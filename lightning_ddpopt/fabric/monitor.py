@@ -140,6 +140,8 @@ class Monitor:
     def finish(self) -> Path | None:
         """End training on every rank: the strategy's end of training, then the callbacks' end of fit.
 
+        The loggers are asked to save what they hold (``logger.save()``), not finalized: the loop may log on.
+
         Returns the path of ``ddpopt_report.json`` on rank 0 (``None`` elsewhere, or when a ``CommProfiler`` has
         ``report=False``).
         """
@@ -150,6 +152,8 @@ class Monitor:
         self._call("on_train_end")
         self._call("teardown", TrainerFn.FITTING)
         self._strategy.before_optimizer_step.remove(self._before_optimizer_step)
+        for logger in self._fabric.loggers:  # what was logged reaches the loggers' files (a CSV logger buffers it)
+            logger.save()
         path = Path(self._run.log_dir) / REPORT_NAME
         written = self._run.is_global_zero and not any(getattr(c, "report", True) is False for c in self.callbacks)
         self.report_path = path if written and path.exists() else None

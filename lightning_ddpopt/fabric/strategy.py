@@ -20,7 +20,7 @@ from __future__ import annotations
 import atexit
 import gc
 import secrets
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -390,20 +390,25 @@ class _SyncControl(_BackwardSyncControl):
 
 
 def _swap_submodule(old: Module, new: Module) -> int:
-    """Replace ``old`` by ``new`` in every module's registry of submodules; return how many held it."""
+    """Replace ``old`` by ``new`` in every module's registry of submodules (``_modules``); return how many held it."""
     swapped = 0
     for holder in gc.get_referrers(old):
-        if not isinstance(holder, Mapping) or not any(
-            getattr(owner, "_modules", None) is holder for owner in gc.get_referrers(holder)
-        ):
-            continue
-        assert isinstance(holder, dict)
-        for name, value in list(holder.items()):
-            if value is old:
-                holder[name] = new
-                swapped += 1
+        if isinstance(holder, dict) and _is_submodule_registry(holder):
+            for name, value in list(holder.items()):
+                if value is old:
+                    holder[name] = new
+                    swapped += 1
     return swapped
 
+
+def _is_submodule_registry(candidate: dict) -> bool:
+    """Whether ``candidate`` is a module's ``_modules``: held under that name by the module or its ``__dict__``."""
+    for owner in gc.get_referrers(candidate):
+        if isinstance(owner, dict) and owner.get("_modules") is candidate:
+            return True
+        if isinstance(owner, Module) and owner._modules is candidate:
+            return True
+    return False
 
 if OptimizedDDPStrategy.strategy_name not in STRATEGY_REGISTRY:
     OptimizedDDPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,316 @@
+"""Lightning Fabric: real 2-process CPU runs of the Fabric strategy and its Monitor, in a hand-written loop."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch import nn
+
+from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, StragglerDetector
+from lightning_ddpopt.fabric import Monitor, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt.hooks import PowerSGDConfig
+
+WIDTH = 64
+BATCH = 16
+
+
+@dataclass
+class Run:
+    """One Fabric run's settings; each rank writes what it saw to ``out/rank{r}.pt``."""
+
+    out: str
+    hook: Any = "allreduce"
+    steps: int = 8
+    accumulate: int = 2
+    no_sync: bool = True  # fabric.no_backward_sync on all micro-batches but the last
+    local_sgd: LocalSGDConfig | None = None
+    fp16: bool = False
+    overflow_step: int | None = None  # rank 1's loss is infinite at this (1-based) step
+    save_at: int | None = None  # fabric.save after this many steps
+    resume_from: str | None = None
+    load_before_setup: bool = False
+    slow: tuple[int, str, float] | None = None  # (rank, "data" | "compute", seconds) per batch
+    bucket_cap_mb: Any = "auto"
+    start_method: str = "fork"
+    width: int = WIDTH
+    callbacks: list[str] = field(default_factory=lambda: ["comm", "straggler", "amp"])
+
+
+def _model(width: int = WIDTH) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.Tanh(), nn.Linear(4 * width, 4 * width), nn.Tanh(),
+                         nn.Linear(4 * width, width))  # fmt: skip
+
+
+def _batch(rank: int, step: int, micro: int, width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's micro-batch of every step, from its indices alone: a resumed run sees the same data."""
+    generator = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn(BATCH, width, generator=generator)
+    return x, torch.sin(x.roll(1, dims=1))
+
+
+def _callbacks(names: list[str]) -> list[Any]:
+    made = {"comm": CommProfiler(every_n_steps=4), "straggler": StragglerDetector(every_n_steps=4), "amp": AMPMonitor()}
+    return [made[name] for name in names]
+
+
+def _work(fabric: Fabric, run: Run) -> None:
+    rank = fabric.global_rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _model(run.width)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+        if run.resume_from and run.load_before_setup:
+            fabric.load(run.resume_from, state)
+        model, optimizer = fabric.setup(model, optimizer)
+        state.update(model=model, optimizer=optimizer)
+        if run.resume_from and not run.load_before_setup:
+            fabric.load(run.resume_from, state)
+        strategy = fabric.strategy
+        assert isinstance(strategy, OptimizedDDPStrategy)
+        monitor = Monitor(fabric, _callbacks(run.callbacks)) if run.callbacks else None
+        for step in range(state["step"] + 1, run.steps + 1):
+            for micro in range(run.accumulate):
+                if run.slow is not None and run.slow[:2] == (rank, "data"):
+                    time.sleep(run.slow[2])  # between batches: where a loop loads its data
+                last = micro == run.accumulate - 1
+                with monitor.batch() if monitor is not None else nullcontext():
+                    with fabric.no_backward_sync(model, enabled=run.no_sync and not last):
+                        x, y = _batch(rank, step, micro, run.width)
+                        loss = nn.functional.mse_loss(model(x), y) / run.accumulate
+                        if run.overflow_step == step and rank == 1:
+                            loss = loss * math.inf
+                        if run.slow is not None and run.slow[:2] == (rank, "compute"):
+                            time.sleep(run.slow[2])
+                        fabric.backward(loss)
+                    if last:
+                        optimizer.step()
+                        optimizer.zero_grad()
+            if run.save_at == step:
+                fabric.save(Path(run.out) / "checkpoint.ckpt", {**state, "step": step})
+        report = monitor.finish() if monitor is not None else None
+        if monitor is None:
+            strategy.finish()
+    ledger = strategy.ledger
+    assert ledger is not None
+    scaler = getattr(strategy.precision, "scaler", None)
+    torch.save(
+        {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "steps": [
+                {
+                    "sync_rounds": s.sync_rounds,
+                    "micro_batches": s.micro_batches,
+                    "wire": s.wire_bytes,
+                    "logical": s.logical_bytes,
+                }
+                for s in ledger.steps
+            ],  # fmt: skip
+            "warnings": [str(w.message) for w in caught],
+            "metrics": dict(monitor.metrics) if monitor is not None else {},
+            "report": str(report) if report is not None else None,
+            "hook": strategy.comm_hook_name,
+            "scale": scaler.get_scale() if scaler is not None else None,
+            "autotuned": strategy.autotuner.best if strategy.autotuner is not None else None,
+            "autotune_tried": len(strategy.autotuner.scores) if strategy.autotuner is not None else 0,
+            "forward_module_is_ddp": model._forward_module is strategy.model,
+        },
+        Path(run.out) / f"rank{rank}.pt",
+    )
+
+
+def launch(run: Run, devices: int = 2, **strategy_kwargs: Any) -> list[dict[str, Any]]:
+    """Run ``run`` on ``devices`` CPU processes; every rank's results."""
+    Path(run.out).mkdir(parents=True, exist_ok=True)
+    strategy = OptimizedDDPStrategy(
+        comm_hook=run.hook,
+        local_sgd=run.local_sgd,
+        bucket_cap_mb=run.bucket_cap_mb,
+        start_method=run.start_method,
+        **strategy_kwargs,
+    )
+    plugins = [fp16_mixed_precision("cpu", init_scale=2.0**10)] if run.fp16 else None
+    logger = CSVLogger(run.out, name="logs")
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, plugins=plugins, loggers=logger)
+    fabric.launch(_work, run)
+    return [torch.load(Path(run.out) / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def reference_params(steps: int, accumulate: int, world_size: int = 2) -> list[torch.Tensor]:
+    """What synchronous data parallelism computes, in one process: AdamW on the mean loss over every micro-batch."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1, steps + 1):
+        losses = [
+            nn.functional.mse_loss(model(x), y)
+            for rank in range(world_size)
+            for x, y in (_batch(rank, step, micro) for micro in range(accumulate))
+        ]
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def assert_ranks_identical(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks[1:]:
+        for mine, first in zip(rank["params"], ranks[0]["params"], strict=True):
+            assert torch.equal(mine, first)
+
+
+# --- without processes ---------------------------------------------------------------------------------------------
+
+
+def test_the_trainer_names_are_registered_for_fabric():
+    for name in ("ddp_optimized", "ddp_optimized_spawn", "ddp_optimized_fork", "ddp_optimized_fp16"):
+        assert name in STRATEGY_REGISTRY
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_optimized_spawn_bf16")
+    strategy = fabric.strategy
+    assert isinstance(strategy, OptimizedDDPStrategy)
+    assert strategy._core.hooks.spec is not None and strategy._core.hooks.spec.name == "bf16"
+    assert strategy._start_method == "spawn"
+
+
+def test_bad_arguments_fail_at_construction_as_on_the_trainer():
+    with pytest.raises(ValueError, match="comm_hook='gzip' is not"):
+        OptimizedDDPStrategy(comm_hook="gzip")
+    with pytest.raises(ValueError, match="bucket_cap_mb='autotune' with local_sgd"):
+        OptimizedDDPStrategy(bucket_cap_mb="autotune", local_sgd=LocalSGDConfig.diloco(8))
+    with pytest.raises(ValueError, match="checkpoint_timeout"):
+        OptimizedDDPStrategy(checkpoint_timeout=-1)
+
+
+def test_the_monitor_needs_the_strategy_and_a_model():
+    with pytest.raises(TypeError, match="this Fabric runs DDPStrategy"):
+        Monitor(Fabric(accelerator="cpu", devices=2, strategy="ddp"))
+    with pytest.raises(RuntimeError, match=r"comes after fabric.setup\(model, optimizer\)"):
+        Monitor(Fabric(accelerator="cpu", devices=2, strategy="ddp_optimized"))
+
+
+# --- 2 processes ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "int8", "powersgd"])
+def test_every_hook_family_syncs_once_per_step_with_no_backward_sync(tmp_path, hook):
+    # PowerSGD compresses from its 3rd sync on (the default waits 10).
+    ranks = launch(Run(str(tmp_path), hook=PowerSGDConfig(start_iter=2) if hook == "powersgd" else hook))
+    assert_ranks_identical(ranks)
+    for rank in ranks:
+        assert rank["hook"] == hook
+        assert [s["sync_rounds"] for s in rank["steps"]] == [1] * 8  # the first micro-batch of each step skipped
+        assert [s["micro_batches"] for s in rank["steps"]] == [2] * 8
+        assert not [w for w in rank["warnings"] if w.startswith("ddpopt: this Fabric loop")]
+    steps = ranks[0]["steps"]
+    logical = 4 * sum(p.numel() for p in ranks[0]["params"])
+    assert {s["logical"] for s in steps} == {logical}
+    sent = {s["wire"] for s in steps}
+    if hook == "allreduce":
+        assert sent == {logical}
+        # fp32 sums in another order than one process: rounding only, after 8 AdamW steps.
+        for got, want in zip(ranks[0]["params"], reference_params(8, 2), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    elif hook == "fp16":
+        assert sent == {logical // 2}
+        for got, want in zip(ranks[0]["params"], reference_params(8, 2), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+    else:
+        assert steps[-1]["wire"] < logical / 3
+    # The Monitor's figures, logged through fabric.log_dict and kept: the bytes the ledger counted in the last
+    # interval of CommProfiler(every_n_steps=4), the same on both ranks.
+    metrics = ranks[0]["metrics"]
+    assert metrics["ddpopt/comm/bytes_sent"] == pytest.approx(sum(s["wire"] for s in steps[-4:]) / 4, rel=1e-12)
+    assert metrics["ddpopt/comm/sync_rounds"] == 1.0
+    (csv_file,) = tmp_path.glob("logs/version_*/metrics.csv")
+    assert "ddpopt/comm/bytes_sent" in csv_file.read_text().splitlines()[0]
+    report = json.loads(Path(ranks[0]["report"]).read_text())
+    assert [f["area"] for f in report["findings"]] == ["network", "compression", "amp", "accumulation", "stragglers"]
+    assert report["summary"]["ledger"]["micro_batches_per_step"] == 2.0
+    assert ranks[1]["report"] is None  # rank 0 writes it
+
+
+def test_a_loop_that_syncs_every_micro_batch_is_warned_once(tmp_path):
+    ranks = launch(Run(str(tmp_path), no_sync=False, steps=4, callbacks=[]))
+    assert [s["sync_rounds"] for s in ranks[0]["steps"]] == [2] * 4
+    warned = [w for w in ranks[0]["warnings"] if w.startswith("ddpopt: this Fabric loop")]
+    assert len(warned) == 1
+    assert warned[0].startswith(
+        "ddpopt: this Fabric loop synchronised gradients 2 times for one optimizer step (2 micro-batches)"
+    )
+    assert "fabric.no_backward_sync(model)" in warned[0]
+    assert not [w for w in ranks[1]["warnings"] if w.startswith("ddpopt: this Fabric loop")]  # rank 0 warns
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param({"hook": PowerSGDConfig(), "fp16": True, "overflow_step": 3}, id="powersgd-fp16-overflow"),
+        pytest.param({"hook": "int8", "load_before_setup": True}, id="int8-loaded-before-setup"),
+        # Saved on a sync (steps 3 and 6), where every rank holds the same weights: Fabric saves rank 0's.
+        pytest.param({"local_sgd": LocalSGDConfig.diloco(3), "accumulate": 1, "save_at": 6}, id="diloco-at-a-sync"),
+    ],
+)
+def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
+    case = {"save_at": 5, **case}
+    whole = launch(Run(str(tmp_path / "whole"), steps=10, callbacks=["amp"], **case))
+    checkpoint = str(tmp_path / "whole" / "checkpoint.ckpt")
+    resumed = launch(Run(str(tmp_path / "resumed"), steps=10, resume_from=checkpoint, callbacks=["amp"], **case))
+    assert len(resumed[0]["steps"]) == 10 - case["save_at"]
+    for got, want in zip(resumed, whole, strict=True):
+        for a, b in zip(got["params"], want["params"], strict=True):
+            assert torch.equal(a, b)
+        assert got["scale"] == want["scale"]
+        assert not [w for w in got["warnings"] if w.startswith("ddpopt:") and "fresh" in w]
+    assert_ranks_identical(whole)
+    saved = torch.load(checkpoint, weights_only=True)["ddpopt"]
+    assert saved["world_size"] == 2
+    if "fp16" in case:
+        assert saved["grad_scaler"]["scale"] < 2.0**10  # the overflow at step 3 halved it; Fabric saves no scaler
+        assert whole[0]["metrics"]["ddpopt/amp/skipped_steps"] == 1.0
+    if "local_sgd" in case:
+        assert len(saved["local_sgd_ranks"]) == 2 and saved["local_sgd"] is not None
+    else:
+        assert len(saved["hook_states"]) == 2
+
+
+@pytest.mark.parametrize(
+    "slow",
+    [
+        pytest.param((0, "compute", "fork"), id="rank0-compute-fork"),
+        pytest.param((1, "data", "spawn"), id="rank1-data-spawn"),
+    ],
+)
+def test_a_slow_rank_is_named_in_the_report(tmp_path, slow):
+    rank, phase, start_method = slow
+    ranks = launch(Run(str(tmp_path), steps=12, slow=(rank, phase, 0.05), start_method=start_method))
+    report = json.loads(Path(ranks[0]["report"]).read_text())
+    last = report["summary"]["stragglers"]["last"]
+    assert last["slowest_rank"] == rank and last["is_straggler"] and last["phase"] == phase
+    # Each rank's own figures: under spawn a tensor made before the ranks start would be shared by both.
+    per_rank = last["per_rank_ms"]
+    assert per_rank[str(rank)][phase] > per_rank[str(1 - rank)][phase] + 30
+    stragglers = next(f for f in report["findings"] if f["area"] == "stragglers")
+    assert stragglers["status"] == "problem" and f"rank {rank}" in stragglers["evidence"]
+
+
+def test_autotune_swaps_the_ddp_inside_fabrics_module(tmp_path):
+    # 6.3 MB of gradients: the caps tried give 1 to 7 buckets, so DDP is wrapped anew for each.
+    ranks = launch(Run(str(tmp_path), steps=30, accumulate=1, bucket_cap_mb="autotune", callbacks=[], width=256))
+    assert_ranks_identical(ranks)
+    for rank in ranks:
+        assert rank["autotuned"] is not None and rank["autotune_tried"] >= 3
+        assert rank["forward_module_is_ddp"]  # the model Fabric returned runs the final DDP
+        assert [s["sync_rounds"] for s in rank["steps"]] == [1] * 30
+    assert ranks[0]["autotuned"] == ranks[1]["autotuned"]
