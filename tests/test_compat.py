@@ -79,6 +79,30 @@ def test_the_scaler_internals_tell_the_scale_and_a_skipped_step():
     assert [float(flag) for flag in found.values()] == [1.0]
 
 
+def test_unscale_once_unscales_a_ready_optimizer_and_leaves_an_unscaled_one():
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    parameter = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    scaler.scale(parameter.sum()).backward()
+    _compat.unscale_once(scaler, optimizer)
+    assert parameter.grad.tolist() == [1.0, 1.0, 1.0]
+    _compat.unscale_once(scaler, optimizer)  # a second unscale_ would raise, or divide again
+    assert parameter.grad.tolist() == [1.0, 1.0, 1.0]
+    scaler.step(optimizer)  # the step does not unscale again either
+    torch.testing.assert_close(parameter.detach(), torch.full((3,), 0.9))
+
+
+def test_fabrics_backward_sync_control_is_what_the_fabric_strategy_replaces():
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    from lightning_ddpopt.fabric import OptimizedDDPStrategy as FabricStrategy
+
+    assert isinstance(FabricDDPStrategy()._backward_sync_control, _BackwardSyncControl)
+    assert isinstance(FabricStrategy()._backward_sync_control, _BackwardSyncControl)
+    assert type(FabricStrategy()._backward_sync_control) is not type(FabricDDPStrategy()._backward_sync_control)
+
+
 class _LoopInternals(pl.Callback):
     """Reads, during a real fit, what the package reads of Lightning's loop."""
 
@@ -132,6 +156,7 @@ _NOTHING = SimpleNamespace()
         (lambda: _compat.attached_comm_hook(_NOTHING), "DistributedDataParallel._get_ddp_logging_data"),
         (lambda: _compat.group_backends(_NOTHING), "ProcessGroup._get_backend"),
         (lambda: _compat.found_inf_per_device(_NOTHING, None), "GradScaler._per_optimizer_states"),
+        (lambda: _compat.unscale_once(_NOTHING, None), "GradScaler._per_optimizer_states"),
         (lambda: _compat.scaler_scale(_NOTHING), "GradScaler._scale"),
         (
             lambda: _compat.last_batch_of_epoch(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=_NOTHING))),
