@@ -410,5 +410,6 @@ def _is_submodule_registry(candidate: dict) -> bool:
             return True
     return False
 
+
 if OptimizedDDPStrategy.strategy_name not in STRATEGY_REGISTRY:
     OptimizedDDPStrategy.register_strategies(STRATEGY_REGISTRY)
