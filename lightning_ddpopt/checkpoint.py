@@ -60,6 +60,7 @@ class SavedRun:
             by global rank.
         grad_scaler: the GradScaler's state, saved by front ends that save none of their own (Fabric); ``None`` for
             the Trainer's, which saves it itself.
+        optimizer_steps: optimizer steps taken, for front ends that keep no step count of their own (Fabric).
     """
 
     world_size: int
@@ -70,6 +71,7 @@ class SavedRun:
     local_sgd: dict[str, Any] | None = None
     local_sgd_ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     grad_scaler: dict[str, Any] | None = None
+    optimizer_steps: int | None = None
 
     def to_checkpoint(self) -> dict[str, Any]:
         """Plain types only, so that ``torch.load(weights_only=True)`` reads it."""
@@ -88,6 +90,7 @@ class SavedRun:
             local_sgd=entry.get("local_sgd"),
             local_sgd_ranks=list(entry.get("local_sgd_ranks") or []),
             grad_scaler=entry.get("grad_scaler"),
+            optimizer_steps=entry.get("optimizer_steps"),
         )
 
     def decision_note(self, world_size: int) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt._validate import require_number
@@ -152,6 +153,33 @@ class StrategyCore:
             self._restore_local_sgd()
         return self._saved
 
+    def warn_decisions_not_reused(self) -> None:
+        """Warn (rank 0) about a checkpoint's measured decisions that came too late: the model was wrapped already.
+
+        ``"auto"`` chose its hook and ``"autotune"`` started its search when the model was wrapped; a checkpoint
+        loaded after that cannot change them.
+        """
+        saved = self._saved
+        if saved is None or saved.decision_note(self.world_size) is not None:
+            return
+        late = []
+        choice = self.hooks.hook_choice
+        if (
+            saved.hook_choice is not None
+            and self.hooks.auto
+            and choice is not None
+            and choice.name != saved.hook_choice.name
+        ):
+            late.append(f"comm_hook='auto' chose {choice.name!r} and the checkpoint holds {saved.hook_choice.name!r}")
+        tuner = self.buckets.autotuner
+        if saved.bucket_cap_mb is not None and tuner is not None and tuner.best != saved.bucket_cap_mb:
+            late.append(f"bucket_cap_mb='autotune' measures again instead of reusing {saved.bucket_cap_mb:g} MiB")
+        if late:
+            rank_zero_warn(
+                f"ddpopt: the checkpoint was loaded after the model was set up: {'; '.join(late)}. Load it before "
+                "setting up the model to reuse what was measured."
+            )
+
     def saved_optimizer_states(self) -> list[dict[str, Any]] | None:
         """With local SGD, this rank's inner optimizer states from the loaded checkpoint (``None``: use rank 0's).
 
@@ -216,12 +244,16 @@ class StrategyCore:
         )
 
     def checkpoint_entry(
-        self, optimizers: list[torch.optim.Optimizer] | None, grad_scaler: dict[str, Any] | None = None
+        self,
+        optimizers: list[torch.optim.Optimizer] | None,
+        grad_scaler: dict[str, Any] | None = None,
+        optimizer_steps: int | None = None,
     ) -> dict[str, Any] | None:
         """The ``checkpoint["ddpopt"]`` entry on rank 0 (``None`` elsewhere); every rank must call it.
 
         ``optimizers``: the inner optimizers whose per-rank states local SGD saves (``None`` for a checkpoint
-        without optimizer states). ``grad_scaler``: a GradScaler's state for front ends that save none of their own.
+        without optimizer states). ``grad_scaler`` and ``optimizer_steps``: what front ends that keep neither in
+        their own checkpoints (Fabric) save here.
         """
         rank, world_size = self.rank, self.world_size
         hook_state = self.hooks.state_dict()
@@ -244,6 +276,7 @@ class StrategyCore:
             local_sgd=loop.state_dict() if loop is not None else None,
             local_sgd_ranks=local_states,
             grad_scaler=grad_scaler,
+            optimizer_steps=optimizer_steps,
         ).to_checkpoint()
 
     def name_run(self, nonce: str) -> None:

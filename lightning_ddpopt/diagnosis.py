@@ -64,6 +64,7 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "world_size": trainer.world_size,
         "strategy": type(strategy).__name__,
+        "front_end": getattr(trainer, "front_end", "trainer"),
         "comm_hook": getattr(strategy, "comm_hook_name", None),
         "backend": getattr(strategy, "process_group_backend", None),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
@@ -280,13 +281,12 @@ def _accumulation(summary: dict[str, Any]) -> Finding:
         )
     evidence = f"{rounds:.2f} gradient syncs per optimizer step over {micro:.2f} micro-batches"
     if ledger["max_sync_rounds"] > 1:
-        return Finding(
-            "accumulation",
-            "problem",
-            evidence,
-            "sync only on the last micro-batch: Trainer(accumulate_grad_batches=K), or strategy.accumulate(every=K) "
-            "with manual optimization",
+        how = (
+            "run every micro-batch but the last under fabric.no_backward_sync(model)"
+            if summary.get("front_end") == "fabric"
+            else "Trainer(accumulate_grad_batches=K), or strategy.accumulate(every=K) with manual optimization"
         )
+        return Finding("accumulation", "problem", evidence, f"sync only on the last micro-batch: {how}")
     comm = summary.get("comm") or {}
     if micro <= 1 and (comm.get("transfer_share", comm.get("comm_share")) or 0) >= COMM_SHARE_PROBLEM:
         return Finding(

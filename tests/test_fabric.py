@@ -41,7 +41,8 @@ class Run:
     save_at: int | None = None  # fabric.save after this many steps
     resume_from: str | None = None
     load_before_setup: bool = False
-    slow: tuple[int, str, float] | None = None  # (rank, "data" | "compute", seconds) per batch
+    slow: tuple[int, str, float] | None = None  # (rank, "data" | "compute" | "validation", seconds) per batch
+    validate: bool = False  # a validation forward (eval mode, no gradients) after every step
     bucket_cap_mb: Any = "auto"
     start_method: str = "fork"
     width: int = WIDTH
@@ -79,6 +80,9 @@ def _work(fabric: Fabric, run: Run) -> None:
         state.update(model=model, optimizer=optimizer)
         if run.resume_from and not run.load_before_setup:
             fabric.load(run.resume_from, state)
+        if run.resume_from:
+            # Read whole, without a state to restore into: the package's entry is not handed out, nor applied.
+            assert "ddpopt" not in fabric.load(run.resume_from)
         strategy = fabric.strategy
         assert isinstance(strategy, OptimizedDDPStrategy)
         monitor = Monitor(fabric, _callbacks(run.callbacks)) if run.callbacks else None
@@ -99,6 +103,13 @@ def _work(fabric: Fabric, run: Run) -> None:
                     if last:
                         optimizer.step()
                         optimizer.zero_grad()
+            if run.validate:
+                model.eval()
+                with torch.no_grad():
+                    model(_batch(rank, step, 99, run.width)[0])
+                model.train()
+                if run.slow is not None and run.slow[:2] == (rank, "validation"):
+                    time.sleep(run.slow[2])  # rank 0's own work after validation, e.g. writing a sample
             if run.save_at == step:
                 fabric.save(Path(run.out) / "checkpoint.ckpt", {**state, "step": step})
         report = monitor.finish() if monitor is not None else None
@@ -127,6 +138,7 @@ def _work(fabric: Fabric, run: Run) -> None:
             "autotuned": strategy.autotuner.best if strategy.autotuner is not None else None,
             "autotune_tried": len(strategy.autotuner.scores) if strategy.autotuner is not None else 0,
             "forward_module_is_ddp": model._forward_module is strategy.model,
+            "optimizer_steps": strategy.optimizer_steps,
         },
         Path(run.out) / f"rank{rank}.pt",
     )
@@ -278,6 +290,8 @@ def test_a_loop_that_syncs_every_micro_batch_is_warned_once(tmp_path):
     [
         pytest.param({"hook": PowerSGDConfig(), "fp16": True, "overflow_step": 3}, id="powersgd-fp16-overflow"),
         pytest.param({"hook": "int8", "load_before_setup": True}, id="int8-loaded-before-setup"),
+        # auto's measured choice comes back with the checkpoint loaded before setup: no measuring again.
+        pytest.param({"hook": "auto", "load_before_setup": True}, id="auto-loaded-before-setup"),
         # Saved on a sync (steps 3 and 6), where every rank holds the same weights: Fabric saves rank 0's.
         pytest.param({"local_sgd": LocalSGDConfig.diloco(3), "accumulate": 1, "save_at": 6}, id="diloco-at-a-sync"),
     ],
@@ -288,6 +302,7 @@ def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
     checkpoint = str(tmp_path / "whole" / "checkpoint.ckpt")
     resumed = launch(Run(str(tmp_path / "resumed"), steps=10, resume_from=checkpoint, callbacks=["amp"], **case))
     assert len(resumed[0]["steps"]) == 10 - case["save_at"]
+    assert resumed[0]["optimizer_steps"] == 10  # the step count came back: the logs go on from step 5
     for got, want in zip(resumed, whole, strict=True):
         for a, b in zip(got["params"], want["params"], strict=True):
             assert torch.equal(a, b)
@@ -301,8 +316,34 @@ def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
         assert whole[0]["metrics"]["ddpopt/amp/skipped_steps"] == 1.0
     if "local_sgd" in case:
         assert len(saved["local_sgd_ranks"]) == 2 and saved["local_sgd"] is not None
+    elif case["hook"] == "auto":
+        assert saved["hook_choice"]["name"] == whole[0]["hook"] == resumed[0]["hook"]
     else:
         assert len(saved["hook_states"]) == 2
+
+
+def test_no_backward_sync_holds_in_local_sgds_warm_up(tmp_path):
+    # Local SGD allows the gradient sync in its warm-up batches; fabric.no_backward_sync still skips it on every
+    # micro-batch but a step's last: one round per warm-up step, then the parameter syncs (steps 6 and 10).
+    config = LocalSGDConfig.diloco(4, warmup_steps=2)
+    ranks = launch(Run(str(tmp_path), local_sgd=config, steps=10, callbacks=["comm"]))
+    assert [s["sync_rounds"] for s in ranks[0]["steps"]] == [1, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert [s["micro_batches"] for s in ranks[0]["steps"]] == [2] * 10
+    assert_ranks_identical(ranks)
+
+
+def test_a_second_model_and_static_graph_under_no_backward_sync_are_refused():
+    # No process group in this process: ranks forked by later tests would inherit its threads. A DDP object that was
+    # never initialised is enough, as both checks come first.
+    strategy = OptimizedDDPStrategy(static_graph=True)
+    model = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    strategy.model = model
+    model.__dict__["module"] = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="already holds Linear; Sequential would be a second one"):
+        strategy.setup_module(nn.Sequential())
+    with pytest.raises(ValueError, match=r"no_backward_sync cannot run with static_graph=True: .*pytorch#143580"):
+        with strategy._backward_sync_control.no_backward_sync(model, enabled=True):
+            pass
 
 
 @pytest.mark.parametrize(
@@ -323,6 +364,15 @@ def test_a_slow_rank_is_named_in_the_report(tmp_path, slow):
     assert per_rank[str(rank)][phase] > per_rank[str(1 - rank)][phase] + 30
     stragglers = next(f for f in report["findings"] if f["area"] == "stragglers")
     assert stragglers["status"] == "problem" and f"rank {rank}" in stragglers["evidence"]
+
+
+def test_validation_between_batches_is_not_data_time(tmp_path):
+    # Rank 0 spends 50 ms after each step's validation forward: on the Trainer an epoch boundary, not data time.
+    ranks = launch(Run(str(tmp_path), steps=12, slow=(0, "validation", 0.05), validate=True))
+    report = json.loads(Path(ranks[0]["report"]).read_text())
+    last = report["summary"]["stragglers"]["last"]
+    assert not last["is_straggler"], last
+    assert max(rank["data"] for rank in last["per_rank_ms"].values()) < 25
 
 
 def test_autotune_swaps_the_ddp_inside_fabrics_module(tmp_path):

@@ -58,7 +58,12 @@ class Monitor:
 
     With gradient accumulation, wrap every micro-batch in :meth:`batch` (the optimizer step in the last one's),
     as the Trainer calls its batch hooks per micro-batch. The time between two batches (the loader's) is the
-    straggler detector's data time; so is any other work of the loop there.
+    straggler detector's data time; so is any other work of the loop there, except validation: a forward of the
+    model without gradients or in eval mode marks a break, as an epoch boundary does on the Trainer.
+
+    Resume: create the monitor after ``fabric.load``, which restores the optimizer step count (a monitor made
+    before restarts its callbacks' step counting at the next batch); the callbacks' counts (skipped steps,
+    straggler windows) start afresh.
 
     Args:
         fabric: the launched Fabric whose model was set up with :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy`.
@@ -107,6 +112,7 @@ class Monitor:
         self._module = _ModuleView(strategy)
         self._batches = 0
         self._finished = False
+        self._resumes, self._breaks = strategy.resumes, strategy.breaks
         strategy.before_optimizer_step.append(self._before_optimizer_step)
         self._call("setup", TrainerFn.FITTING)
         for hook in ("on_fit_start", "on_train_start", "on_train_epoch_start"):
@@ -121,6 +127,14 @@ class Monitor:
         if self._finished:
             raise RuntimeError("Monitor.batch() after finish(): make a new Monitor for another run")
         index = self._batches
+        if self._strategy.resumes != self._resumes:
+            # A checkpoint loaded after the monitor started moved the step count: the callbacks count from there.
+            self._resumes = self._strategy.resumes
+            self._call("on_train_start")
+        if self._strategy.breaks != self._breaks:
+            # Validation ran since the last batch: what the Trainer calls an epoch boundary, not data time.
+            self._breaks = self._strategy.breaks
+            self._call("on_train_epoch_start")
         self._call("on_train_batch_start", batch, index)
         yield
         self._call("on_train_batch_end", None, batch, index)
@@ -189,6 +203,7 @@ class _RunView:
         self.accumulate_grad_batches = None  # a Fabric loop accumulates as it likes; the ledger counts it
         self.fit_loop = None  # no data fetcher: the time between batches is the data time
         self.training = True
+        self.front_end = "fabric"  # the diagnosis words its advice for a Fabric loop
         logger_dir = getattr(fabric.logger, "log_dir", None) if fabric.loggers else None
         self.log_dir = str(report_dir if report_dir is not None else logger_dir or os.getcwd())
         self.default_root_dir = self.log_dir

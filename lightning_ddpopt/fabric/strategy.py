@@ -20,6 +20,8 @@ from __future__ import annotations
 import atexit
 import gc
 import secrets
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -153,8 +155,12 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         self.before_optimizer_step: list[Callable[[Optimizer], None]] = []
         #: The optimizers set up through this strategy, in order.
         self.optimizers: list[Optimizer] = []
-        #: Optimizer steps taken (the Trainer's ``global_step``).
+        #: Optimizer steps taken (the Trainer's ``global_step``), those before a resume included.
         self.optimizer_steps = 0
+        #: Checkpoints loaded with a step count (a Monitor restarts its callbacks' step counting after one).
+        self.resumes = 0
+        #: Forwards outside training (validation) so far: a Monitor's break between batches.
+        self.breaks = 0
         self.model: DistributedDataParallel | None = None
         self._sync_blocked = 0
         self._between_steps = True  # a break (start, validation) since the last training forward
@@ -175,7 +181,8 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         super().setup_environment()
         destroy_process_group_at_exit()
         # Registered after the process group's exit handler, so it runs first: our groups and threads go before it.
-        atexit.register(self._close)
+        # A weak reference: the handler does not keep the strategy (and its model) alive until the process ends.
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._core.start(
             self.root_device,
             local_rank=self.local_rank,
@@ -209,16 +216,17 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self.optimizers.append(optimizer)
+        if optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
         if self.model is not None:  # PowerSGD's max_error="auto" bound follows the optimizers
             self._core.hooks.fit_to_optimizers(self.optimizers)
         return super().setup_optimizer(optimizer)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        scaler = getattr(self.precision, "scaler", None)
+        scaler = self._scaler()
         if self.before_optimizer_step:
-            if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and isinstance(optimizer, Optimizer):
+            if scaler is not None and isinstance(optimizer, Optimizer):
                 unscale_once(scaler, optimizer)  # as the Trainer does before on_before_optimizer_step
             for observe in self.before_optimizer_step:
                 observe(optimizer)
@@ -259,9 +267,12 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         if CHECKPOINT_KEY in state:
             raise ValueError(f"the checkpoint state has a key {CHECKPOINT_KEY!r}, which OptimizedDDPStrategy uses")
         optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
-        scaler = getattr(self.precision, "scaler", None)
-        scaler_state = scaler.state_dict() if isinstance(scaler, torch.amp.GradScaler) else None
-        entry = self._core.checkpoint_entry(optimizers or None, grad_scaler=scaler_state)
+        scaler = self._scaler()
+        entry = self._core.checkpoint_entry(
+            optimizers or None,
+            grad_scaler=scaler.state_dict() if scaler is not None else None,
+            optimizer_steps=self.optimizer_steps,
+        )
         if entry is not None:
             state = {**state, CHECKPOINT_KEY: entry}
         super().save_checkpoint(path, state, storage_options, filter)
@@ -276,14 +287,22 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
     ) -> dict[str, Any]:
         """Load as Fabric does, then restore this package's part of the checkpoint (not returned to the caller)."""
         remainder = super().load_checkpoint(path, state, strict, weights_only)
-        if isinstance(state, Module | Optimizer):  # a raw state dict: nothing of ours in it
+        entry = remainder.pop(CHECKPOINT_KEY, None)
+        if not isinstance(state, dict) or not state:  # a raw state dict, or the file read whole: nothing to restore
             return remainder
-        saved = self._core.load(remainder.pop(CHECKPOINT_KEY, None), model_wrapped=self.model is not None)
-        scaler = getattr(self.precision, "scaler", None)
-        if saved is not None and saved.grad_scaler is not None and isinstance(scaler, torch.amp.GradScaler):
+        saved = self._core.load(entry, model_wrapped=self.model is not None)
+        if saved is None:
+            return remainder
+        scaler = self._scaler()
+        if saved.grad_scaler and scaler is not None:
             scaler.load_state_dict(saved.grad_scaler)
+        if saved.optimizer_steps is not None:
+            self.optimizer_steps = saved.optimizer_steps
+            self.resumes += 1
+        if self.model is not None:
+            self._core.warn_decisions_not_reused()
         own = self._core.saved_optimizer_states()
-        optimizers = [value for value in (state or {}).values() if isinstance(value, Optimizer)]
+        optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
         if own is not None and optimizers:
             if len(own) != len(optimizers):
                 rank_zero_warn(
@@ -297,6 +316,10 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
 
     @override
     def teardown(self) -> None:
+        """Stop the hook's threads, destroy the groups of our own, release the cores (Fabric itself never calls it).
+
+        The process's exit does this too; call it to release them earlier (a notebook that trains again).
+        """
         self._close()
         super().teardown()
 
@@ -315,12 +338,16 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
     def _before_forward(self, model: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A training forward starts a micro-batch; any other (validation) is a break between steps."""
         if not (torch.is_grad_enabled() and model.training):
+            if not self._between_steps:
+                self.breaks += 1
             self._between_steps = True
             return
-        try:
-            samples: int | None = extract_batch_size((args, kwargs))
-        except (MisconfigurationException, RecursionError):
-            samples = None
+        with warnings.catch_warnings():  # Lightning's advice for an ambiguous batch names the Trainer's self.log
+            warnings.simplefilter("ignore")
+            try:
+                samples: int | None = extract_batch_size((args, kwargs))
+            except (MisconfigurationException, RecursionError):
+                samples = None
         self._core.before_micro_batch(model, samples, first_of_epoch=self._between_steps)
         self._between_steps = False
         if self._sync_blocked:  # fabric.no_backward_sync outranks local SGD's warm-up, which just allowed the sync
@@ -359,6 +386,11 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
     def _loss_scale(self) -> torch.Tensor | None:
         return current_loss_scale(self.precision)
 
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        """Fabric's GradScaler when fp16 AMP runs with one (``None`` without, or disabled)."""
+        scaler = getattr(self.precision, "scaler", None)
+        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
     def _group_of_own(self) -> torch.distributed.ProcessGroup:
         """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""
         assert self.model is not None
@@ -395,6 +427,12 @@ def _swap_submodule(old: Module, new: Module) -> int:
     for holder in gc.get_referrers(old):
         if isinstance(holder, dict) and _is_submodule_registry(holder):
             for name, value in list(holder.items()):
+                if value is old and name == "_orig_mod":
+                    # torch.compile's module bound its forward to the old DDP when it was built: no swap redirects it.
+                    raise RuntimeError(
+                        "ddpopt: bucket_cap_mb='autotune' cannot rewrap a model that Fabric compiled "
+                        "(torch.compile); use bucket_cap_mb='auto' or a number"
+                    )
                 if value is old:
                     holder[name] = new
                     swapped += 1
@@ -413,3 +451,9 @@ def _is_submodule_registry(candidate: dict) -> bool:
 
 if OptimizedDDPStrategy.strategy_name not in STRATEGY_REGISTRY:
     OptimizedDDPStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+def _close_at_exit(strategy: weakref.ref[OptimizedDDPStrategy]) -> None:
+    alive = strategy()
+    if alive is not None:
+        alive._close()
