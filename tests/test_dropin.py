@@ -49,7 +49,7 @@ def test_positional_arguments_bind_as_in_ddpstrategy():
 
 def test_only_what_differs_from_ddp_defaults_reaches_ddp():
     assert DDPStrategy()._ddp_kwargs == {}
-    # One deliberate difference, documented in the README: gradients are views into DDP's buckets.
+    # One deliberate difference, documented in the comm hooks guide: gradients are views into DDP's buckets.
     assert OptimizedDDPStrategy()._ddp_kwargs == {"gradient_as_bucket_view": True}
     assert OptimizedDDPStrategy(gradient_as_bucket_view=False)._ddp_kwargs == {}
     assert OptimizedDDPStrategy(find_unused_parameters=True, gradient_as_bucket_view=False)._ddp_kwargs == {

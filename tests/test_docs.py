@@ -1,0 +1,49 @@
+"""The documentation cannot rot: its Python snippets run (or at least compile), its CLI page is the parser's help."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+#: A snippet that needs a running loop or a model of the reader's is marked, on the line before it, with this.
+NOT_RUN = "<!-- not run:"
+
+
+def _snippets() -> list[tuple[str, str, bool]]:
+    """Every ```python block of the docs: (where, code, whether it runs)."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in re.finditer(r"```python\n(.*?)```", text, re.S):
+            line = text.count("\n", 0, match.start()) + 1
+            before = text[: match.start()].rstrip().splitlines()[-1:] or [""]
+            found.append((f"{page.relative_to(ROOT)}:{line}", match.group(1), not before[0].startswith(NOT_RUN)))
+    return found
+
+
+@pytest.mark.parametrize(("where", "code", "runs"), _snippets(), ids=[where for where, _, _ in _snippets()])
+def test_every_python_snippet_runs_or_compiles(where, code, runs):
+    compiled = compile(textwrap.dedent(code), where, "exec")
+    if runs:
+        exec(compiled, {"__name__": "docs_snippet"})
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="argparse's help layout differs between Python releases")
+def test_the_command_line_page_is_the_parsers_help(monkeypatch):
+    from lightning_ddpopt import cli
+
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    monkeypatch.setenv("COLUMNS", "100")  # the width the page was written at
+    for command in ([], ["plan"], ["report"]):
+        shown = io.StringIO()
+        with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
+            cli.main([*command, "--help"])
+        assert f"```text\n{shown.getvalue()}```" in page, f"docs/reference/cli.md is stale: ddpopt {command}"
