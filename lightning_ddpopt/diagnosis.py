@@ -26,8 +26,9 @@ COMM_SHARE_PROBLEM = 0.3
 #: Step-time coefficient of variation above this is reported as jitter.
 JITTER_CV = 0.2
 #: Relative compression errors above which a lossy hook is reported as costing quality, by hook family, with an
-#: adaptive optimizer (Adam and its kin) and with others. PowerSGD's are its ``max_error="auto"`` bounds (measured:
-#: see ``hooks.powersgd.ERROR_BOUNDS``); int8 (0.011) and fp16 (< 0.001) lost nothing on the same benchmark.
+#: adaptive optimizer (Adam and its kin) and with others. PowerSGD's are its ``max_error="auto"`` bounds (see
+#: ``hooks.powersgd.ERROR_BOUNDS``); int8's and the casts' lie well above what they lost nothing at on the same
+#: benchmark (the docs' comm hooks guide).
 COMPRESSION_ERROR_LIMITS = {
     "powersgd": (ERROR_BOUNDS["adaptive"], ERROR_BOUNDS["other"]),
     "int8": (0.05, 0.05),

@@ -1,15 +1,9 @@
 """Fused CPU loops for the lossy hooks' passes over the gradients (PowerSGD, int8), compiled by numba if installed.
 
 On one CPU thread BLAS runs PowerSGD's thin products well below memory speed, and error feedback adds passes of its
-own. Measured for 6 x 2048 x 2048 fp32 matrices at rank 4 (MKL; a copy of them takes 8.5 ms):
-
-==============================================  =============  ================
-pass                                            torch          these loops
-==============================================  =============  ================
-add the stored error, then ``M Q``              21.5 ms        15.2 ms
-``M^T P``                                       13.7 ms        8.3 ms
-the new error ``M - P local_Q^T``, ``P Q^T``    28-40 ms       18-21 ms
-==============================================  =============  ================
+own over the gradients: adding the stored error, then ``M Q``; ``M^T P``; the new error ``M - P local_Q^T`` and
+``P Q^T``. ``benchmarks/cpu_kernels.py`` times these loops against torch's kernels (the docs' performance page has
+its results).
 
 Each loop takes a row of ``M`` (four rows for ``M^T P``) once, while it is in the L1 cache, and does all of its pass's
 arithmetic on it. They are used for row-major fp32 CPU matrices when every rank has numba (the strategy agrees it
@@ -152,8 +146,7 @@ def _add_and_project_loop(m: Any, qt: Any, out: Any, error: Any, ratio: float, a
 def _transposed_product_loop(m: Any, p: Any, out: Any) -> None:
     """``out`` (r x cols) = P^T M: each row of M read once and added into the r rows of ``out``.
 
-    Four rows at a time: a quarter of the loads and stores of ``out`` (8.3 against 10.1 ms for 6 x 2048 x 2048 at
-    rank 4).
+    Four rows at a time: a quarter of the loads and stores of ``out``.
     """
     rank = p.shape[1]
     rows, cols = m.shape

@@ -79,9 +79,8 @@ __all__ = [
 #: Optimizers that scale each coordinate by its own history (Adam and its kin): a compression error costs them more.
 #: Matched in a class name or any base's, case-insensitively (AdamW, FusedAdam, AdamW8bit, a subclass of Adam, ...).
 ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "adadelta", "adafactor", "rmsprop", "lamb")
-#: ``max_error="auto"``'s bound: with an adaptive optimizer, and with others. Measured with
-#: ``benchmarks/transformer_quality.py`` (a small GPT, 200 steps): errors of 0.54 / 0.71 / 0.87 cost AdamW 0.1% /
-#: 1.9% / 8.3% of the held-out loss; 0.83 cost SGD with Nesterov momentum 0.6%.
+#: ``max_error="auto"``'s bound: with an adaptive optimizer, and with others. Chosen from the errors and held-out
+#: losses of ``benchmarks/transformer_quality.py`` (the docs' comm hooks guide has them).
 ERROR_BOUNDS = {"adaptive": 0.6, "other": 0.9}
 
 #: Syncs between two measurements of the compression error that may raise the rank (``PowerSGDConfig.max_error``).
