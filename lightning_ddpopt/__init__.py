@@ -1,15 +1,39 @@
-"""lightning_ddpopt: a Lightning DDP strategy and callbacks that make data-parallel training scale."""
+"""lightning_ddpopt: a Lightning DDP strategy and callbacks that make data-parallel training scale.
 
-from lightning.pytorch.strategies import StrategyRegistry
+The public names load on first use, so ``import lightning_ddpopt`` (and the ``ddpopt`` command) imports neither
+torch nor Lightning; the strategies' names are registered with Lightning as soon as it is imported
+(:mod:`lightning_ddpopt._registration`).
+"""
 
-from lightning_ddpopt import fabric  # registers the Fabric strategy's names in Fabric's registry
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_ddpopt.__about__ import __version__
-from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
-from lightning_ddpopt.hooks import COMM_HOOKS
-from lightning_ddpopt.ledger import CommLedger, StepRecord
-from lightning_ddpopt.localsgd import LocalSGDConfig
-from lightning_ddpopt.precision import fp16_mixed_precision
-from lightning_ddpopt.strategy import OptimizedDDPStrategy
+from lightning_ddpopt._registration import register_with_lightning
+
+if TYPE_CHECKING:
+    from lightning_ddpopt import fabric
+    from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
+    from lightning_ddpopt.hooks import COMM_HOOKS
+    from lightning_ddpopt.ledger import CommLedger, StepRecord
+    from lightning_ddpopt.localsgd import LocalSGDConfig
+    from lightning_ddpopt.precision import fp16_mixed_precision
+    from lightning_ddpopt.strategy import OptimizedDDPStrategy
+
+#: Each public name and the module it comes from.
+_PUBLIC = {
+    "AMPMonitor": "lightning_ddpopt.callbacks",
+    "COMM_HOOKS": "lightning_ddpopt.hooks",
+    "CommLedger": "lightning_ddpopt.ledger",
+    "CommProfiler": "lightning_ddpopt.callbacks",
+    "LocalSGDConfig": "lightning_ddpopt.localsgd",
+    "OptimizedDDPStrategy": "lightning_ddpopt.strategy",
+    "StepRecord": "lightning_ddpopt.ledger",
+    "StragglerDetector": "lightning_ddpopt.callbacks",
+    "fp16_mixed_precision": "lightning_ddpopt.precision",
+}
 
 __all__ = [
     "COMM_HOOKS",
@@ -25,5 +49,19 @@ __all__ = [
     "fp16_mixed_precision",
 ]
 
-if OptimizedDDPStrategy.strategy_name not in StrategyRegistry:
-    OptimizedDDPStrategy.register_strategies(StrategyRegistry)
+
+def __getattr__(name: str) -> Any:
+    if name == "fabric":
+        return importlib.import_module("lightning_ddpopt.fabric")
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_ddpopt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+register_with_lightning()

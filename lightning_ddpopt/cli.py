@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ddpopt.costmodel import DEFAULT_PLAN_HOOKS, LINKS, PLAN_HOOKS, estimate_hooks, parse_count, resolve_link
-from lightning_ddpopt.diagnosis import REPORT_NAME, Finding, format_findings
 from lightning_ddpopt.units import byte_unit, format_bytes
 
 __all__ = ["main"]
+
+#: ``lightning_ddpopt.diagnosis.REPORT_NAME``, which imports torch: help and ``plan`` run without it.
+REPORT_NAME = "ddpopt_report.json"
 
 
 class CLIError(Exception):
@@ -122,6 +124,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from lightning_ddpopt.diagnosis import Finding, format_findings
+
     path = _find_report(Path(args.source))
     try:
         payload = json.loads(path.read_text())

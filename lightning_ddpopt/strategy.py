@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -363,3 +363,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
 
     def _say(self, message: str) -> None:
         say_during_training(self.lightning_module, self.is_global_zero, message)
+
+
+if OptimizedDDPStrategy.strategy_name not in StrategyRegistry:
+    OptimizedDDPStrategy.register_strategies(StrategyRegistry)

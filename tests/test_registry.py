@@ -83,3 +83,56 @@ def test_lightning_cli_rejects_a_bad_value():
             ],
             save_config_callback=None,
         )
+
+
+def _fresh_python(code: str) -> str:
+    """Run ``code`` in a new interpreter (this one has imported everything already); its stdout."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_importing_the_package_is_light_and_registers_the_names_once_lightning_loads():
+    out = _fresh_python(
+        "import sys, lightning_ddpopt\n"
+        "print('torch' in sys.modules, 'lightning' in sys.modules)\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "print('ddp_optimized_spawn_fp16' in StrategyRegistry, 'ddp_optimized_spawn_fp16' in STRATEGY_REGISTRY)\n"
+        "trainer_class, fabric_class = StrategyRegistry['ddp_optimized'], STRATEGY_REGISTRY['ddp_optimized']\n"
+        "print(trainer_class['strategy'].__module__, fabric_class['strategy'].__module__)\n"
+    )
+    assert out.split("\n")[:3] == [
+        "False False",
+        "True True",
+        "lightning_ddpopt.strategy lightning_ddpopt.fabric.strategy",
+    ]
+
+
+def test_the_names_are_registered_when_the_strategys_import_brings_lightning_in():
+    # The strategy module imports Lightning, whose import registers the names, which imports the strategy module:
+    # the module half-way through its import registers its own names at its end.
+    out = _fresh_python(
+        "from lightning_ddpopt import OptimizedDDPStrategy\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "print('ddp_optimized' in StrategyRegistry and 'ddp_optimized' in STRATEGY_REGISTRY)\n"
+    )
+    assert out.strip() == "True"
+
+
+def test_the_command_line_plans_without_torch():
+    out = _fresh_python(
+        "import sys\nfrom lightning_ddpopt.cli import main\n"
+        "main(['plan', '--params', '100M', '--world-size', '8', '--link', '10gbe'])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert out.strip().endswith("False")
+
+
+def test_the_command_lines_report_name_is_the_diagnosis_one():
+    from lightning_ddpopt import cli, diagnosis
+
+    assert cli.REPORT_NAME == diagnosis.REPORT_NAME
