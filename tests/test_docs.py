@@ -47,3 +47,12 @@ def test_the_command_line_page_is_the_parsers_help(monkeypatch):
         with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
             cli.main([*command, "--help"])
         assert f"```text\n{shown.getvalue()}```" in page, f"docs/reference/cli.md is stale: ddpopt {command}"
+
+
+def test_the_reference_lists_every_registry_hook():
+    from lightning_ddpopt.hooks import COMM_HOOKS
+
+    page = (ROOT / "docs" / "reference" / "configs.md").read_text()
+    listed = re.findall(r"^- (.*?):", page, re.M)
+    names = [name.strip("`") for item in listed for name in item.split(", ")]
+    assert sorted(names) == sorted(COMM_HOOKS)
