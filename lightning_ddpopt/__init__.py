@@ -50,18 +50,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "fabric":
-        return importlib.import_module("lightning_ddpopt.fabric")
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lightning_ddpopt' has no attribute {name!r}")
+if not TYPE_CHECKING:  # type checkers see the imports above: a misspelt name stays an error for them
+
+    def __getattr__(name: str) -> Any:
+        if name == "fabric":
+            return importlib.import_module("lightning_ddpopt.fabric")
+        if name in _PUBLIC:
+            value = getattr(importlib.import_module(_PUBLIC[name]), name)
+            globals()[name] = value
+            return value
+        raise AttributeError(f"module 'lightning_ddpopt' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted(__all__)
 
 
 register_with_lightning()

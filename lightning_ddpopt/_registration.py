@@ -2,45 +2,98 @@
 
 ``import lightning_ddpopt`` is light: the ``ddpopt`` command and a script's first line need neither torch nor
 Lightning. The names (``Trainer(strategy="ddp_optimized")``, ``Fabric(strategy="ddp_optimized_fp16")``) must still
-be registered by the time Lightning reads them, so they are registered as soon as Lightning is imported: at once if it
-already is, else right after ``lightning.pytorch`` has run (``lightning.fabric`` imports it too). Each strategy module
-registers its own names when it has been imported; registering here means importing them.
+be in Lightning's registries by the time Lightning reads them. Each registry gets them as soon as its module has run
+(at once if it already has): entries that import the strategy class only when Lightning builds one, so registering
+imports nothing of this package and cannot meet a module of it half-imported.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
+from typing import Any
 
-__all__ = ["register_with_lightning"]
+__all__ = ["STRATEGY_NAME", "register_strategy_names", "register_with_lightning"]
 
-_LIGHTNING = "lightning.pytorch"
+STRATEGY_NAME = "ddp_optimized"
+_START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
+#: Each registry's module: the registry's name in it, the strategy class for it, and how descriptions name it.
+_REGISTRIES = {
+    "lightning.pytorch.strategies": ("StrategyRegistry", "lightning_ddpopt.strategy", "OptimizedDDPStrategy"),
+    "lightning.fabric.strategies": (
+        "STRATEGY_REGISTRY",
+        "lightning_ddpopt.fabric.strategy",
+        "OptimizedDDPStrategy (Fabric)",
+    ),
+}
+
+
+def register_strategy_names(strategy: Callable[..., Any], registry: Any, what: str) -> None:
+    """Register ``strategy`` under ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets (``ddp_optimized_fp16``).
+
+    The same names in the Trainer's and Fabric's registries; ``what`` names the class in the descriptions.
+    """
+    for suffix, start_method in _START_METHODS.items():
+        registry.register(
+            f"{STRATEGY_NAME}{suffix}",
+            strategy,
+            description=f"{what} with start_method={start_method!r}",
+            start_method=start_method,
+        )
+    for hook in ("fp16", "bf16"):
+        for suffix in ("", "_spawn"):
+            registry.register(
+                f"{STRATEGY_NAME}{suffix}_{hook}",
+                strategy,
+                description=f"{what} with comm_hook={hook!r}, start_method={_START_METHODS[suffix]!r}",
+                comm_hook=hook,
+                start_method=_START_METHODS[suffix],
+            )
 
 
 def register_with_lightning() -> None:
-    """Register the strategies' names now if Lightning is imported, else once it is (once per process)."""
-    module = sys.modules.get(_LIGHTNING)
-    if module is not None and not getattr(module.__spec__, "_initializing", False):
-        _register()
-    elif module is None and not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(_LIGHTNING, _register))
+    """Register the names in each Lightning registry now if its module has run, else right after it runs."""
+    for module_name in _REGISTRIES:
+        module = sys.modules.get(module_name)
+        if module is not None and not getattr(module.__spec__, "_initializing", False):
+            _register_in(module_name, module)
+        elif module is None and not any(
+            isinstance(finder, _AfterImport) and finder.name == module_name for finder in sys.meta_path
+        ):
+            sys.meta_path.insert(0, _AfterImport(module_name, _register_in))
+        # A module half-way through its import now (imported from within Lightning's own import): the strategy
+        # module registers its names when it is imported.
 
 
-def _register() -> None:
-    # A module already being imported (the user's own import of it brought Lightning in) registers at its end.
-    import lightning_ddpopt.fabric.strategy  # noqa: F401
-    import lightning_ddpopt.strategy  # noqa: F401
+def _register_in(module_name: str, module: ModuleType) -> None:
+    registry_name, strategy_module, what = _REGISTRIES[module_name]
+    registry = getattr(module, registry_name)
+    if STRATEGY_NAME not in registry:
+        register_strategy_names(_Deferred(strategy_module, "OptimizedDDPStrategy"), registry, what)
+
+
+class _Deferred:
+    """A registry entry's strategy: imports the class when Lightning builds one."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, **init_params: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)(**init_params)
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then`` once the module ``name`` has been executed, the first time it is imported; then steps aside."""
+    """Runs ``then(name, module)`` once the module ``name`` has run, the first time it is imported; then steps aside."""
 
-    def __init__(self, name: str, then: Callable[[], None]) -> None:
+    def __init__(self, name: str, then: Callable[[str, ModuleType], None]) -> None:
         self.name = name
         self.then = then
 
@@ -49,7 +102,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     ) -> ModuleSpec | None:
         if fullname != self.name:
             return None
-        sys.meta_path.remove(self)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
@@ -57,16 +111,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         execute = loader.exec_module
 
         def exec_module(module: ModuleType) -> None:
+            del loader.exec_module  # the loader's own again, should it load other modules (a shared loader)
             execute(module)
-            try:
-                self.then()
-            except Exception as error:  # Lightning itself must import whatever happens here
-                warnings.warn(
-                    f"lightning_ddpopt could not register its strategy names with Lightning "
-                    f"({type(error).__name__}: {error}); import lightning_ddpopt.strategy to see why",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            self.then(fullname, module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

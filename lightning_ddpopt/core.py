@@ -27,7 +27,7 @@ from lightning_ddpopt.ledger import CommLedger, StepRecord
 from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
 from lightning_ddpopt.timing import timeline_for
 
-__all__ = ["CoreViews", "StrategyCore", "register_strategy_names"]
+__all__ = ["CoreViews", "StrategyCore"]
 
 
 class StrategyCore:
@@ -368,25 +368,3 @@ class CoreViews:
     def local_sgd(self) -> LocalSGD | None:
         """Local SGD's outer loop (anchor, counters), once the model is wrapped; ``None`` without local SGD."""
         return self._core.local_sgd.loop if self._core.local_sgd is not None else None
-
-
-def register_strategy_names(cls: type, registry: Any, what: str) -> None:
-    """Register ``cls`` under ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets (``ddp_optimized_fp16``).
-
-    The same names in the Trainer's and Fabric's registries; ``what`` names the class in the descriptions.
-    """
-    start_methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
-    name = cls.strategy_name  # type: ignore[attr-defined]
-    for suffix, start_method in start_methods.items():
-        registry.register(
-            f"{name}{suffix}", cls, description=f"{what} with start_method={start_method!r}", start_method=start_method
-        )
-    for hook in ("fp16", "bf16"):
-        for suffix in ("", "_spawn"):
-            registry.register(
-                f"{name}{suffix}_{hook}",
-                cls,
-                description=f"{what} with comm_hook={hook!r}, start_method={start_methods[suffix]!r}",
-                comm_hook=hook,
-                start_method=start_methods[suffix],
-            )

@@ -22,10 +22,14 @@ def _snippets() -> list[tuple[str, str, bool]]:
     found = []
     for page in PAGES:
         text = page.read_text()
-        for match in re.finditer(r"```python\n(.*?)```", text, re.S):
+        blocks = list(re.finditer(r"^[ \t]*```python\n(.*?)```", text, re.S | re.M))
+        # Every fence that opens Python is one of them: a block written otherwise would go unchecked.
+        assert len(blocks) == len(re.findall(r"^[ \t]*(?:```|~~~)\s*(?:python|py)\b", text, re.M)), page
+        for match in blocks:
             line = text.count("\n", 0, match.start()) + 1
             before = text[: match.start()].rstrip().splitlines()[-1:] or [""]
-            found.append((f"{page.relative_to(ROOT)}:{line}", match.group(1), not before[0].startswith(NOT_RUN)))
+            runs = not before[0].strip().startswith(NOT_RUN)
+            found.append((f"{page.relative_to(ROOT)}:{line}", match.group(1), runs))
     return found
 
 

@@ -86,41 +86,58 @@ def test_lightning_cli_rejects_a_bad_value():
 
 
 def _fresh_python(code: str) -> str:
-    """Run ``code`` in a new interpreter (this one has imported everything already); its stdout."""
+    """Run ``code`` in a new interpreter (this one has imported everything already), warnings as errors; its stdout."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
-def test_importing_the_package_is_light_and_registers_the_names_once_lightning_loads():
-    out = _fresh_python(
-        "import sys, lightning_ddpopt\n"
-        "print('torch' in sys.modules, 'lightning' in sys.modules)\n"
-        "from lightning.pytorch.strategies import StrategyRegistry\n"
-        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
-        "print('ddp_optimized_spawn_fp16' in StrategyRegistry, 'ddp_optimized_spawn_fp16' in STRATEGY_REGISTRY)\n"
-        "trainer_class, fabric_class = StrategyRegistry['ddp_optimized'], STRATEGY_REGISTRY['ddp_optimized']\n"
-        "print(trainer_class['strategy'].__module__, fabric_class['strategy'].__module__)\n"
-    )
-    assert out.split("\n")[:3] == [
-        "False False",
-        "True True",
-        "lightning_ddpopt.strategy lightning_ddpopt.fabric.strategy",
-    ]
+#: What a user imports first, before Lightning: the package, a name that brings in the strategy (whose import brings
+#: Lightning in, which registers the names), and names from modules that import Lightning before the strategy exists.
+FIRST_IMPORTS = [
+    "import lightning_ddpopt",
+    "from lightning_ddpopt import OptimizedDDPStrategy",
+    "from lightning_ddpopt import CommProfiler",
+    "from lightning_ddpopt import LocalSGDConfig",
+]
+_CHECK = """
+import sys
+{first}
+light = "torch" not in sys.modules
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+trainer_side, fabric_side = StrategyRegistry.get("ddp_optimized_fp16"), STRATEGY_REGISTRY.get("ddp_optimized_spawn")
+print(light, type(trainer_side).__module__, trainer_side._core.hooks.spec.name, type(fabric_side).__module__)
+"""
 
 
-def test_the_names_are_registered_when_the_strategys_import_brings_lightning_in():
-    # The strategy module imports Lightning, whose import registers the names, which imports the strategy module:
-    # the module half-way through its import registers its own names at its end.
-    out = _fresh_python(
-        "from lightning_ddpopt import OptimizedDDPStrategy\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
-        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
-        "print('ddp_optimized' in StrategyRegistry and 'ddp_optimized' in STRATEGY_REGISTRY)\n"
-    )
-    assert out.strip() == "True"
+def test_the_names_are_registered_whatever_the_package_gives_first():
+    import subprocess
+    import sys
+
+    # Fresh interpreters (this one has imported everything), warnings as errors, side by side.
+    started = {
+        first: subprocess.Popen(
+            [sys.executable, "-W", "error", "-c", _CHECK.format(first=first)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for first in FIRST_IMPORTS
+    }
+    for first, process in started.items():
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, f"{first}: {err[-2000:]}"
+        light, trainer_module, hook, fabric_module = out.split()
+        assert (trainer_module, hook, fabric_module) == (
+            "lightning_ddpopt.strategy",
+            "fp16",
+            "lightning_ddpopt.fabric.strategy",
+        ), first
+        assert light == str(first == "import lightning_ddpopt"), f"{first}: torch imported? {light}"
 
 
 def test_the_command_line_plans_without_torch():

@@ -45,9 +45,10 @@ from typing_extensions import override
 
 from lightning_ddpopt._compat import PathType, StrategyRegistryType, check_versions, unscale_once
 from lightning_ddpopt._groups import destroy_process_group_at_exit, group_like
+from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import ExtraSyncs
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
-from lightning_ddpopt.core import CoreViews, StrategyCore, register_strategy_names
+from lightning_ddpopt.core import CoreViews, StrategyCore
 from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
