@@ -86,11 +86,13 @@ def test_lightning_cli_rejects_a_bad_value():
 
 
 def _fresh_python(code: str) -> str:
-    """Run ``code`` in a new interpreter (this one has imported everything already), warnings as errors; its stdout."""
+    """Run ``code`` in a new interpreter (this one has imported everything already), runtime warnings as errors."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -118,10 +120,10 @@ def test_the_names_are_registered_whatever_the_package_gives_first():
     import subprocess
     import sys
 
-    # Fresh interpreters (this one has imported everything), warnings as errors, side by side.
+    # Fresh interpreters (this one has imported everything), runtime warnings as errors, side by side.
     started = {
         first: subprocess.Popen(
-            [sys.executable, "-W", "error", "-c", _CHECK.format(first=first)],
+            [sys.executable, "-W", "error::RuntimeWarning", "-c", _CHECK.format(first=first)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
