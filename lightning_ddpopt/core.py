@@ -283,13 +283,16 @@ class StrategyCore:
         """Name this run's checkpoint meetings (the same ``nonce`` on every rank): the store outlives a run."""
         self.checkpoints.name_run(nonce)
 
+    def stop_local_sgd(self) -> None:
+        """Local SGD's teardown: its SIGTERM check goes, a sync still travelling after a failure is dropped."""
+        if self.local_sgd is not None:
+            self.local_sgd.teardown()
+
     def close(self) -> None:
-        """Stop local SGD and the hook's threads, destroy our groups, release the cores.
+        """Stop the hook's threads, destroy our groups, release the cores (after :meth:`stop_local_sgd`).
 
         Nothing of ours may keep a process group alive past the exit-time ``destroy_process_group``.
         """
-        if self.local_sgd is not None:
-            self.local_sgd.teardown()
         self.hooks.close()
         self.checkpoints.close()
         if self.core_binding is not None:

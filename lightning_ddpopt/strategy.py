@@ -334,8 +334,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._core.local_sgd is not None:
-            self._core.local_sgd.teardown()
+        self._core.stop_local_sgd()
         super().teardown()
         # Nothing of ours may keep a process group alive past Lightning's exit-time destroy_process_group.
         self._core.close()

@@ -401,6 +401,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         """Our threads and groups go before the process group (Fabric calls no teardown; exit does this)."""
         if not self._closed:
             self._closed = True
+            self._core.stop_local_sgd()
             self._core.close()
 
 
