@@ -270,25 +270,29 @@ def fit_ddp(
     samples: int = 64,
     ckpt_path: str | None = None,
     save_last_to: Path | None = None,
+    save_epochs_to: Path | None = None,
     callbacks: list[pl.Callback] | None = None,
     **trainer_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Fit on ``devices`` CPU processes and return each rank's :class:`RankProbe` record, ordered by rank.
 
-    ``save_last_to`` saves ``last.ckpt`` there at the end of every epoch.
+    ``save_last_to`` saves ``last.ckpt`` there at the end of every epoch; ``save_epochs_to`` keeps every epoch's
+    checkpoint there, ``epoch=0.ckpt``, ``epoch=1.ckpt``, ...
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer_kwargs.setdefault("max_epochs", 1)
     callbacks = [RankProbe(str(out_dir)), *(callbacks or [])]
     if save_last_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_last_to, save_last=True, save_top_k=0))
+    if save_epochs_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_epochs_to, filename="{epoch}", save_top_k=-1))
     trainer_kwargs.setdefault("accelerator", "cpu")
     trainer_kwargs.setdefault("logger", False)
     trainer = pl.Trainer(
         devices=devices,
         strategy=strategy,
         default_root_dir=out_dir,
-        enable_checkpointing=trainer_kwargs.pop("enable_checkpointing", save_last_to is not None),
+        enable_checkpointing=trainer_kwargs.pop("enable_checkpointing", (save_last_to or save_epochs_to) is not None),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
@@ -304,16 +308,15 @@ def fit_ddp(
 def uninterrupted_and_resumed(
     tmp_path: Path, make_strategy: Callable[[], pl.strategies.Strategy], samples: int = 64
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
-    """Two epochs straight; and one epoch, ``last.ckpt``, then resumed to two. Adam, so optimizer state matters.
+    """Two epochs straight, saving at each epoch's end, as a user's run does; then resumed from the first epoch's
+    checkpoint to two. Adam, so optimizer state matters.
 
     ``samples``: per epoch, over both ranks at batch 8 (64: 4 optimizer steps per epoch). Returns both runs' per-rank
     records and the checkpoint's path.
     """
     adam = {"model": StackModel(optimizer="adam"), "samples": samples}
-    uninterrupted = fit_ddp(tmp_path / "full", make_strategy(), max_epochs=2, **adam)
-    adam = {"model": StackModel(optimizer="adam"), "samples": samples}
-    fit_ddp(tmp_path / "first", make_strategy(), max_epochs=1, save_last_to=tmp_path, **adam)
-    checkpoint = tmp_path / "last.ckpt"
+    uninterrupted = fit_ddp(tmp_path / "full", make_strategy(), max_epochs=2, save_epochs_to=tmp_path, **adam)
+    checkpoint = tmp_path / "epoch=0.ckpt"
     resumed = fit_ddp(
         tmp_path / "resumed",
         make_strategy(),

@@ -117,11 +117,11 @@ def _multi_bucket_worker(rank: int, port: int, steps: int, out: str) -> None:
 def test_every_powersgd_variant_runs_multi_bucket_on_gloo(tmp_path):
     # torch's powerSGD_hook aborts here (gloo "Received data size doesn't match expected size").
     out = str(tmp_path / "results.pt")
-    mp.start_processes(_multi_bucket_worker, args=(29531, 50, out), nprocs=2, start_method="fork")
+    mp.start_processes(_multi_bucket_worker, args=(29531, 30, out), nprocs=2, start_method="fork")
     results = torch.load(out)
     for name, result in results.items():
-        # 50 steps: 10 of plain allreduce (start_iter), then compressed.
-        assert result == {"identical": True, "finite": True, "buckets": 6, "compressed_steps": 48}, name
+        # 30 steps: 2 of plain allreduce (start_iter), then compressed.
+        assert result == {"identical": True, "finite": True, "buckets": 6, "compressed_steps": 28}, name
 
 
 def test_loading_state_of_another_config_is_refused(gloo_group):
@@ -195,14 +195,14 @@ def _pipelined_worker(rank: int, port: int, world_size: int, steps: int, jitter:
 
 
 def test_pipelined_powersgd_keeps_ranks_identical_whatever_the_timing(tmp_path):
-    # 3 ranks, 9 buckets, random per-rank sleeps inside every backward pass, 100 steps: the worker thread issues
+    # 3 ranks, 9 buckets, random per-rank sleeps inside every backward pass, 60 steps: the worker thread issues
     # every bucket's collectives in DDP's order on every rank, and the result equals the in-hook chain bit for bit.
     out = str(tmp_path / "results.pt")
-    mp.start_processes(_pipelined_worker, args=(29561, 3, 100, True, out), nprocs=3, start_method="fork")
+    mp.start_processes(_pipelined_worker, args=(29561, 3, 60, True, out), nprocs=3, start_method="fork")
     results = torch.load(out)
     for pipelined in (True, False):
         assert results[pipelined]["identical"], pipelined
-        assert results[pipelined]["iteration"] == 100
+        assert results[pipelined]["iteration"] == 60
     assert results[True]["threads"] == {"ddpopt-powersgd"} and results[False]["threads"] == {"backward"}
     assert torch.equal(results[True]["params"], results[False]["params"])
 
