@@ -60,3 +60,34 @@ def test_the_reference_lists_every_registry_hook():
     listed = re.findall(r"^- (.*?):", page, re.M)
     names = [name.strip("`") for item in listed for name in item.split(", ")]
     assert sorted(names) == sorted(COMM_HOOKS)
+
+
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def test_the_readmes_quickstart_is_the_example_file():
+    # The README and getting-started show examples/quickstart.py from its first import on, unchanged.
+    code = QUICKSTART.read_text()
+    shown = code[code.index("import torch") :]
+    for page in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        assert f"```python\n{shown}```" in page.read_text(), f"{page.name} does not show examples/quickstart.py"
+
+
+def test_the_quickstart_trains_two_ranks_and_prints_the_findings(tmp_path):
+    # As a user runs it: a script whose second rank Lightning starts, from a directory of the user's own.
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(QUICKSTART)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    output = (done.stdout + done.stderr).replace("\r", "\n")
+    assert done.returncode == 0, output[-3000:]
+    assert "ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)" in output
+    assert "hook int8: relative compression error" in output
+    assert "accumulation OK       1.00 gradient syncs per optimizer step over 1.00 micro-batches" in output
+    assert "amp          OK       no GradScaler; 64 steps with finite gradients" in output
+    report = tmp_path / "lightning_logs" / "version_0" / "ddpopt_report.json"
+    assert f"ddpopt: report written to {report}" in output
+    assert report.is_file()
