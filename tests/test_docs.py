@@ -91,3 +91,52 @@ def test_the_quickstart_trains_two_ranks_and_prints_the_findings(tmp_path):
     report = tmp_path / "lightning_logs" / "version_0" / "ddpopt_report.json"
     assert f"ddpopt: report written to {report}" in output
     assert report.is_file()
+
+
+def _public_names() -> dict[str, object]:
+    import lightning_ddpopt
+    import lightning_ddpopt.fabric
+    import lightning_ddpopt.hooks
+
+    return {
+        f"{module.__name__}.{name}": getattr(module, name)
+        for module in (lightning_ddpopt, lightning_ddpopt.fabric, lightning_ddpopt.hooks)
+        for name in module.__all__
+        if name not in ("__version__", "fabric")  # the version string, and the module documented by its own names
+    }
+
+
+def _referenced() -> set[str]:
+    """Every object the reference pages render: ``::: path`` directives, and the members listed under a module's."""
+    found = set()
+    for page in (ROOT / "docs" / "reference").glob("*.md"):
+        for directive in re.finditer(r"^::: (\S+)\n((?:[ \t]+.*\n?)*)", page.read_text(), re.M):
+            path, options = directive.groups()
+            found.add(path)
+            listed = re.search(r"members:\s*(\[.*?\]|(?:\n\s+- .*)+)", options, re.S)
+            if listed:
+                found |= {f"{path}.{name}" for name in re.findall(r"[\w.]+", listed.group(1))}
+    return found
+
+
+def test_the_reference_renders_every_public_name():
+    referenced = _referenced()
+    for path, obj in _public_names().items():
+        # A name re-exported by the package counts where it is rendered under any of its public paths.
+        home = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+        short = path.rsplit(".", 1)[1]
+        aliases = {path, home, *(f"{module}.{short}" for module in ("lightning_ddpopt", "lightning_ddpopt.hooks"))}
+        assert aliases & referenced, f"{path} is in no page of docs/reference"
+
+
+def test_every_public_argument_is_in_its_docstring():
+    import inspect
+
+    for path, obj in _public_names().items():
+        if not callable(obj):
+            continue
+        doc = inspect.getdoc(obj) or ""
+        sections = re.findall(r"^(?:Args|Attributes):\n((?:(?: {4}.*)?\n?)*)", doc, re.M)
+        documented = set(re.findall(r"^ {4}\**(\w+)(?: \(.*?\))?:", "".join(sections), re.M))
+        arguments = [name for name in inspect.signature(obj).parameters if not name.startswith("_")]
+        assert not set(arguments) - documented, f"{path}: undocumented {sorted(set(arguments) - documented)}"

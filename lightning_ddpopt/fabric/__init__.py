@@ -24,8 +24,14 @@ def fp16_mixed_precision(
     """Fabric's ``MixedPrecision("16-mixed")`` plugin with the given GradScaler settings.
 
     Pass it as ``Fabric(plugins=[fp16_mixed_precision(...)])``. On ``device="cpu"`` it runs real fp16 autocast with
-    a GradScaler (Fabric turns a plain ``precision="16-mixed"`` into bf16 on CPU). The arguments are those of
-    :func:`lightning_ddpopt.fp16_mixed_precision`.
+    a GradScaler (Fabric turns a plain ``precision="16-mixed"`` into bf16 on CPU).
+
+    Args:
+        device: ``"cuda"`` or ``"cpu"``.
+        init_scale: the first loss scale.
+        growth_factor: multiplies the scale after ``growth_interval`` steps without overflow (> 1).
+        backoff_factor: multiplies the scale at every overflow, whose optimizer step is skipped (in (0, 1)).
+        growth_interval: overflow-free steps between two growths (>= 1).
     """
     scaler = fp16_grad_scaler(
         device,

@@ -20,6 +20,7 @@ from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["AUTO_HOOK", "AutoConfig", "HookChoice", "choose_hook", "measure_hook_costs"]
 
+#: The ``comm_hook`` value that measures the candidates at setup and chooses (:class:`AutoConfig` sets which).
 AUTO_HOOK = "auto"
 #: What ``auto`` may measure and choose: the near-lossless hooks, and PowerSGD (lossy) when listed.
 NEAR_LOSSLESS = ("allreduce", "fp16", "int8")
@@ -61,7 +62,13 @@ class AutoConfig:
 
 @dataclass(frozen=True)
 class HookChoice:
-    """The chosen registry name, the estimated sync seconds per step of each candidate, and why."""
+    """What ``comm_hook="auto"`` chose (``strategy.hook_choice``).
+
+    Args:
+        name: the chosen registry name.
+        estimates_s: each candidate's estimated sync seconds per step, the slowest rank's.
+        reason: why, as the log line says it.
+    """
 
     name: str
     estimates_s: dict[str, float]
@@ -73,6 +80,10 @@ def choose_hook(estimates_s: dict[str, float], config: AutoConfig | None = None)
 
     Only ``config``'s candidates are considered (by default the near-lossless ones); the reason says which were left
     out for quality.
+
+    Args:
+        estimates_s: estimated sync seconds per step of each candidate, ``allreduce`` among them.
+        config: the candidates; ``None``: :class:`AutoConfig`'s defaults.
     """
     config = config if config is not None else AutoConfig()
     considered = {name: seconds for name, seconds in estimates_s.items() if name in config.candidates}

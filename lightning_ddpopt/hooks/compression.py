@@ -12,7 +12,12 @@ __all__ = ["allreduce_mean_hook", "bf16_allreduce_hook", "fp16_allreduce_hook"]
 
 
 def allreduce_mean_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over the group in its own dtype: DDP's built-in behaviour, with bytes recorded."""
+    """Average the bucket over the group in its own dtype: DDP's built-in behaviour, with bytes recorded.
+
+    Args:
+        state: the hook's state: a :class:`CommHookState` (the strategy's ``comm_state``).
+        bucket: the gradient bucket DDP hands the hook.
+    """
     return _allreduce_mean(state, bucket, dtype=None)
 
 
@@ -21,6 +26,10 @@ def fp16_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.
 
     The gradients are divided by the world size *before* the cast and the sum, so the sum of ``world_size``
     fp16 values cannot overflow where the mean would not. Gradients beyond fp16's range (65504) still do.
+
+    Args:
+        state: the hook's state: a :class:`CommHookState` (the strategy's ``comm_state``).
+        bucket: the gradient bucket DDP hands the hook.
     """
     return _allreduce_mean(state, bucket, dtype=torch.float16)
 
@@ -29,6 +38,10 @@ def bf16_allreduce_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.
     """Average the bucket in bfloat16: half the bytes of fp32 with fp32's range, 8 bits of mantissa.
 
     Unlike torch's ``bf16_compress_hook``, which DDP refuses by name on CPU-only builds, this runs on gloo too.
+
+    Args:
+        state: the hook's state: a :class:`CommHookState` (the strategy's ``comm_state``).
+        bucket: the gradient bucket DDP hands the hook.
     """
     return _allreduce_mean(state, bucket, dtype=torch.bfloat16)
 

@@ -97,7 +97,24 @@ class Int8Config:
 
 @dataclass(kw_only=True)
 class Int8State(ErrorFeedbackState):
-    """The int8 hook's per-rank state: the step counter and the error feedback with its loss scales."""
+    """The int8 hook's per-rank state: the step counter and the error feedback with its loss scales.
+
+    The strategy builds it from ``comm_hook="int8"`` or an :class:`Int8Config`; build one yourself only to register
+    :func:`int8_hook` on a DDP model of your own, then call :meth:`bind_module` with the wrapped module.
+
+    Args:
+        config: block size and error feedback.
+        process_group: the group to all-reduce over; ``None`` for the default (world) group.
+        ledger: where the hook reports the bytes it sends; ``None`` records nothing.
+        loss_scale: returns the current loss scale (the strategy sets it under fp16 AMP); see
+            :class:`CommHookState`.
+        iteration: sync rounds so far (restored from a checkpoint; leave it 0).
+        skipped_rounds: rounds whose reduced values were not finite and left the state untouched.
+        errors: each rank's error feedback per parameter name (its own; saved in checkpoints).
+        error_scales: the loss scale each error was computed at (1 without a GradScaler).
+        exchange_group: a group only this hook uses, for the point-to-point stages its worker threads drive (CPU
+            buckets); ``None``: both stages as collectives on ``process_group``, driven by the hook calls.
+    """
 
     label: ClassVar[str] = "int8"
 
@@ -139,7 +156,12 @@ class Int8State(ErrorFeedbackState):
 
 
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over the group through int8 blocks; see the module doc."""
+    """Average the bucket over the group through int8 blocks; see the module doc.
+
+    Args:
+        state: the hook's state: a :class:`CommHookState`: an :class:`Int8State` (the strategy's ``comm_state``).
+        bucket: the gradient bucket DDP hands the hook.
+    """
     if state.exchange_group is not None and bucket.buffer().device.type == "cpu":
         return _exchanged(state, bucket, state.exchange_group)
     # On CUDA on the state's side stream (lightning_ddpopt.hooks.streams); on a CPU here, on the backward thread.

@@ -212,6 +212,26 @@ class PowerSGDState(ErrorFeedbackState):
     GradScaler); Q memories are the same on every rank (they are all-reduced). ``skipped_rounds`` counts rounds
     whose reduced factors were not finite and left the state untouched. Call :meth:`bind_module` with the wrapped
     module before the first step.
+
+    The strategy builds it from ``comm_hook="powersgd"`` or a :class:`PowerSGDConfig`; build one yourself only to
+    register :func:`powersgd_hook` on a DDP model of your own.
+
+    Args:
+        config: rank, error bound, warm-up and the rest of PowerSGD's settings.
+        process_group: the group to all-reduce over; ``None`` for the default (world) group.
+        ledger: where the hook reports the bytes it sends; ``None`` records nothing.
+        loss_scale: returns the current loss scale (the strategy sets it under fp16 AMP); see
+            :class:`CommHookState`.
+        iteration: sync rounds so far (restored from a checkpoint; leave it 0).
+        skipped_rounds: rounds whose reduced values were not finite and left the state untouched.
+        errors: each rank's error feedback per parameter name (its own; saved in checkpoints).
+        error_scales: the loss scale each error was computed at (1 without a GradScaler).
+        q_memories: the warm-start Q of each compressed matrix (the same on every rank).
+        pipelined: hand each bucket's chain to a worker thread and return at once (CPU only); it needs a
+            ``process_group`` that nothing else uses during the backward pass. The strategy sets it on CPUs.
+        cpu_kernels: numba's fused loops, agreed on by every rank (the strategy sets them); ``None``: torch's.
+        rank: the rank in use; 0 starts at ``config.rank``.
+        rank_changes: ``(step, error, old rank, new rank)`` for each rise of the rank, in order.
     """
 
     label: ClassVar[str] = "PowerSGD"
@@ -449,6 +469,10 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     """Compress the bucket to rank-``r`` factors P and Q, all-reduce them, and decompress; see the module doc.
 
     Before ``start_iter`` it is a plain mean allreduce, bit-for-bit equal to the ``allreduce`` hook.
+
+    Args:
+        state: the hook's state: a :class:`CommHookState`: a :class:`PowerSGDState` (the strategy's ``comm_state``).
+        bucket: the gradient bucket DDP hands the hook.
     """
     if not state.pipelined or bucket.buffer().device.type != "cpu":
         # On CUDA on the state's side stream (lightning_ddpopt.hooks.streams); on a CPU here, on the backward thread.

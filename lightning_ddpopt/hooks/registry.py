@@ -91,7 +91,12 @@ class HookSpec:
 
 
 def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
-    """A registry entry for PowerSGD with ``config``; pass a ``PowerSGDConfig`` as ``comm_hook`` to get one."""
+    """A registry entry for PowerSGD with ``config``; pass a ``PowerSGDConfig`` as ``comm_hook`` to get one.
+
+    Args:
+        config: the PowerSGD settings.
+        name: the entry's name in messages and the ledger.
+    """
     dtype = "" if config.matrix_dtype == "fp32" else f", P/Q sent in {config.matrix_dtype}"
     rank = f"rank {config.rank}"
     if config.max_error == "auto":
@@ -105,7 +110,12 @@ def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
 
 
 def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
-    """A registry entry for the int8 hook with ``config``; pass an ``Int8Config`` as ``comm_hook`` to get one."""
+    """A registry entry for the int8 hook with ``config``; pass an ``Int8Config`` as ``comm_hook`` to get one.
+
+    Args:
+        config: the int8 settings.
+        name: the entry's name in messages and the ledger.
+    """
     feedback = "with" if config.error_feedback else "without"
     summary = f"block-wise int8 (blocks of {config.block_size}), {feedback} error feedback: a quarter of the bytes"
     return HookSpec(name, summary, int8_hook, functools.partial(_int8_state, config))
@@ -113,6 +123,7 @@ def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
 
 _POWERSGD_DEFAULT = PowerSGDConfig()
 
+#: The registry: every ``comm_hook`` name, with its summary, hook and state (also ``lightning_ddpopt.COMM_HOOKS``).
 COMM_HOOKS: dict[str, HookSpec] = {
     spec.name: spec
     for spec in (
@@ -134,7 +145,11 @@ COMM_HOOKS: dict[str, HookSpec] = {
 
 
 def get_hook_spec(name: str) -> HookSpec:
-    """Look up ``name``, or raise a ``ValueError`` that lists the valid names."""
+    """Look up ``name``, or raise a ``ValueError`` that lists the valid names.
+
+    Args:
+        name: a key of :data:`COMM_HOOKS`.
+    """
     try:
         return COMM_HOOKS[name]
     except KeyError:
