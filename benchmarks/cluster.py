@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import datetime
 import json
 import math
 import os
@@ -338,6 +339,7 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
         f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps (compute and local SGD: 64)"
         + (f", median of {rounds} rounds" if rounds > 1 else "")
         + f"; {meta['machine']}",
+        f"Command: `{meta['command']}`, {meta['date']}",
         "",
         "| variant | hook | cap MiB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
         "| of compute limit | of link |",
@@ -422,7 +424,7 @@ def write_digits_reports(results: dict[str, dict], meta: dict[str, Any], out_dir
     lines = [
         f"Emulated cluster, digits: {meta['hosts']} hosts, link {meta['link']}, {meta['epochs']} epochs, batch "
         f"{meta['batch_size']}/host; {meta['machine']}",
-        f"Command: `{meta['command']}`",
+        f"Command: `{meta['command']}`, {meta['date']}",
         "",
         "| variant | final accuracy | best accuracy | training s | vs stock (time) |",
         "|---|---|---|---|---|",
@@ -588,7 +590,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = f"{os.cpu_count()} CPU cores, torch threads per host {os.environ.get('DDPOPT_BENCH_THREADS', '1')}"
     command = "benchmarks/cluster.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
-    meta: dict[str, Any] = {"hosts": args.hosts, "link": link, "batch_size": args.batch_size}
+    meta: dict[str, Any] = {
+        "hosts": args.hosts,
+        "link": link,
+        "batch_size": args.batch_size,
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+    }
     if args.task == "digits":
         meta["epochs"] = args.epochs
         written = write_digits_reports(rounds[0], {**meta, "machine": machine, "command": command}, out, args.name)

@@ -114,6 +114,7 @@ def test_rounds_combine_into_medians_of_ratios_taken_within_each_round(tmp_path)
     assert rows["diloco16"]["samples_per_s"] == pytest.approx(32 / 0.3)
     assert rows["compute"]["samples_per_s"] == pytest.approx(160)
     meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x", "rounds": 3}
+    meta |= {"command": "benchmarks/cluster.py --repeat 3", "date": "2026-12-02"}
     cluster.write_reports(list(rows.values()), meta, tmp_path)
     table = (tmp_path / "cluster.md").read_text().splitlines()
     assert "median of 3 rounds" in table[0]
@@ -125,11 +126,13 @@ def test_reports_are_written(tmp_path):
     results = {"stock": recorded("stock", 1.0), "ours": recorded("ours", 0.9, sync=0.8, sent=GRAD)}
     rows = cluster.summarize(results, hosts=2, link_bytes_per_s=125e6)
     meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x"}
+    meta |= {"command": "benchmarks/cluster.py", "date": "2026-12-02"}
     paths = cluster.write_reports(rows, meta, tmp_path)
     assert [p.name for p in paths] == ["cluster.md", "cluster.json", "cluster.png"]
     table = (tmp_path / "cluster.md").read_text().splitlines()
     assert table[0].startswith("Emulated cluster: 2 hosts, link 1gbit")
-    assert table[5] == "| ours | - | - | 35.6 | 900 | 981 | 800 | 100.71 | 1.11x | - | 1.01 |"
+    assert table[1] == "Command: `benchmarks/cluster.py`, 2026-12-02"  # what reproduces it, and when it ran
+    assert table[6] == "| ours | - | - | 35.6 | 900 | 981 | 800 | 100.71 | 1.11x | - | 1.01 |"
     assert json.loads((tmp_path / "cluster.json").read_text())["rows"][1]["variant"] == "ours"
     assert (tmp_path / "cluster.png").read_bytes()[:4] == b"\x89PNG"
     assert "Inside the hooks" not in "\n".join(table)  # no hook that waits: no breakdown table
@@ -140,6 +143,7 @@ def test_hook_breakdown_table(tmp_path):
     result["hook_breakdown"] = {"hook_s": 0.42, "hook_wait_s": 0.35, "hook_work_s": 0.07}
     rows = cluster.summarize({"stock": recorded("stock", 1.0), "powersgd_r4": result}, hosts=2, link_bytes_per_s=None)
     meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x"}
+    meta |= {"command": "benchmarks/cluster.py", "date": "2026-12-02"}
     cluster.write_reports(rows, meta, tmp_path)
     table = (tmp_path / "cluster.md").read_text().splitlines()
     assert table[-3:] == [
@@ -175,7 +179,15 @@ def test_digits_report(tmp_path):
         "stock": {"variant": "stock", "curve": [[5.0, 0.8], [10.0, 0.95]]},
         "diloco16": {"variant": "diloco16", "curve": [[1.0, 0.7], [2.5, 0.96]]},
     }
-    meta = {"hosts": 2, "link": "1gbit", "epochs": 2, "batch_size": 32, "machine": "x", "command": "c"}
+    meta = {
+        "hosts": 2,
+        "link": "1gbit",
+        "epochs": 2,
+        "batch_size": 32,
+        "machine": "x",
+        "command": "c",
+        "date": "2026-12-02",
+    }
     paths = cluster.write_digits_reports(results, meta, tmp_path, "convergence")
     assert [p.name for p in paths] == ["convergence.md", "convergence.json", "convergence.png"]
     table = (tmp_path / "convergence.md").read_text().splitlines()
