@@ -105,9 +105,8 @@ class PowerSGDConfig:
             and while it is above the bound the rank doubles, up to ``max_rank``. ``None`` keeps ``rank`` fixed.
             ``"auto"`` (the default): 0.6 when an optimizer is adaptive (Adam and its kin, :data:`ADAPTIVE_OPTIMIZERS`),
             else 0.9 (:data:`ERROR_BOUNDS`), as ``OptimizedDDPStrategy`` finds them at setup; a state used without
-            the strategy takes 0.6 unless :meth:`PowerSGDState.fit_bound_to` is called. With AdamW, 0.6 keeps a small
-            transformer within 2% of allreduce's held-out loss where a fixed rank 4 loses 8%; with SGD and momentum
-            rank 4 loses 0.6% at an error of 0.83 (``benchmarks/transformer_quality.py``).
+            the strategy takes 0.6 unless :meth:`PowerSGDState.fit_bound_to` is called. The bounds come from
+            ``benchmarks/transformer_quality.py``; the docs' comm-hook guide gives its results.
         max_rank: the largest rank ``max_error`` may raise the rank to.
         start_iter: synchronised optimizer steps of plain allreduce before compression starts. It counts sync
             rounds, i.e. optimizer steps, not micro-batches (accumulation skips the syncs in between). With error

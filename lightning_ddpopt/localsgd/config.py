@@ -46,8 +46,7 @@ class LocalSGDConfig:
             ``overlap_mixing x`` its own ``+ (1 - overlap_mixing) x`` the new anchor, so they differ by what each
             rank learned meanwhile until the next sync.
         overlap_mixing: ``alpha`` in [0, 1], the weight of a rank's own parameters when a travelling sync is applied
-            (0.5 as in Streaming DiLoCo; measured on digits, H = 16, tau = 4: 0.9722 against 0.9528 for adding the
-            rank's progress since the sync to the new anchor, and 0.9583 for the anchor alone).
+            (0.5 as in Streaming DiLoCo).
     """
 
     sync_every: int = 16
