@@ -34,7 +34,7 @@ if __name__ == "__main__":
         accelerator="cpu",
         devices=2,
         max_epochs=2,
-        strategy=OptimizedDDPStrategy(comm_hook="int8"),  # or "fp16", "powersgd", "auto"; or local_sgd=...
+        strategy=OptimizedDDPStrategy(comm_hook="int8"),  # or "fp16", "powersgd", "auto"
         callbacks=[CommProfiler(), StragglerDetector(), AMPMonitor()],
         log_every_n_steps=10,
     )

@@ -60,7 +60,11 @@ class Finding:
 
 
 def summarize(trainer: pl.Trainer) -> dict[str, Any]:
-    """Collect what the run's measuring callbacks and strategy know, keyed by area (a JSON-ready dict)."""
+    """Collect what the run's measuring callbacks and strategy know, keyed by area (a JSON-ready dict).
+
+    Args:
+        trainer: the Trainer of the run, during or after fit.
+    """
     strategy = trainer.strategy
     summary: dict[str, Any] = {
         "world_size": trainer.world_size,
@@ -103,12 +107,21 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def diagnose(summary: dict[str, Any]) -> list[Finding]:
-    """Findings for each area, in the debugging order: network, compression, AMP, accumulation, stragglers."""
+    """Findings for each area, in the debugging order: network, compression, AMP, accumulation, stragglers.
+
+    Args:
+        summary: what :func:`summarize` returned, or a report's ``"summary"``.
+    """
     return [_network(summary), _compression(summary), _amp(summary), _accumulation(summary), _stragglers(summary)]
 
 
 def format_findings(findings: list[Finding], width: int = 118) -> str:
-    """A plain-text table: area, status, evidence and recommendation, wrapped to ``width`` columns."""
+    """A plain-text table: area, status, evidence and recommendation, wrapped to ``width`` columns.
+
+    Args:
+        findings: what :func:`diagnose` returned.
+        width: the table's width in characters.
+    """
     lines = [FINDINGS_TITLE]
     for finding in findings:
         head = f"  {finding.area:<13}{finding.status.upper():<9}"

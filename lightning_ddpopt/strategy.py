@@ -299,6 +299,9 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
                     opt.step()
                     opt.zero_grad()
 
+        Args:
+            every: micro-batches per optimizer step (K).
+
         Raises:
             ValueError: ``every`` is not a positive int, or the strategy runs with ``static_graph=True``
                 (DDP's static graph mode mis-syncs under ``no_sync``, pytorch#143580).
@@ -318,6 +321,11 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
 
         Every rank must call this, as with Lightning's ``DDPStrategy``; with a stateful hook a call on fewer ranks
         raises within ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
+
+        Args:
+            checkpoint: the checkpoint Lightning built; the entry goes under ``"ddpopt"``.
+            filepath: where rank 0 writes it.
+            storage_options: passed on to the checkpoint IO plugin.
         """
         # Local SGD's per-rank inner optimizer states, except in weights-only checkpoints.
         optimizers = self.optimizers if "optimizer_states" in checkpoint else None
@@ -342,7 +350,11 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        """Register ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets such as ``ddp_optimized_fp16``."""
+        """Register ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets such as ``ddp_optimized_fp16``.
+
+        Args:
+            strategy_registry: Lightning's strategy registry (Lightning calls this itself).
+        """
         register_strategy_names(cls, strategy_registry, "OptimizedDDPStrategy")
 
     def _loss_scale(self) -> torch.Tensor | None:

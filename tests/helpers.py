@@ -306,17 +306,26 @@ def fit_ddp(
 
 
 def uninterrupted_and_resumed(
-    tmp_path: Path, make_strategy: Callable[[], pl.strategies.Strategy], samples: int = 64
+    tmp_path: Path,
+    make_strategy: Callable[[], pl.strategies.Strategy],
+    samples: int = 64,
+    against_unsaved: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path]:
     """Two epochs straight, saving at each epoch's end, as a user's run does; then resumed from the first epoch's
     checkpoint to two. Adam, so optimizer state matters.
 
-    ``samples``: per epoch, over both ranks at batch 8 (64: 4 optimizer steps per epoch). Returns both runs' per-rank
-    records and the checkpoint's path.
+    ``samples``: per epoch, over both ranks at batch 8 (64: 4 optimizer steps per epoch). ``against_unsaved``: also
+    fit two epochs without saving and check that saving changed nothing (a save drains a hook's workers and settles
+    its round). Returns the saving and the resumed run's per-rank records and the checkpoint's path.
     """
     adam = {"model": StackModel(optimizer="adam"), "samples": samples}
     uninterrupted = fit_ddp(tmp_path / "full", make_strategy(), max_epochs=2, save_epochs_to=tmp_path, **adam)
     checkpoint = tmp_path / "epoch=0.ckpt"
+    if against_unsaved:
+        adam = {"model": StackModel(optimizer="adam"), "samples": samples}
+        unsaved = fit_ddp(tmp_path / "unsaved", make_strategy(), max_epochs=2, **adam)
+        for saving, plain in zip(uninterrupted, unsaved, strict=True):
+            torch.testing.assert_close(saving["params"], plain["params"], rtol=0, atol=0)
     resumed = fit_ddp(
         tmp_path / "resumed",
         make_strategy(),

@@ -152,7 +152,7 @@ def test_resume_at_a_sync_boundary_is_bit_exact(tmp_path):
     def make():
         return OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(sync_every=4), start_method="fork")
 
-    uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, make)
+    uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, make, against_unsaved=True)
     saved = torch.load(checkpoint, weights_only=False)["ddpopt"]
     assert saved["local_sgd"]["steps"] == 4 and saved["local_sgd"]["syncs"] == 1
     assert len(saved["local_sgd_ranks"]) == 2

@@ -122,7 +122,8 @@ class Monitor:
     def batch(self, batch: Any = None) -> Iterator[None]:
         """Run one batch (or micro-batch) of training inside: its forward, backward and any optimizer step.
 
-        ``batch`` is what the callbacks see as the batch (not read by the default three).
+        Args:
+            batch: what the callbacks see as the batch (not read by the default three).
         """
         if self._finished:
             raise RuntimeError("Monitor.batch() after finish(): make a new Monitor for another run")

@@ -264,6 +264,12 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
 
         Every rank must call it, as Fabric requires; with a stateful hook a call on fewer ranks raises within
         ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
+
+        Args:
+            path: where the checkpoint goes, as for ``fabric.save``.
+            state: what ``fabric.save`` was given; it must not hold a key ``"ddpopt"``.
+            storage_options: passed on to Fabric's checkpoint IO.
+            filter: Fabric's per-key filters of what to save.
         """
         if CHECKPOINT_KEY in state:
             raise ValueError(f"the checkpoint state has a key {CHECKPOINT_KEY!r}, which OptimizedDDPStrategy uses")
@@ -286,7 +292,14 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load as Fabric does, then restore this package's part of the checkpoint (not returned to the caller)."""
+        """Load as Fabric does, then restore this package's part of the checkpoint (not returned to the caller).
+
+        Args:
+            path: the checkpoint, as for ``fabric.load``.
+            state: the objects to restore in place, as for ``fabric.load``.
+            strict: whether every key of ``state`` must be in the checkpoint.
+            weights_only: passed on to ``torch.load``.
+        """
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         entry = remainder.pop(CHECKPOINT_KEY, None)
         if not isinstance(state, dict) or not state:  # a raw state dict, or the file read whole: nothing to restore

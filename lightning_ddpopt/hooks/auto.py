@@ -20,8 +20,8 @@ from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["AUTO_HOOK", "AutoConfig", "HookChoice", "choose_hook", "measure_hook_costs"]
 
-#: The ``comm_hook`` value that measures the candidates at setup and chooses (:class:`AutoConfig` sets which).
 AUTO_HOOK = "auto"
+"""The ``comm_hook`` value that measures the candidates at setup and chooses (:class:`AutoConfig` sets which)."""
 #: What ``auto`` may measure and choose: the near-lossless hooks, and PowerSGD (lossy) when listed.
 NEAR_LOSSLESS = ("allreduce", "fp16", "int8")
 CANDIDATES = (*NEAR_LOSSLESS, "powersgd")

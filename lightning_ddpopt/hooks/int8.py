@@ -104,7 +104,7 @@ class Int8State(ErrorFeedbackState):
 
     Args:
         config: block size and error feedback.
-        process_group: the group to all-reduce over; ``None`` for the default (world) group.
+        process_group: the group the all-to-all and all-gather run on; ``None`` for the default (world) group.
         ledger: where the hook reports the bytes it sends; ``None`` records nothing.
         loss_scale: returns the current loss scale (the strategy sets it under fp16 AMP); see
             :class:`CommHookState`.

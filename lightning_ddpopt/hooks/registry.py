@@ -123,7 +123,6 @@ def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
 
 _POWERSGD_DEFAULT = PowerSGDConfig()
 
-#: The registry: every ``comm_hook`` name, with its summary, hook and state (also ``lightning_ddpopt.COMM_HOOKS``).
 COMM_HOOKS: dict[str, HookSpec] = {
     spec.name: spec
     for spec in (
@@ -142,6 +141,7 @@ COMM_HOOKS: dict[str, HookSpec] = {
         powersgd_spec(replace(_POWERSGD_DEFAULT, batched=True, rank=16, max_error=None), "batched_powersgd"),
     )
 }
+"""The registry: every ``comm_hook`` name, with its summary, hook and state (also ``lightning_ddpopt.COMM_HOOKS``)."""
 
 
 def get_hook_spec(name: str) -> HookSpec:
