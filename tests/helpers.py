@@ -248,6 +248,19 @@ class RankProbe(pl.Callback):
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
+def user_environment(root: Path) -> dict[str, str]:
+    """This process's environment for a script started as a user starts it: nothing of a cluster this test may run in
+    (nor the ``MASTER_PORT`` Lightning's launcher sets in its launching process), ``root`` importable, one thread."""
+    cluster = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in cluster and not name.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))
+    }
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    return env
+
+
 def load_script(relative_path: str) -> Any:
     """Import a script of this repository (``examples/...``, ``benchmarks/...``) as a module of its file's name."""
     path = Path(__file__).parents[1] / relative_path

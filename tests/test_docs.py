@@ -81,19 +81,13 @@ def test_the_quickstart_trains_two_ranks_and_prints_the_findings(tmp_path):
     import signal
     import subprocess
 
-    # Nothing of a cluster or of an earlier test's launcher (Lightning sets MASTER_PORT in its launching process).
-    cluster = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in cluster and not name.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))
-    }
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    from tests.helpers import user_environment
+
     # A session of its own: rank 1 is rank 0's child, and nothing may outlive the test.
     process = subprocess.Popen(
         [sys.executable, str(QUICKSTART)],
         cwd=tmp_path,
-        env=env,
+        env=user_environment(ROOT),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -22,6 +22,7 @@ import torch
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.affinity import available_cores, plan_core_sets
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig
+from tests.helpers import user_environment
 from tests.launcher_worker import SLOW_MS, shared_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,14 +51,7 @@ def _free_port() -> int:
 
 def _start(launcher: str, out: Path, slow_rank: int) -> list[subprocess.Popen]:
     """Start the worker as ``launcher`` starts it; each process in a session of its own, killed after the test."""
-    # Nothing of a cluster this test itself may run in: each launcher sets what it sets.
-    cluster = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in cluster and not name.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))
-    }
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = user_environment(ROOT)  # each launcher sets what it sets
     worker = ["-m", "tests.launcher_worker", launcher, str(out), str(slow_rank)]
     if launcher == "torchrun":
         commands = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *worker]]
