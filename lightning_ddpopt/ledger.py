@@ -251,6 +251,9 @@ class CommLedger:
         data. The end mark is taken in a callback of the hook's future: on a GPU that callback runs on a stream
         that waits for the hook's collectives, so the mark fires when they are done on the device, not when they
         were queued.
+
+        Args:
+            hook: a comm hook with torch's ``(state, bucket) -> Future[Tensor]`` signature.
         """
         self.recording = True
 
@@ -269,7 +272,12 @@ class CommLedger:
         return recorded
 
     def add_wire_bytes(self, bucket_index: int, nbytes: int) -> None:
-        """Add bytes that a hook put into collectives for bucket ``bucket_index`` of the current round."""
+        """Add bytes that a hook put into collectives for bucket ``bucket_index`` of the current round.
+
+        Args:
+            bucket_index: the bucket's index in this round.
+            nbytes: the bytes this rank sent for it.
+        """
         with self._lock:
             for entry in self._rounds[-1] if self._rounds else ():
                 if entry.index == bucket_index:
@@ -287,9 +295,13 @@ class CommLedger:
     ) -> None:
         """Add a lossy hook's squared norms for bucket ``bucket_index`` of the current round (0-dim tensors).
 
-        ``given_sq``: what was compressed (gradient plus the error fed back); ``dropped_sq``: what the compression
-        dropped; ``fed_back_sq``: the stored error that was added. They are read when the step resolves, without a
-        host sync on a GPU.
+        They are read when the step resolves, without a host sync on a GPU.
+
+        Args:
+            bucket_index: the bucket's index in this round.
+            given_sq: the squared norm of what was compressed (gradient plus the error fed back).
+            dropped_sq: the squared norm of what the compression dropped.
+            fed_back_sq: the squared norm of the stored error that was added.
         """
         values = DeferredRead(torch.stack([given_sq, dropped_sq, fed_back_sq]).detach().double())
         with self._lock:
@@ -310,8 +322,14 @@ class CommLedger:
     ) -> None:
         """Record a sync of parameters (local SGD's averaging) as one round of one bucket, from ``start`` until now.
 
-        ``transfer_hidden``: the bytes travelled while the ranks trained on (an overlapped sync's arrival).
-        ``drift``: squared norms (0-dim tensors) of this rank's parameter change and of the ranks' mean change.
+        Args:
+            num_elements: parameters synchronised.
+            logical_bytes: their fp32 bytes.
+            wire_bytes: the bytes this rank sent.
+            start: the mark taken when the sync began.
+            transfer_hidden: the bytes travelled while the ranks trained on (an overlapped sync's arrival).
+            drift: squared norms (0-dim tensors) of this rank's parameter change and of the ranks' mean change, or
+                ``None`` when not measured.
         """
         entry = _OpenBucket(0, num_elements, logical_bytes, start)
         entry.wire_bytes = wire_bytes
@@ -325,8 +343,10 @@ class CommLedger:
     def add_micro_batch(self, samples: int | None, first_of_epoch: bool = False) -> None:
         """Count one training batch of the current step; ``samples=None`` when its size is unknown.
 
-        ``first_of_epoch`` says the time since the previous step includes an epoch boundary (validation, the
-        loader's restart), so the step's time is counted from this batch instead.
+        Args:
+            samples: the batch's size, or ``None``.
+            first_of_epoch: the time since the previous step includes an epoch boundary (validation, the loader's
+                restart), so the step's time is counted from this batch instead.
         """
         mark = self.timeline.mark() if self._micro_batches == 0 else None
         with self._lock:

@@ -250,8 +250,9 @@ class RankProbe(pl.Callback):
 
 def user_environment(root: Path) -> dict[str, str]:
     """This process's environment for a script started as a user starts it: nothing of a cluster this test may run in
-    (nor the ``MASTER_PORT`` Lightning's launcher sets in its launching process), ``root`` importable, one thread."""
+    (nor what Lightning sets in its launching process: ``MASTER_PORT``, the seed), ``root`` importable, one thread."""
     cluster = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", "GROUP_RANK")
+    cluster += ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
     env = {
         name: value
         for name, value in os.environ.items()

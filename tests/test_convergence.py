@@ -92,7 +92,8 @@ def _fp16_amp() -> dict:
 @pytest.mark.parametrize("hook", ["powersgd", "batched_powersgd", "int8"])
 def test_lossy_hooks_under_fp16_amp_converge_like_allreduce(tmp_path, allreduce_accuracy, hook):
     # Real fp16 autocast with a GradScaler on CPU: overflows, backoffs and growths reach the hook's state. Against
-    # plain fp32 allreduce: what a user compares with (fp16 AMP with allreduce scored 0.9722 against its 0.9694).
+    # plain fp32 allreduce: what a user compares with.
+    assert allreduce_accuracy > 0.9
     accuracy = _accuracy(tmp_path, hook, **_fp16_amp())
     print(f"convergence under fp16 AMP: {hook} {accuracy:.4f}, fp32 allreduce {allreduce_accuracy:.4f}")
     assert accuracy >= allreduce_accuracy - 0.01, f"{hook}: {accuracy:.4f} vs {allreduce_accuracy:.4f}"

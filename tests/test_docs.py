@@ -95,6 +95,10 @@ def test_the_quickstart_trains_two_ranks_and_prints_the_findings(tmp_path):
     )
     try:
         stdout, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, _ = process.communicate()
+        pytest.fail(f"the quickstart ran past 240 s:\n{stdout[-3000:]}")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -122,17 +126,20 @@ def _public_names() -> dict[str, object]:
     }
 
 
-def _referenced() -> set[str]:
-    """Every object the reference pages render: ``::: path`` directives, and the members listed under a module's."""
-    found = set()
+def _directives() -> list[tuple[str, list[str] | None]]:
+    """Every ``::: path`` directive of the reference pages, with the members it lists (``None``: all of them)."""
+    found = []
     for page in (ROOT / "docs" / "reference").glob("*.md"):
         for directive in re.finditer(r"^::: (\S+)\n((?:[ \t]+.*\n?)*)", page.read_text(), re.M):
             path, options = directive.groups()
-            found.add(path)
-            listed = re.search(r"members:\s*(\[.*?\]|(?:\n\s+- .*)+)", options, re.S)
-            if listed:
-                found |= {f"{path}.{name}" for name in re.findall(r"[\w.]+", listed.group(1))}
+            listed = re.search(r"members:[ \t]*(\[[^\]]*\]|(?:\n[ \t]+- .*)+)", options)
+            found.append((path, re.findall(r"[\w.]+", listed.group(1)) if listed else None))
     return found
+
+
+def _referenced() -> set[str]:
+    """Every object the reference pages render by name: the directives' paths and the members they list."""
+    return {rendered for path, members in _directives() for rendered in [path, *(f"{path}.{m}" for m in members or [])]}
 
 
 def test_the_reference_renders_every_public_name():
@@ -150,6 +157,7 @@ def test_the_reference_renders_every_public_name():
 
 def _rendered(path: str) -> object:
     """The object a reference directive renders: a module's attribute, or a class's own (static) member."""
+    missing = object()
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -157,19 +165,45 @@ def _rendered(path: str) -> object:
         except ImportError:
             continue
         for name in parts[cut:]:
-            owner, obj = obj, getattr(obj, name, None)
-            if isinstance(owner, type):
-                obj = inspect.getattr_static(owner, name, None)
-                # An instance attribute: set in the class's own code (a misspelt member would render nothing).
-                assert obj is not None or f"self.{name}" in inspect.getsource(owner), f"{path} does not exist"
+            owner = obj
+            obj = (
+                inspect.getattr_static(owner, name, missing)
+                if isinstance(owner, type)
+                else getattr(owner, name, missing)
+            )
+            if obj is missing and isinstance(owner, type):
+                # An instance attribute: assigned in the class's own code.
+                assert re.search(rf"self\.{name}\b\s*(?::[^=\n]*)?=", inspect.getsource(owner)), (
+                    f"{path} does not exist"
+                )
+                obj = None
+            assert obj is not missing, f"{path} does not exist"  # mkdocstrings renders a misspelt member as nothing
         return obj
     raise AssertionError(path)
 
 
+def _whole_classes() -> dict[str, type]:
+    """The classes the reference renders with all their public members: a directive without a members list, or a
+    class listed as a module's member."""
+    whole = {}
+    for path, members in _directives():
+        for candidate in [path] if members is None else [f"{path}.{m}" for m in members]:
+            obj = _rendered(candidate)
+            if isinstance(obj, type):
+                whole[candidate] = obj
+    return whole
+
+
 def test_every_public_argument_is_in_its_docstring():
-    # The package's public names, and every function and method the reference renders.
+    # The package's public names, every function and method the reference renders by name, and every public method
+    # with a docstring of a class it renders whole.
     rendered = {path: _rendered(path) for path in _referenced()}
     everything = {**_public_names(), **{path: obj for path, obj in rendered.items() if not isinstance(obj, type)}}
+    for path, cls in _whole_classes().items():
+        for name, member in vars(cls).items():
+            function = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+            if not name.startswith("_") and inspect.isfunction(function) and function.__doc__:
+                everything[f"{path}.{name}"] = function
     for path, obj in everything.items():
         if isinstance(obj, (staticmethod, classmethod)):
             obj = obj.__func__

@@ -44,7 +44,12 @@ class CommHookState:
         self.world_size = dist.get_world_size(self.process_group)
 
     def record_wire_bytes(self, bucket: dist.GradBucket, nbytes: int) -> None:
-        """Tell the ledger how many bytes this rank sent for ``bucket``."""
+        """Tell the ledger how many bytes this rank sent for ``bucket``.
+
+        Args:
+            bucket: the bucket the hook handles.
+            nbytes: the bytes this rank put into collectives for it.
+        """
         if self.ledger is not None:
             self.ledger.add_wire_bytes(bucket.index(), nbytes)
 
@@ -62,7 +67,12 @@ class CommHookState:
     ) -> None:
         """Tell the ledger the squared norms of what ``bucket``'s compression was given and what it dropped.
 
-        ``fed_back_sq``: of the stored error added to the gradient first (``None``: no error feedback).
+        Args:
+            bucket: the bucket the hook handles.
+            given_sq: the squared norm of what was compressed (0-dim tensor).
+            dropped_sq: the squared norm of what the compression dropped.
+            fed_back_sq: the squared norm of the stored error added to the gradient first (``None``: no error
+                feedback).
         """
         if self.ledger is not None:
             if fed_back_sq is None:
@@ -70,20 +80,33 @@ class CommHookState:
             self.ledger.add_compression(bucket.index(), given_sq, dropped_sq, fed_back_sq)
 
     def wait(self, work: dist.Work | None) -> None:
-        """Wait for ``work`` (a collective issued with ``async_op=True``), adding the time to :attr:`wait_seconds`."""
+        """Wait for ``work`` (a collective issued with ``async_op=True``), adding the time to :attr:`wait_seconds`.
+
+        Args:
+            work: the collective's handle; ``None`` waits for nothing.
+        """
         assert work is not None
         start = time.perf_counter()
         work.wait()
         self.add_seconds(0.0, waiting=time.perf_counter() - start)
 
     def add_seconds(self, inside: float, waiting: float = 0.0) -> None:
-        """Add to :attr:`hook_seconds` and :attr:`wait_seconds` (hooks may run parts on several threads)."""
+        """Add to :attr:`hook_seconds` and :attr:`wait_seconds` (hooks may run parts on several threads).
+
+        Args:
+            inside: seconds spent inside the hook.
+            waiting: of those, seconds spent waiting for collectives.
+        """
         with self._seconds_lock:
             self.hook_seconds += inside
             self.wait_seconds += waiting
 
     def bind_module(self, module: torch.nn.Module) -> None:
-        """Learn about the module DDP wraps (its parameter names); stateless hooks need nothing."""
+        """Learn about the module DDP wraps (its parameter names); stateless hooks need nothing.
+
+        Args:
+            module: the module DDP wraps.
+        """
 
     def close(self) -> bool:
         """Release what the hook runs beside training (PowerSGD's worker thread); False if it could not yet."""
@@ -94,16 +117,27 @@ class CommHookState:
         return {}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output.
+
+        Args:
+            state: what :meth:`state_dict` returned on this rank.
+        """
 
     def mismatch(self, state: dict[str, object]) -> str | None:
-        """Why ``state`` (saved by :meth:`state_dict`) cannot be loaded into this hook, or ``None`` if it can."""
+        """Why ``state`` (saved by :meth:`state_dict`) cannot be loaded into this hook, or ``None`` if it can.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+        """
         return None
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
         """Restore only the part of another world size's :meth:`state_dict` that is the same on every rank.
 
         Returns what was kept, in words, for the warning the user sees.
+
+        Args:
+            state: what :meth:`state_dict` returned on a rank of the other world size.
         """
         return "nothing is kept"
 

@@ -147,7 +147,11 @@ class Int8State(ErrorFeedbackState):
         return asdict(self.config)
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
-        """Restore the step counter (the same on every rank); error feedback starts afresh."""
+        """Restore the step counter (the same on every rank); error feedback starts afresh.
+
+        Args:
+            state: what :meth:`state_dict` returned on a rank of the other world size.
+        """
         iteration = state["iteration"]
         assert isinstance(iteration, int)
         self._drop_errors()

@@ -177,7 +177,12 @@ class PowerSGDConfig:
         """Whether a ``rows`` x ``cols`` gradient is compressed (else it is all-reduced as it is).
 
         It is when ``(rows + cols) x rank`` values are at least ``min_compression_rate`` times fewer than
-        ``rows x cols``. ``rank``: the rank in use (``max_error`` may have raised it), else ``self.rank``.
+        ``rows x cols``.
+
+        Args:
+            rows: the gradient's rows.
+            cols: its columns.
+            rank: the rank in use (``max_error`` may have raised it), or ``None`` for the config's.
         """
         rank = min(rows, cols, self.rank if rank is None else rank)
         return rows * cols >= (rows + cols) * rank * self.min_compression_rate
@@ -260,7 +265,11 @@ class PowerSGDState(ErrorFeedbackState):
         self.error_bound = ERROR_BOUNDS["adaptive"] if bound == "auto" else bound
 
     def fit_bound_to(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Resolve ``max_error="auto"`` for these optimizers: the adaptive bound if any is adaptive, else the other."""
+        """Resolve ``max_error="auto"`` for these optimizers: the adaptive bound if any is adaptive, else the other.
+
+        Args:
+            optimizers: the run's optimizers.
+        """
         if self.config.max_error == "auto":
             self.error_bound = ERROR_BOUNDS["adaptive" if any(map(is_adaptive, optimizers)) else "other"]
 
@@ -278,7 +287,12 @@ class PowerSGDState(ErrorFeedbackState):
         return (self.iteration - config.start_iter) % RANK_WINDOW == RANK_WINDOW - 1
 
     def add_probe(self, given_sq: torch.Tensor, dropped_sq: torch.Tensor) -> None:
-        """Add a bucket's squared norms to this round's measurement."""
+        """Add a bucket's squared norms to this round's measurement.
+
+        Args:
+            given_sq: the squared norm of what the bucket's compression was given.
+            dropped_sq: the squared norm of what it dropped.
+        """
         pair = torch.stack([given_sq, dropped_sq])
         self._probe_sums = [pair] if not self._probe_sums else [self._probe_sums[0] + pair]
 
@@ -338,7 +352,11 @@ class PowerSGDState(ErrorFeedbackState):
         return True
 
     def bind_module(self, module: torch.nn.Module) -> None:
-        """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps)."""
+        """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps).
+
+        Args:
+            module: the module DDP wraps.
+        """
         super().bind_module(module)
         if self._regroup is not None:
             self._plan_regroup(list(self._regroup.groups))
@@ -352,6 +370,9 @@ class PowerSGDState(ErrorFeedbackState):
 
         The bound may change on a resume (and a state saved before it existed has none): the rank reached is kept,
         within the new bound (see :meth:`_load_rank`).
+
+        Args:
+            state: what :meth:`state_dict` returned.
         """
         bound = {"max_error", "max_rank"}
         config = {key: value for key, value in self.config_dict().items() if key not in bound}
@@ -394,7 +415,11 @@ class PowerSGDState(ErrorFeedbackState):
             self._probe = (DeferredRead(torch.tensor(probe["norms"], dtype=torch.float64)), int(probe["decide_at"]))
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
-        """Restore the step counter and the Q memories (the same on every rank); error feedback starts afresh."""
+        """Restore the step counter and the Q memories (the same on every rank); error feedback starts afresh.
+
+        Args:
+            state: what :meth:`state_dict` returned on a rank of the other world size.
+        """
         iteration, q_memories = state["iteration"], state["q_memories"]
         assert isinstance(iteration, int) and isinstance(q_memories, dict)
         self._drop_errors()

@@ -86,7 +86,12 @@ class HookSpec:
     unsupported_reason: Callable[[str], str | None] = _any_backend
 
     def build(self, process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
-        """Create the state this hook runs with."""
+        """Create the state this hook runs with.
+
+        Args:
+            process_group: the group the hook communicates on; ``None`` for the default group.
+            ledger: where the hook reports its bytes; ``None`` records nothing.
+        """
         return self.make_state(process_group, ledger)
 
 

@@ -93,6 +93,10 @@ class LocalSGDConfig:
 
         OpenDiLoCo all-reduces the parameter change in fp16 without a loss in quality; pass
         ``compression="fp32"`` (or ``"int8"``) to change that.
+
+        Args:
+            sync_every: H, optimizer steps between parameter syncs.
+            **overrides: any other field of the config, e.g. ``overlap_steps=8``.
         """
         settings: dict[str, Any] = {
             "outer_lr": 0.7,
@@ -105,7 +109,12 @@ class LocalSGDConfig:
 
     @classmethod
     def post_local_sgd(cls, sync_every: int = 16, **overrides: Any) -> LocalSGDConfig:
-        """Plain parameter averaging every ``sync_every`` steps (post-local SGD after ``warmup_steps``)."""
+        """Plain parameter averaging every ``sync_every`` steps (post-local SGD after ``warmup_steps``).
+
+        Args:
+            sync_every: H, optimizer steps between parameter syncs.
+            **overrides: any other field of the config, e.g. ``warmup_steps=500``.
+        """
         return cls(sync_every=sync_every, **overrides)
 
 
