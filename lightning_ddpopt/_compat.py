@@ -60,7 +60,8 @@ def _changed(package: str, api: str, what: str) -> RuntimeError:
     version = lightning.__version__ if package == "lightning" else torch.__version__
     return RuntimeError(
         f"lightning_ddpopt uses {package}'s private {api} ({what}), which {package} {version} lacks or changed; "
-        f"install a {package} release that CI tests (see docs/guides/cluster.md, Launchers and versions)"
+        f"install a {package} release that CI tests (see 'What is tested: launchers and versions' in "
+        "docs/guides/cluster.md)"
     )
 
 

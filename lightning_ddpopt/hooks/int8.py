@@ -163,7 +163,7 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     """Average the bucket over the group through int8 blocks; see the module doc.
 
     Args:
-        state: the hook's state: a :class:`CommHookState`: an :class:`Int8State` (the strategy's ``comm_state``).
+        state: an :class:`Int8State` (the strategy's ``comm_state``).
         bucket: the gradient bucket DDP hands the hook.
     """
     if state.exchange_group is not None and bucket.buffer().device.type == "cpu":

@@ -495,7 +495,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     Before ``start_iter`` it is a plain mean allreduce, bit-for-bit equal to the ``allreduce`` hook.
 
     Args:
-        state: the hook's state: a :class:`CommHookState`: a :class:`PowerSGDState` (the strategy's ``comm_state``).
+        state: a :class:`PowerSGDState` (the strategy's ``comm_state``).
         bucket: the gradient bucket DDP hands the hook.
     """
     if not state.pipelined or bucket.buffer().device.type != "cpu":
