@@ -1,10 +1,11 @@
-"""Ring-allreduce alpha-beta cost model, link presets, and the bytes each hook sends."""
+"""Ring-allreduce alpha-beta cost model, link presets, the bytes each hook sends and its compression's compute."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 __all__ = [
+    "CODEC_BYTES_PER_S",
     "DEFAULT_PLAN_HOOKS",
     "LINKS",
     "PLAN_HOOKS",
@@ -15,6 +16,7 @@ __all__ = [
     "estimate_hooks",
     "parse_count",
     "resolve_link",
+    "ring_bytes_per_rank",
 ]
 
 
@@ -65,12 +67,18 @@ def resolve_link(name: str | None, gbps: float | None = None, latency_us: float 
     return Link(base.name, base.bytes_per_s, latency_us * 1e-6, base.summary)
 
 
+def ring_bytes_per_rank(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``: ``2 (n-1)/n * S``; 0 for one process."""
+    if world_size <= 1:
+        return 0.0
+    return 2 * (world_size - 1) / world_size * nbytes
+
+
 def allreduce_seconds(nbytes: float, world_size: int, link: Link) -> float:
     """Ring allreduce lower bound: ``2 (n-1)/n * S / B + 2 (n-1) * latency``; 0 for one process."""
     if world_size <= 1:
         return 0.0
-    n = world_size
-    return 2 * (n - 1) / n * nbytes / link.bytes_per_s + 2 * (n - 1) * link.latency_s
+    return ring_bytes_per_rank(nbytes, world_size) / link.bytes_per_s + 2 * (world_size - 1) * link.latency_s
 
 
 def bus_bandwidth(algorithm_bytes_per_s: float, world_size: int) -> float:
@@ -100,13 +108,47 @@ DEFAULT_PLAN_HOOKS = ("allreduce", "fp16", "int8", "powersgd")
 #: Every hook the cost model knows.
 PLAN_HOOKS = ("allreduce", "fp16", "bf16", "int8", "powersgd")
 
+# The benchmarks' model, 6 x Linear(2048, 2048): its fp32 gradient bytes, and those of its weight matrices alone.
+_BENCH_GRADIENT_BYTES = 6 * (2048 * 2048 + 2048) * 4
+_BENCH_WEIGHT_GRADIENT_BYTES = 6 * 2048 * 2048 * 4
+
+#: Each compressing hook's own compute, in fp32 gradient bytes per second, from this project's CPU measurements (one
+#: torch thread, numba's kernels, PowerSGD at rank 4). A GPU's is far higher: ``ddpopt plan --codec-gb-per-s``.
+CODEC_BYTES_PER_S: dict[str, float] = {
+    # int8 56.8 ms, PowerSGD 47.5 ms per step: benchmarks/cpu_kernels.py, docs/performance.md "CPU kernels", 2026-12-01.
+    "int8": _BENCH_GRADIENT_BYTES / 56.8e-3,
+    "powersgd": _BENCH_GRADIENT_BYTES / 47.5e-3,
+    # Not measured, so memory-bound: a cast there and back moves 12 bytes per element, 1.5 copy passes, and one copy
+    # pass over the weight gradients took 8.6 ms (benchmarks/powersgd_hook.py, docs/performance.md, 2026-11-30).
+    "fp16": _BENCH_WEIGHT_GRADIENT_BYTES / (1.5 * 8.6e-3),
+    "bf16": _BENCH_WEIGHT_GRADIENT_BYTES / (1.5 * 8.6e-3),
+}
+
 
 @dataclass(frozen=True)
 class HookEstimate:
-    """What one hook costs per optimizer step under the model."""
+    """What one hook costs per optimizer step under the model.
+
+    Attributes:
+        hook: the hook's name, one of :data:`PLAN_HOOKS`.
+        payload_bytes: what the hook hands its collectives per step, the compressed gradient (allreduce: the fp32
+            gradient): the ``S`` of the ring formula. O(P) whatever the world size.
+        sent_bytes_per_rank: bytes one rank sends per step under the ring model, ``2 (n-1)/n * payload_bytes``.
+        codec_bytes_per_s: fp32 gradient bytes the hook's compression (compressing and decompressing) processes per
+            second; ``None`` for allreduce, which has no codec.
+        codec_s: the compression's own compute per step, ``4 P / codec_bytes_per_s``; 0 for allreduce.
+        comm_s: ring-allreduce time of ``payload_bytes`` on the link.
+        efficiency_no_overlap: ``compute / (compute + codec_s + comm_s)``; ``None`` when the step's compute time is
+            unknown.
+        efficiency_full_overlap: ``compute / max(compute + codec_s, comm_s)``; ``None`` when the step's compute time
+            is unknown.
+    """
 
     hook: str
-    bytes_per_step: float
+    payload_bytes: float
+    sent_bytes_per_rank: float
+    codec_bytes_per_s: float | None
+    codec_s: float
     comm_s: float
     efficiency_no_overlap: float | None
     efficiency_full_overlap: float | None
@@ -121,20 +163,28 @@ def estimate_hooks(
     powersgd_rank: int = 4,
     matrix_width: int = 4096,
     int8_block: int = 1024,
+    codec_bytes_per_s: float | None = None,
     hooks: tuple[str, ...] = DEFAULT_PLAN_HOOKS,
 ) -> list[HookEstimate]:
-    """Bytes, ring-allreduce time and scaling efficiency per hook for ``params`` fp32 gradients.
+    """Bytes, compression compute, ring-allreduce time and scaling efficiency per hook for ``params`` fp32 gradients.
 
-    PowerSGD's bytes assume the parameters are square ``matrix_width`` matrices: ``2 w r`` elements instead of
-    ``w^2`` each. int8 sends one byte per element plus a 4-byte scale per ``int8_block`` elements, with a ring
-    all-reduce's traffic (a reduce-scatter then an all-gather). Efficiency is ``compute / (compute + comm)``
-    without overlap and ``compute / max(compute, comm)`` with perfect overlap of communication and backward;
-    ``None`` when ``step_compute_s`` is unknown.
+    PowerSGD's bytes assume the parameters are square ``matrix_width`` matrices: ``2 w r`` elements (its P and Q
+    allreduces) instead of ``w^2`` each. int8 sends one byte per element plus a 4-byte scale per ``int8_block``
+    elements, with a ring all-reduce's traffic (a reduce-scatter then an all-gather). Every hook's rank sends
+    ``2 (n-1)/n`` of its payload.
+
+    The compression's own compute (``codec_s``) is the fp32 gradient bytes over ``codec_bytes_per_s`` (default:
+    :data:`CODEC_BYTES_PER_S` per hook; given, it applies to every hook that compresses); allreduce has none. It is
+    assumed to run on the device that runs the backward pass, so it adds to the step's compute and cannot hide behind
+    it: efficiency is ``compute / (compute + codec + comm)`` without overlap and ``compute / max(compute + codec,
+    comm)`` with perfect overlap of communication and backward; ``None`` when ``step_compute_s`` is unknown.
     """
     if world_size < 1:
         raise ValueError(f"--world-size {world_size} must be at least 1")
     if step_compute_s is not None and step_compute_s <= 0:
         raise ValueError("--step-compute-ms must be positive")
+    if codec_bytes_per_s is not None and codec_bytes_per_s <= 0:
+        raise ValueError(f"codec_bytes_per_s {codec_bytes_per_s:g} must be positive")
     bytes_fp32 = params * 4.0
     per_hook = {
         "allreduce": bytes_fp32,
@@ -147,10 +197,14 @@ def estimate_hooks(
     for hook in hooks:
         nbytes = per_hook[hook]
         comm = allreduce_seconds(nbytes, world_size, link)
-        if step_compute_s is None:
-            estimates.append(HookEstimate(hook, nbytes, comm, None, None))
-            continue
-        no_overlap = step_compute_s / (step_compute_s + comm)
-        overlap = step_compute_s / max(step_compute_s, comm)
-        estimates.append(HookEstimate(hook, nbytes, comm, no_overlap, overlap))
+        throughput: float | None = None  # allreduce sends the gradient as it is: no codec
+        if hook in CODEC_BYTES_PER_S:
+            throughput = CODEC_BYTES_PER_S[hook] if codec_bytes_per_s is None else codec_bytes_per_s
+        codec = 0.0 if throughput is None else bytes_fp32 / throughput
+        no_overlap = overlap = None
+        if step_compute_s is not None:
+            no_overlap = step_compute_s / (step_compute_s + codec + comm)
+            overlap = step_compute_s / max(step_compute_s + codec, comm)
+        sent = ring_bytes_per_rank(nbytes, world_size)
+        estimates.append(HookEstimate(hook, nbytes, sent, throughput, codec, comm, no_overlap, overlap))
     return estimates
