@@ -30,6 +30,7 @@ __all__ = [
     "bucket_assignment",
     "check_ddp_strategy_internals",
     "check_versions",
+    "cpu_has_native_bf16",
     "data_fetcher",
     "default_store",
     "found_inf_per_device",
@@ -166,6 +167,14 @@ def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     if not hasattr(scaler, "_scale"):
         raise _changed("torch", "GradScaler._scale", "the loss scale without a host sync")
     return scaler._scale
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch emulates it, slowly."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    if not all(hasattr(torch.cpu, check) for check in checks):
+        raise _changed("torch", "torch.cpu._is_avx512_bf16_supported", "to tell a CPU's native bf16")
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def last_batch_of_epoch(trainer: pl.Trainer) -> bool:

@@ -18,7 +18,7 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-__all__ = ["STRATEGY_NAME", "register_strategy_names", "register_with_lightning"]
+__all__ = ["STRATEGY_NAME", "register_strategy_names", "register_with_lightning", "strategy_names"]
 
 STRATEGY_NAME = "ddp_optimized"
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
@@ -33,27 +33,26 @@ _REGISTRIES = {
 }
 
 
+def strategy_names() -> dict[str, dict[str, str]]:
+    """Every name the package registers, with the strategy arguments each stands for.
+
+    ``ddp_optimized[_spawn|_fork|_notebook]`` and the hook presets such as ``ddp_optimized_fp16``.
+    """
+    names = {f"{STRATEGY_NAME}{suffix}": {"start_method": method} for suffix, method in _START_METHODS.items()}
+    for hook in ("fp16", "bf16"):
+        for suffix in ("", "_spawn"):
+            names[f"{STRATEGY_NAME}{suffix}_{hook}"] = {"comm_hook": hook, "start_method": _START_METHODS[suffix]}
+    return names
+
+
 def register_strategy_names(strategy: Callable[..., Any], registry: Any, what: str) -> None:
-    """Register ``strategy`` under ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets (``ddp_optimized_fp16``).
+    """Register ``strategy`` under every name of :func:`strategy_names`.
 
     The same names in the Trainer's and Fabric's registries; ``what`` names the class in the descriptions.
     """
-    for suffix, start_method in _START_METHODS.items():
-        registry.register(
-            f"{STRATEGY_NAME}{suffix}",
-            strategy,
-            description=f"{what} with start_method={start_method!r}",
-            start_method=start_method,
-        )
-    for hook in ("fp16", "bf16"):
-        for suffix in ("", "_spawn"):
-            registry.register(
-                f"{STRATEGY_NAME}{suffix}_{hook}",
-                strategy,
-                description=f"{what} with comm_hook={hook!r}, start_method={_START_METHODS[suffix]!r}",
-                comm_hook=hook,
-                start_method=_START_METHODS[suffix],
-            )
+    for name, arguments in strategy_names().items():
+        described = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
+        registry.register(name, strategy, description=f"{what} with {described}", **arguments)
 
 
 def register_with_lightning() -> None:

@@ -1,8 +1,10 @@
-"""The ``ddpopt`` command: ``plan`` (cost model) and ``report`` (findings and a plot of a run)."""
+"""The ``ddpopt`` command: ``plan`` (cost model), ``report`` (findings and a plot of a run), ``names``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 import math
 import sys
@@ -10,7 +12,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_ddpopt.costmodel import DEFAULT_PLAN_HOOKS, LINKS, PLAN_HOOKS, estimate_hooks, parse_count, resolve_link
+from lightning_ddpopt._registration import strategy_names
+from lightning_ddpopt.costmodel import (
+    CODEC_BYTES_PER_S,
+    DEFAULT_PLAN_HOOKS,
+    LINKS,
+    PLAN_HOOKS,
+    estimate_hooks,
+    parse_count,
+    resolve_link,
+)
 from lightning_ddpopt.units import byte_unit, format_bytes
 
 __all__ = ["main"]
@@ -43,14 +54,31 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="bytes per step, ring-allreduce time and scaling efficiency per comm hook",
-        description="Ring-allreduce lower bound t = 2(n-1)/n x S/B + 2(n-1) x latency for each comm hook.",
+        help="per-rank bytes, compression and allreduce time, scaling efficiency per comm hook",
+        description=(
+            "Ring-allreduce lower bound t = 2(n-1)/n x S/B + 2(n-1) x latency for each comm hook, every rank on a "
+            "link of bandwidth B; each rank sends 2(n-1)/n x the hook's payload S per step."
+        ),
         # The required arguments first, in the order they are checked; --link or --gbps is required too.
-        usage="ddpopt plan --params COUNT --world-size N (--link PRESET | --gbps GBIT) [options]",
+        usage=(
+            "ddpopt plan --params COUNT (--world-size N | --nodes N --gpus-per-node M)\n"
+            "                   (--link PRESET | --gbps GBIT) [options]"
+        ),
     )
     # Required, but checked in _plan so that errors come in the order of the usage line.
     plan.add_argument("--params", help="parameter count, e.g. 100M, 1.3B (required)")
-    plan.add_argument("--world-size", type=int, help="number of data-parallel processes (required)")
+    plan.add_argument(
+        "--world-size", type=int, metavar="N", help="number of data-parallel processes (or --nodes and --gpus-per-node)"
+    )
+    plan.add_argument(
+        "--nodes", type=int, metavar="N", help="number of nodes; the world size is N x M (with --gpus-per-node M)"
+    )
+    plan.add_argument(
+        "--gpus-per-node",
+        type=int,
+        metavar="M",
+        help="processes (GPUs) per node: --nodes 2 --gpus-per-node 8 is --world-size 16",
+    )
     plan.add_argument("--link", choices=sorted(LINKS), type=str.lower, help="link preset (or --gbps)")
     plan.add_argument("--gbps", type=float, help="link bandwidth in Gbit/s (or --link)")
     plan.add_argument("--latency-us", type=float, help="per-message latency in microseconds (default: the preset's)")
@@ -62,8 +90,28 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--step-compute-ms", type=float, help="forward+backward time of one step (needed for the efficiency)"
     )
+    plan.add_argument(
+        "--codec-gb-per-s",
+        type=float,
+        metavar="GB_PER_S",
+        help="GB (10^9 bytes) of fp32 gradient a hook's compression processes per second, for every hook that "
+        f"compresses (default: from this project's 1-thread CPU measurements: {_codec_defaults()}; a GPU's is far "
+        "higher)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=_plan)
+
+    names = commands.add_parser(
+        "names",
+        help="the strategy names this package registers with Lightning, or the closest to a misspelt one",
+        description=(
+            "Lists the names Trainer(strategy=...) and Fabric(strategy=...) take once lightning_ddpopt is imported. "
+            "Given NAME, says whether it is one of them, or which it is closest to (Lightning's error for an unknown "
+            "name lists none of these)."
+        ),
+    )
+    names.add_argument("name", nargs="?", help="a strategy name to check, e.g. ddp_optimised_fp16")
+    names.set_defaults(run=_names)
 
     report = commands.add_parser(
         "report",
@@ -76,51 +124,124 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _codec_defaults(hooks: Sequence[str] = PLAN_HOOKS) -> str:
+    return ", ".join(f"{hook} {CODEC_BYTES_PER_S[hook] / 1e9:.3g}" for hook in hooks if hook in CODEC_BYTES_PER_S)
+
+
 def _plan(args: argparse.Namespace) -> int:
     try:
         if args.params is None:
             raise ValueError("--params is required: the model's parameter count, e.g. 100M or 1.3B")
         params = parse_count(args.params)
-        if args.world_size is None:
-            raise ValueError("--world-size is required: the number of data-parallel processes")
-        if args.world_size < 1:
-            raise ValueError(f"--world-size {args.world_size} must be at least 1")
-        if args.world_size == 1:
-            raise ValueError("--world-size 1: one process syncs nothing and sends nothing; plan for 2 or more")
+        world_size, ranks = _world_size(args)
         if args.link is not None and args.gbps is not None:
             raise ValueError(f"give --link or --gbps, not both (--link {args.link}, --gbps {args.gbps:g})")
         link = resolve_link(args.link, args.gbps, args.latency_us)
         if args.rank < 1 or args.width < 1:
             raise ValueError("--rank and --width must be at least 1")
+        codec_gb_per_s = args.codec_gb_per_s
+        if codec_gb_per_s is not None and not codec_gb_per_s > 0:
+            raise ValueError(
+                f"--codec-gb-per-s {codec_gb_per_s:g} must be positive: GB of fp32 gradient the compression "
+                "processes per second"
+            )
         compute_ms = args.step_compute_ms
+        hooks = tuple(args.hook or DEFAULT_PLAN_HOOKS)
         estimates = estimate_hooks(
             params,
-            args.world_size,
+            world_size,
             link,
             None if compute_ms is None else compute_ms / 1e3,
             powersgd_rank=args.rank,
             matrix_width=args.width,
-            hooks=tuple(args.hook or DEFAULT_PLAN_HOOKS),
+            codec_bytes_per_s=None if codec_gb_per_s is None else codec_gb_per_s * 1e9,
+            hooks=hooks,
         )
     except ValueError as error:
         raise CLIError(str(error)) from None
     if args.json:
-        print(json.dumps([e.__dict__ for e in estimates], indent=1))
+        print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=1))
         return 0
     compute = "compute unknown" if compute_ms is None else f"compute {compute_ms:g} ms/step"
     print(
-        f"{params / 1e6:.1f}M fp32 parameters, {args.world_size} ranks, {link.summary} "
+        f"{params / 1e6:.1f}M fp32 parameters, {ranks}, {link.summary} "
         f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), {compute}"
     )
-    print(f"{'hook':<10}{'sent/step':>12}{'comm ms':>12}{'eff. no overlap':>18}{'eff. overlap':>15}")
+    print(
+        f"{'hook':<10}{'payload':>10}{'sent/rank/step':>16}{'codec ms':>10}{'comm ms':>10}"
+        f"{'eff. no overlap':>17}{'eff. overlap':>14}"
+    )
     for e in estimates:
         no_overlap = "-" if e.efficiency_no_overlap is None else f"{e.efficiency_no_overlap:.1%}"
         overlap = "-" if e.efficiency_full_overlap is None else f"{e.efficiency_full_overlap:.1%}"
-        sent = format_bytes(e.bytes_per_step)
-        print(f"{e.hook:<10}{sent:>12}{e.comm_s * 1e3:>12.1f}{no_overlap:>18}{overlap:>15}")
+        codec = "-" if e.codec_bytes_per_s is None else f"{e.codec_s * 1e3:.1f}"
+        print(
+            f"{e.hook:<10}{format_bytes(e.payload_bytes):>10}{format_bytes(e.sent_bytes_per_rank):>16}{codec:>10}"
+            f"{e.comm_s * 1e3:>10.1f}{no_overlap:>17}{overlap:>14}"
+        )
+    print("sent/rank/step: what each rank sends per step, 2(n-1)/n x the payload (the hook's compressed gradient)")
+    compressing = [hook for hook in hooks if hook in CODEC_BYTES_PER_S]
+    if compressing and codec_gb_per_s is None:
+        print(
+            "codec ms: the compression's own compute at this project's 1-thread CPU rates, in GB/s of fp32 gradient\n"
+            f"  ({_codec_defaults(compressing)}); give your device's with --codec-gb-per-s"
+        )
+    elif compressing:
+        print(f"codec ms: the compression's own compute at {codec_gb_per_s:g} GB/s of fp32 gradient (--codec-gb-per-s)")
     if compute_ms is None:
         print("efficiency needs --step-compute-ms: one step's forward+backward time without communication")
     return 0
+
+
+def _world_size(args: argparse.Namespace) -> tuple[int, str]:
+    """The world size from --world-size or --nodes x --gpus-per-node, and how the table's first line says it."""
+    nodes, per_node, world_size = args.nodes, args.gpus_per_node, args.world_size
+    if nodes is not None and per_node is None:
+        raise ValueError(f"--nodes {nodes} needs --gpus-per-node M too (world size {nodes} x M), or --world-size alone")
+    if per_node is not None and nodes is None:
+        raise ValueError(
+            f"--gpus-per-node {per_node} needs --nodes N too (world size N x {per_node}), or --world-size alone"
+        )
+    if nodes is None:
+        if world_size is None:
+            raise ValueError(
+                "--world-size is required (or --nodes and --gpus-per-node): the number of data-parallel processes"
+            )
+        given = f"--world-size {world_size}"
+    else:
+        for name, value in (("--nodes", nodes), ("--gpus-per-node", per_node)):
+            if value < 1:
+                raise ValueError(f"{name} {value} must be at least 1")
+        if world_size is not None and world_size != nodes * per_node:
+            raise ValueError(
+                f"--world-size {world_size} disagrees with --nodes {nodes} x --gpus-per-node {per_node} = "
+                f"{nodes * per_node}: give --world-size {nodes * per_node} or leave it out"
+            )
+        world_size = nodes * per_node
+        given = f"--nodes {nodes} x --gpus-per-node {per_node} = {world_size}"
+    if world_size < 1:
+        raise ValueError(f"{given} must be at least 1")
+    if world_size == 1:
+        raise ValueError(f"{given}: one process syncs nothing and sends nothing; plan for 2 or more")
+    ranks = f"{world_size} ranks" if nodes is None else f"{world_size} ranks ({nodes} nodes x {per_node} GPUs)"
+    return world_size, ranks
+
+
+def _names(args: argparse.Namespace) -> int:
+    registered = {
+        name: ", ".join(f"{key}={value!r}" for key, value in arguments.items())
+        for name, arguments in strategy_names().items()
+    }
+    if args.name is None:
+        for name, arguments in registered.items():
+            print(f"{name:<28}OptimizedDDPStrategy({arguments})")
+        return 0
+    if args.name in registered:
+        print(f"{args.name!r} is registered: OptimizedDDPStrategy({registered[args.name]})")
+        return 0
+    close = difflib.get_close_matches(args.name.lower(), registered, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"the names are {', '.join(registered)}"
+    raise CLIError(f"{args.name!r} is not a strategy name of lightning_ddpopt; {hint}")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -168,7 +289,12 @@ def _plot(series: dict[str, dict[str, list[Any]]], out: Path) -> None:
         raise CLIError("plotting needs matplotlib: pip install 'lightning-ddpopt[plot]'") from None
     sent = [v for data in series.values() for v in data.get("bytes_sent", []) if v is not None]
     scale, unit = byte_unit(max(sent, default=0.0))
-    panels = [("step_time_ms", "step time (ms)"), ("sync_time_ms", "sync time (ms)"), ("bytes_sent", f"{unit} sent")]
+    panels = [
+        ("step_time_ms", "step time (ms)"),
+        ("sync_time_ms", "sync span (ms)"),
+        ("exposed_time_ms", "exposed sync (ms)"),
+        ("bytes_sent", f"{unit} sent"),
+    ]
     measured = any(
         v is not None and math.isfinite(v) for data in series.values() for v in data.get("compression_error", [])
     )
@@ -186,11 +312,13 @@ def _plot(series: dict[str, dict[str, list[Any]]], out: Path) -> None:
                 axis.plot([p[0] for p in points], [p[1] for p in points], label=f"rank {rank}", linewidth=1, marker=".")
                 continue
             axis.plot(steps, values, label=f"rank {rank}", linewidth=1)
+        if key.endswith("_ms"):  # the first steps' one-time work (kernels compiled, buckets rebuilt) is 10-100x a step
+            axis.set_yscale("log")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     axes[0].legend(loc="upper right", fontsize="small")
     axes[-1].set_xlabel("optimizer step")
-    what = "step time, sync time, bytes" + (" and compression error" if measured else "")
+    what = "step time, sync span and its exposed part, bytes" + (" and compression error" if measured else "")
     figure.suptitle(f"ddpopt: per-rank {what} per optimizer step")
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,17 @@ import lightning.pytorch as pl
 from lightning_ddpopt.hooks.powersgd import ERROR_BOUNDS, PowerSGDState, is_adaptive
 from lightning_ddpopt.units import format_bytes
 
-__all__ = ["AREAS", "FINDINGS_TITLE", "REPORT_NAME", "Finding", "diagnose", "format_findings", "summarize"]
+__all__ = [
+    "AREAS",
+    "FINDINGS_TITLE",
+    "NETWORK_ADVICE",
+    "REPORT_NAME",
+    "Finding",
+    "diagnose",
+    "format_findings",
+    "network_advice_key",
+    "summarize",
+]
 
 #: The file CommProfiler writes at the end of fit and ``ddpopt report`` reads.
 REPORT_NAME = "ddpopt_report.json"
@@ -21,8 +31,45 @@ AREAS = ("network", "compression", "amp", "accumulation", "stragglers")
 FINDINGS_TITLE = "ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)"
 Status = Literal["problem", "ok", "unknown"]
 
-#: Sync above this share of the step makes the network the bottleneck.
+#: An exposed sync (what the step waits for after its own backward compute) above this share of the step makes the
+#: network the bottleneck.
 COMM_SHARE_PROBLEM = 0.3
+#: An exposed sync reaching less than this fraction of the link's measured bandwidth is not limited by the bytes.
+LINK_UNDERUSED = 0.5
+#: What the network finding advises when the exposed sync is a problem, by what the run syncs with (the key is
+#: :func:`network_advice_key`'s). The comm hooks guide's order: int8 first, fp16/bf16 where int8's error is too high,
+#: PowerSGD for very slow links, local SGD beyond that; a rank to lower only where the user fixed it. The
+#: troubleshooting page shows this table, and a test keeps the two the same.
+NETWORK_ADVICE: dict[str, str] = {
+    "allreduce": (
+        "use comm_hook='int8' (a quarter of the bytes, near-lossless; comm_hook='auto' times it on your link), or "
+        "'bf16' / 'fp16' (half the bytes) where the compression finding shows int8's error too high"
+    ),
+    "cast": (
+        "use comm_hook='int8' (half the bytes of a 16-bit cast) unless the compression finding showed its error too "
+        "high; on a very slow link comm_hook='powersgd'"
+    ),
+    "int8": (
+        "on a link this slow use comm_hook='powersgd' (its error bound keeps the quality), or local SGD for SGD-like "
+        "training (local_sgd=LocalSGDConfig.diloco(16)); accumulating more micro-batches per step also syncs less"
+    ),
+    "powersgd": (
+        "its error bound sets PowerSGD's rank, so the bytes follow the gradients: use local SGD for SGD-like training "
+        "(local_sgd=LocalSGDConfig.diloco(16)), or accumulate more micro-batches per optimizer step"
+    ),
+    "powersgd_fixed_rank": (
+        "lower PowerSGD's fixed rank of {rank} (PowerSGDConfig(rank=...)) if the compression finding allows, or use "
+        "local SGD for SGD-like training (local_sgd=LocalSGDConfig.diloco(16))"
+    ),
+    "local_sgd": (
+        "sync less often (a larger sync_every), overlap the sync with training (overlap_steps) and send it in int8 "
+        "(compression='int8')"
+    ),
+    "other": (
+        "your own hook's bytes are the bottleneck: compare it with comm_hook='int8' (a quarter of fp32's bytes, "
+        "near-lossless)"
+    ),
+}
 #: Step-time coefficient of variation above this is reported as jitter.
 JITTER_CV = 0.2
 #: Relative compression errors above which a lossy hook is reported as costing quality, by hook family, with an
@@ -132,9 +179,36 @@ def format_findings(findings: list[Finding], width: int = 118) -> str:
     return "\n".join(lines)
 
 
+def network_advice_key(summary: dict[str, Any]) -> str:
+    """The key of :data:`NETWORK_ADVICE` for a run: its local SGD, or its hook's family.
+
+    Args:
+        summary: what :func:`summarize` returned.
+    """
+    hook = summary.get("comm_hook") or "none"
+    if summary.get("local_sgd") is not None:
+        return "local_sgd"
+    if hook in ("none", "allreduce"):
+        return "allreduce"
+    if hook in ("fp16", "bf16"):
+        return "cast"
+    if hook == "int8":
+        return "int8"
+    if "powersgd" in hook:
+        powersgd = summary.get("powersgd")
+        return "powersgd" if powersgd is not None and powersgd["max_error"] is not None else "powersgd_fixed_rank"
+    return "other"
+
+
 def _network(summary: dict[str, Any]) -> Finding:
+    """Whether the step waits for the network: the exposed sync time, not the sync's span (the backward pass hides it).
+
+    The span runs from the first bucket handed to the hook to the last one done; DDP starts it while the backward pass
+    goes on computing the later buckets. What the step pays for the network is the exposed part, from the last bucket
+    ready to the last result, on the rank that finished its backward pass last (the others also wait for it).
+    """
     comm = summary.get("comm") or {}
-    share = comm.get("transfer_share", comm.get("comm_share"))
+    share = comm.get("exposed_share")
     if share is None:
         return Finding(
             "network",
@@ -143,18 +217,22 @@ def _network(summary: dict[str, Any]) -> Finding:
             "add CommProfiler() and train with OptimizedDDPStrategy on more than one process",
         )
     hook = summary.get("comm_hook") or "none"
-    sync_ms, transfer_ms = comm.get("sync_time_ms", 0.0), comm.get("sync_time_min_rank_ms")
-    evidence = f"the transfer is {share:.0%} of the step"
-    if transfer_ms is not None and sync_ms > 1.5 * transfer_ms:
-        evidence += f" ({transfer_ms:.1f} ms; the mean sync of {sync_ms:.1f} ms is mostly waiting for the slowest rank)"
-    else:
-        evidence += f" ({sync_ms:.1f} ms sync)"
-    link, busbw = comm.get("link_busbw_gbps"), comm.get("busbw_gbps")
-    if link and busbw:
-        evidence += f", {busbw:.3f} GB/s bus bandwidth = {busbw / link:.2f} of the measured link"
+    sync_ms, exposed_ms = comm["sync_time_ms"], comm["exposed_time_min_rank_ms"]
+    evidence = f"sync {sync_ms:.1f} ms per step, of which {exposed_ms:.1f} ms exposed ({share:.0%} of the step)"
+    waiting_ms = comm["exposed_time_ms"] - exposed_ms
+    if waiting_ms > 0.5 * exposed_ms and waiting_ms >= 1.0:
+        evidence += f"; the other ranks wait {waiting_ms:.1f} ms more, for the last rank to finish its backward pass"
+    busy = comm.get("link_busy_share")
+    if busy is not None:
+        evidence += f"; link busy {busy:.0%} of the step"
+    busbw, link = comm.get("busbw_gbps"), comm.get("link_busbw_gbps")
+    if busbw:
+        evidence += f" at {busbw:.3f} GB/s bus bandwidth"
+        if link:
+            evidence += f" ({busbw / link:.2f} of the measured link)"
     sent = comm.get("bytes_sent")
     if sent:
-        evidence += f", {format_bytes(sent)} sent per step"
+        evidence += f"; {format_bytes(sent)} sent per step"
     if comm.get("interval_steps"):
         # Not the run's mean (a summary over the whole run, warm-up included, can differ): say which figures these are.
         evidence += f" (means of the last {comm['interval_steps']} steps over all ranks)"
@@ -163,14 +241,22 @@ def _network(summary: dict[str, Any]) -> Finding:
     if cv is not None and cv > JITTER_CV:
         evidence += f"; step time jitters (CV {cv:.2f}, p95 {comm.get('step_time_p95_ms', 0):.0f} ms)"
     if share < COMM_SHARE_PROBLEM:
+        if comm.get("comm_share", 0.0) >= COMM_SHARE_PROBLEM:
+            evidence += (
+                "; the backward pass hides the rest of the sync: the step is compute-bound, and sending fewer bytes "
+                "would not make it faster"
+            )
         return Finding("network", "ok", evidence)
-    if hook in ("none", "allreduce"):
-        advice = "use comm_hook='fp16' (halves the bytes) or 'powersgd' (cuts them by orders of magnitude)"
-    elif hook in ("fp16", "bf16"):
-        advice = "use comm_hook='powersgd' or 'powersgd_fp16'"
-    else:
-        advice = "accumulate more micro-batches per optimizer step (fewer syncs) or lower PowerSGD's rank"
-    return Finding("network", "problem", evidence, advice)
+    if busbw and link and busbw < LINK_UNDERUSED * link:
+        return Finding(
+            "network",
+            "problem",
+            evidence,
+            "the exposed sync does not fill the link, so fewer bytes help little: its messages are too small (try "
+            "bucket_cap_mb='autotune') or the hook's own compute is slow (compare comm_hook='allreduce')",
+        )
+    powersgd = summary.get("powersgd") or {}
+    return Finding("network", "problem", evidence, NETWORK_ADVICE[network_advice_key(summary)].format(**powersgd))
 
 
 def _compression(summary: dict[str, Any]) -> Finding:
@@ -263,12 +349,16 @@ def _amp(summary: dict[str, Any]) -> Finding:
             return Finding("amp", "problem", "; ".join(problems), "lower the learning rate or clip gradients")
         return Finding("amp", "ok", f"no GradScaler; {amp['steps']} steps with finite gradients")
     scale = amp["scale"]
-    evidence = f"{amp['skipped_steps']} of {amp['steps']} steps skipped, skip rate {amp['skip_rate']:.1%}"
+    recent = amp["recent_steps"]
+    evidence = (
+        f"{amp['skipped_steps']} of {amp['steps']} steps skipped; skip rate {amp['skip_rate']:.1%} over the last "
+        f"{recent} steps"
+    )
     evidence += f", loss scale {scale:g}" if scale is not None else ""
     if scale is not None and scale < amp["underflow_threshold"]:
         problems.append(f"loss scale {scale:g} below {amp['underflow_threshold']:g}: gradients underflow")
     if amp["skip_rate"] > amp["skip_rate_threshold"]:
-        problems.append(f"{amp['skip_rate']:.0%} of recent steps skipped")
+        problems.append(f"{amp['skip_rate']:.0%} of the last {recent} steps skipped")
     if problems:
         return Finding(
             "amp",
@@ -302,7 +392,7 @@ def _accumulation(summary: dict[str, Any]) -> Finding:
         )
         return Finding("accumulation", "problem", evidence, f"sync only on the last micro-batch: {how}")
     comm = summary.get("comm") or {}
-    if micro <= 1 and (comm.get("transfer_share", comm.get("comm_share")) or 0) >= COMM_SHARE_PROBLEM:
+    if micro <= 1 and (comm.get("exposed_share") or 0) >= COMM_SHARE_PROBLEM:
         return Finding(
             "accumulation",
             "ok",

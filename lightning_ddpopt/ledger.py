@@ -73,7 +73,16 @@ class StepRecord:
         sync_rounds: how many times DDP synchronised gradients for this step (1 is ideal with accumulation).
         logical_bytes: uncompressed gradient bytes over all rounds.
         wire_bytes: bytes sent after compression over all rounds; ``None`` when a hook did not report them.
-        sync_time_s: summed over rounds, first bucket handed to the hook until the last bucket's future completed.
+        sync_time_s: summed over rounds, first bucket handed to the hook until the last bucket's future completed: the
+            sync's span, which overlaps the backward pass (DDP hands a bucket over as soon as its gradients are
+            computed, while the backward pass goes on with the rest).
+        exposed_time_s: summed over rounds, from the last bucket handed to the hook (the backward pass has computed
+            every gradient by then) until the last bucket's future completed: what the step waits for the sync after
+            its own compute, the part of the span the backward pass does not hide.
+        busy_time_s: summed over rounds, the time during which at least one bucket was in the hook's hands (the
+            union of the buckets' hand-over-to-result intervals): when the link was busy with this rank's sync or
+            its compression, or the collectives queued behind one another. Bytes over this time is the bandwidth
+            the sync achieved.
         bucket_bytes: the logical size of each bucket in the last round, in DDP's bucket order.
         micro_batches: training batches this rank ran for this step (the accumulation group's length).
         samples: samples in those batches on this rank; ``None`` when a batch's size could not be determined.
@@ -100,6 +109,8 @@ class StepRecord:
     wire_bytes: int | None
     sync_time_s: float
     bucket_bytes: tuple[int, ...]
+    exposed_time_s: float = 0.0
+    busy_time_s: float = 0.0
     micro_batches: int = 0
     samples: int | None = None
     sync_start_s: float | None = None
@@ -128,6 +139,21 @@ def local_drift(drift_ratios: list[float]) -> float | None:
     if not drift_ratios:
         return None
     return math.sqrt(max(0.0, statistics.fmean(drift_ratios) - 1.0))
+
+
+def _exposed_seconds(round_: list[BucketRecord]) -> float:
+    """From the last bucket's hand-over (every gradient computed) to the last result: the sync the step waits for."""
+    return max(0.0, max(b.end_s for b in round_) - max(b.start_s for b in round_))
+
+
+def _busy_seconds(round_: list[BucketRecord]) -> float:
+    """The length of the union of the buckets' hand-over-to-result intervals."""
+    busy, reached = 0.0, -math.inf
+    for start, end in sorted((b.start_s, b.end_s) for b in round_):
+        if end > reached:
+            busy += end - max(start, reached)
+            reached = end
+    return busy
 
 
 class _OpenBucket:
@@ -443,6 +469,8 @@ class CommLedger:
             logical_bytes=sum(b.logical_bytes for b in buckets),
             wire_bytes=wire,
             sync_time_s=sum(max(b.end_s for b in r) - min(b.start_s for b in r) for r in frozen),
+            exposed_time_s=sum(_exposed_seconds(r) for r in frozen),
+            busy_time_s=sum(_busy_seconds(r) for r in frozen),
             bucket_bytes=tuple(b.logical_bytes for b in frozen[-1]) if frozen else (),
             micro_batches=closed.micro_batches,
             samples=closed.samples,

@@ -6,8 +6,9 @@ import math
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_ddpopt._compat import scaler_scale
+from lightning_ddpopt._compat import cpu_has_native_bf16, scaler_scale
 from lightning_ddpopt._validate import require_int
 
 __all__ = ["bf16_supported", "current_loss_scale", "fp16_grad_scaler", "fp16_mixed_precision", "native_bf16"]
@@ -24,7 +25,8 @@ def fp16_mixed_precision(
     """A ``MixedPrecision("16-mixed")`` plugin whose GradScaler has the given settings.
 
     Pass it as ``Trainer(plugins=[fp16_mixed_precision(...)])``. On ``device="cpu"`` it runs real fp16 autocast
-    with a GradScaler (Lightning turns a plain ``precision="16-mixed"`` into bf16 on CPU). For Fabric, see
+    with a GradScaler (Lightning turns a plain ``precision="16-mixed"`` into bf16 on CPU): torch's fp16 CPU kernels
+    are much slower than fp32's, so it warns once; it is for testing AMP behaviour without a GPU. For Fabric, see
     :func:`lightning_ddpopt.fabric.fp16_mixed_precision`.
 
     Args:
@@ -62,6 +64,8 @@ def fp16_grad_scaler(
     if not (isinstance(backoff_factor, int | float) and 0 < backoff_factor < 1):
         raise ValueError(f"backoff_factor={backoff_factor!r} must be between 0 and 1")
     require_int("growth_interval", growth_interval, 1)
+    if device == "cpu":
+        _warn_cpu_fp16_once()
     return torch.amp.GradScaler(
         device,
         init_scale=init_scale,
@@ -71,13 +75,36 @@ def fp16_grad_scaler(
     )
 
 
+_warned_cpu_fp16 = False
+
+
+def _warn_cpu_fp16_once() -> None:
+    global _warned_cpu_fp16
+    if _warned_cpu_fp16:
+        return
+    _warned_cpu_fp16 = True
+    if cpu_has_native_bf16():
+        instead = "for speed, use precision='bf16-mixed', which this CPU computes natively and needs no GradScaler"
+    else:
+        instead = (
+            "this CPU has no native bf16 either (no AVX512-BF16 or AMX), where bf16 autocast is as slow: train in "
+            "fp32 for speed"
+        )
+    rank_zero_warn(
+        "ddpopt: fp16 autocast on a CPU runs torch's float16 CPU kernels, several times slower than fp32 (7x on the "
+        "quickstart's model in the AMP guide's measurement): use it to test AMP behaviour without a GPU; "
+        + instead
+        + "."
+    )
+
+
 def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes in bf16 natively: CPUs, and GPUs of compute capability 8.0 (A100) or later.
+    """Whether ``device`` computes in bf16 natively: CPUs with AVX512-BF16 or AMX, GPUs of capability 8.0 or later.
 
     ``torch.cuda.is_bf16_supported()`` alone also counts emulation, which runs but slowly; this does not.
     """
     if device.type != "cuda":
-        return True
+        return cpu_has_native_bf16()
     if torch.version.hip:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.cuda.get_device_capability(device)[0] >= 8
@@ -92,7 +119,12 @@ def bf16_supported(device: torch.device) -> tuple[bool, str]:
             f"{torch.cuda.get_device_name(device)} has no native bf16 (it needs compute capability 8.0, A100 or "
             "later): lower the learning rate or check the model for values beyond fp16's range"
         )
-    return True, "bf16 autocast runs on CPUs: use precision='bf16-mixed'"
+    if native_bf16(device):
+        return True, "this CPU computes bf16 natively: use precision='bf16-mixed'"
+    return False, (
+        "this CPU has no native bf16 (no AVX512-BF16 or AMX), where bf16 autocast is slow too: train in fp32, or lower "
+        "the learning rate"
+    )
 
 
 def current_loss_scale(precision_plugin: object | None) -> torch.Tensor | None:

@@ -50,6 +50,47 @@ class StackModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class _WaitInBackward(torch.autograd.Function):
+    """The identity, whose backward waits ``seconds`` (a device busy with expensive layers: the host is free)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SlowBackwardModel(StackModel):
+    """StackModel whose backward pass spends ``seconds`` after the last layer's gradients: with a bucket cap under
+    one layer (``bucket_cap_mb=0.25``) DDP has handed that layer's bucket to the comm hook, and the wait comes
+    before every other bucket is ready (expensive early layers)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = _WaitInBackward.apply(self.net[:-2](x), self.seconds)
+        return nn.functional.mse_loss(self.net[-2:](hidden), y)
+
+
+class WideModel(StackModel):
+    """StackModel plus a parameter of ``extra`` elements whose gradient costs one pass to compute: many gradient bytes
+    for little compute (a communication-bound model)."""
+
+    def __init__(self, extra: int = 12_000_000) -> None:
+        super().__init__()
+        self.extra = nn.Parameter(torch.zeros(extra))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 1e-6 * self.extra.sum()
+
+
 class NaNGradientModel(StackModel):
     """Rank ``rank`` puts a NaN into net.4.weight's gradient at (1-based) optimizer step ``step``, before any sync."""
 

@@ -14,7 +14,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
-from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision, precision
+from lightning_ddpopt.precision import bf16_supported
 from tests.helpers import NaNGradientModel, NonfiniteReport, OverflowModel, StackModel, fit_ddp, regression_data
 
 INIT_SCALE = 2.0**16
@@ -79,7 +80,7 @@ def test_underflow_and_skip_rate_warn_once_with_bf16_advice(tmp_path):
     skip_rate = [m for m in ours if "skipped" in m and "of the last 4 optimizer steps" in m]
     assert underflow == [
         "ddpopt: the AMP loss scale fell to 0.5, below 1, at optimizer step 4: gradients are underflowing fp16 or "
-        "are non-finite every step. bf16 autocast runs on CPUs: use precision='bf16-mixed'."
+        f"are non-finite every step. {bf16_supported(torch.device('cpu'))[1]}."
     ]
     assert len(skip_rate) == 1 and skip_rate[0].startswith("ddpopt: the GradScaler skipped 100% of the last 4")
 
@@ -237,3 +238,26 @@ def test_the_check_needs_no_collective_where_every_rank_holds_the_same_gradients
         max_steps=4,
     )
     assert [torch.load(tmp_path / f"collectives{rank}.pt") for rank in (0, 1)] == [collectives] * 2
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fp16_on_a_cpu_warns_once_with_its_cost_and_what_is_faster(monkeypatch, native):
+    monkeypatch.setattr(precision, "_warned_cpu_fp16", False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    with pytest.warns(UserWarning) as caught:
+        fp16_mixed_precision("cpu")
+        fp16_mixed_precision("cpu", init_scale=8.0)
+    (message,) = [str(w.message) for w in caught if str(w.message).startswith("ddpopt: fp16 autocast")]
+    assert message.startswith(
+        "ddpopt: fp16 autocast on a CPU runs torch's float16 CPU kernels, several times slower than fp32 (7x on the "
+        "quickstart's model in the AMP guide's measurement): use it to test AMP behaviour without a GPU; "
+    )
+    if native:
+        assert message.endswith("use precision='bf16-mixed', which this CPU computes natively and needs no GradScaler.")
+        assert bf16_supported(torch.device("cpu")) == (
+            True,
+            "this CPU computes bf16 natively: use precision='bf16-mixed'",
+        )
+    else:
+        assert message.endswith("where bf16 autocast is as slow: train in fp32 for speed.")
+        assert bf16_supported(torch.device("cpu"))[0] is False

@@ -180,6 +180,16 @@ def test_a_changed_torch_function_fails_loudly(monkeypatch):
         _compat.default_store()
 
 
+def test_cpu_native_bf16_is_read_from_torchs_cpu_checks(monkeypatch):
+    expected = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert _compat.cpu_has_native_bf16() is bool(expected)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert _compat.cpu_has_native_bf16() is True
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    with pytest.raises(RuntimeError, match="_is_avx512_bf16_supported"):
+        _compat.cpu_has_native_bf16()
+
+
 def test_lightning_internals_that_can_be_done_without_warn_once(recwarn):
     trainer = SimpleNamespace(
         fit_loop=SimpleNamespace(_data_fetcher=object(), epoch_loop=object()), _signal_connector=object()

@@ -6,6 +6,7 @@ import csv
 import json
 import re
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -17,17 +18,20 @@ from torch.utils.data.dataloader import default_collate
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.cli import main as ddpopt
-from lightning_ddpopt.costmodel import LINKS
-from lightning_ddpopt.diagnosis import AREAS, Finding, diagnose, format_findings, summarize
+from lightning_ddpopt.costmodel import LINKS, estimate_hooks
+from lightning_ddpopt.diagnosis import AREAS, NETWORK_ADVICE, Finding, diagnose, format_findings, summarize
 from tests.helpers import LaggingStrategy, StackModel, fit_ddp, regression_data, stack_gradient_bytes
 
 COMM_KEYS = {
     "step_time_ms",
     "sync_time_ms",
     "sync_time_max_ms",
-    "sync_time_min_rank_ms",
+    "exposed_time_ms",
+    "exposed_time_min_rank_ms",
+    "link_busy_ms",
     "comm_share",
-    "transfer_share",
+    "exposed_share",
+    "link_busy_share",
     "bytes_sent",
     "bytes_uncompressed",
     "compression_ratio",
@@ -188,7 +192,15 @@ def test_tensorboard_shows_the_scalars_a_layout_and_the_findings(profiled_run):
     charts = {chart.title: chart.multiline.tag for category in layout.category for chart in category.chart}
     sync = [tag for tag in scalars if re.search(charts["step and sync time (ms)"][0], tag)]
     assert sorted(sync) == [
-        f"ddpopt/comm/{key}" for key in ("step_time_ms", "sync_time_max_ms", "sync_time_min_rank_ms", "sync_time_ms")
+        f"ddpopt/comm/{key}"
+        for key in (
+            "exposed_time_min_rank_ms",
+            "exposed_time_ms",
+            "link_busy_ms",
+            "step_time_ms",
+            "sync_time_max_ms",
+            "sync_time_ms",
+        )
     ]
     # Every ddpopt scalar of the run is on exactly one chart (AMP's scaler charts stay empty without a scaler).
     for tag in (tag for tag in scalars if tag.startswith("ddpopt/")):
@@ -269,7 +281,8 @@ def test_plan_matches_the_ring_allreduce_formula(capsys):
         ("powersgd", 400e6 * 2 * 4 / 4096),
     ):
         expected = 2 * (n - 1) / n * nbytes / (10e9 / 8) + 2 * (n - 1) * link.latency_s
-        assert rows[hook]["bytes_per_step"] == pytest.approx(nbytes)
+        assert rows[hook]["payload_bytes"] == pytest.approx(nbytes)
+        assert rows[hook]["sent_bytes_per_rank"] == pytest.approx(2 * (n - 1) / n * nbytes)  # what one rank sends
         assert rows[hook]["comm_s"] == pytest.approx(expected)
 
 
@@ -308,6 +321,146 @@ def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--nodes", "2"],
+            "--nodes 2 needs --gpus-per-node M too (world size 2 x M), or --world-size alone",
+        ),
+        (
+            ["--gpus-per-node", "8"],
+            "--gpus-per-node 8 needs --nodes N too (world size N x 8), or --world-size alone",
+        ),
+        (["--nodes", "0", "--gpus-per-node", "8"], "--nodes 0 must be at least 1"),
+        (["--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1"),
+        (
+            ["--world-size", "12", "--nodes", "2", "--gpus-per-node", "8"],
+            "--world-size 12 disagrees with --nodes 2 x --gpus-per-node 8 = 16: give --world-size 16 or leave it out",
+        ),
+        (
+            ["--nodes", "1", "--gpus-per-node", "1"],
+            "--nodes 1 x --gpus-per-node 1 = 1: one process syncs nothing and sends nothing; plan for 2 or more",
+        ),
+        (
+            [],
+            "--world-size is required (or --nodes and --gpus-per-node): the number of data-parallel processes",
+        ),
+        (
+            ["--world-size", "2", "--codec-gb-per-s", "0"],
+            "--codec-gb-per-s 0 must be positive: GB of fp32 gradient the compression processes per second",
+        ),
+    ],
+)
+def test_plan_world_size_and_codec_errors_exactly(args, message, capsys):
+    assert ddpopt(["plan", "--params", "1M", "--link", "1gbe", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"ddpopt plan: error: {message}\n" and captured.out == ""
+
+
+def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
+    flat = ["plan", "--params", "100M", "--world-size", "16", "--link", "10gbe", "--step-compute-ms", "120"]
+    nodes = ["plan", "--params", "100M", "--nodes", "2", "--gpus-per-node", "8", "--link", "10gbe"]
+    nodes += ["--step-compute-ms", "120"]
+    tables = []
+    for argv in (flat, nodes, [*nodes, "--world-size", "16"]):  # an agreeing --world-size is accepted
+        assert ddpopt(argv) == 0
+        tables.append(capsys.readouterr().out.splitlines())
+    assert tables[0][0].startswith("100.0M fp32 parameters, 16 ranks, 10 Gbit/s Ethernet")
+    assert tables[1][0].startswith("100.0M fp32 parameters, 16 ranks (2 nodes x 8 GPUs), 10 Gbit/s Ethernet")
+    assert tables[1][1:] == tables[0][1:] and tables[2] == tables[1]
+    for argv in (flat, nodes):
+        assert ddpopt([*argv, "--json"]) == 0
+        tables.append(json.loads(capsys.readouterr().out))
+    assert tables[3] == tables[4]
+
+
+def test_plan_json_fields_and_per_rank_bytes(capsys):
+    params = 25_000_000
+    assert ddpopt(["plan", "--params", "25M", "--world-size", "2", "--gbps", "1", "--json"]) == 0
+    rows = {row["hook"]: row for row in json.loads(capsys.readouterr().out)}
+    assert list(rows) == ["allreduce", "fp16", "int8", "powersgd"]
+    for row in rows.values():
+        assert list(row) == [
+            "hook",
+            "payload_bytes",
+            "sent_bytes_per_rank",
+            "codec_bytes_per_s",
+            "codec_s",
+            "comm_s",
+            "efficiency_no_overlap",
+            "efficiency_full_overlap",
+        ]
+    # A ring allreduce: each of n ranks sends 2(n-1)/n of the payload; at n = 2, the whole fp32 gradient.
+    assert rows["allreduce"]["sent_bytes_per_rank"] == 4 * params * 2 * (2 - 1) / 2
+    assert rows["allreduce"]["codec_bytes_per_s"] is None and rows["allreduce"]["codec_s"] == 0
+    for hook in ("fp16", "int8", "powersgd"):
+        assert rows[hook]["codec_s"] == pytest.approx(4 * params / rows[hook]["codec_bytes_per_s"])
+    assert ddpopt(["plan", "--params", "1M", "--world-size", "4", "--gbps", "1", "--hook", "int8", "--json"]) == 0
+    (int8,) = json.loads(capsys.readouterr().out)
+    assert int8["sent_bytes_per_rank"] == pytest.approx(2 * 3 / 4 * 1e6 * (1 + 4 / 1024))  # a byte + a scale per 1024
+
+
+def test_plan_efficiency_includes_the_compression_compute(capsys):
+    # 25M parameters, 2 ranks, 1 Gbit/s, no latency: int8 sends 25.1 MB in 0.2008 s; at 10 GB/s its codec takes
+    # 100 MB / 10 GB/s = 10 ms on the device that also runs the 100 ms of compute.
+    args = ["plan", "--params", "25M", "--world-size", "2", "--gbps", "1", "--latency-us", "0", "--hook", "int8"]
+    assert ddpopt([*args, "--step-compute-ms", "100", "--codec-gb-per-s", "10", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    comm = 25e6 * (1 + 4 / 1024) / (1e9 / 8)
+    assert row["codec_s"] == pytest.approx(0.01) and row["comm_s"] == pytest.approx(comm)
+    assert row["efficiency_no_overlap"] == pytest.approx(0.1 / (0.1 + 0.01 + comm))
+    assert row["efficiency_full_overlap"] == pytest.approx(0.1 / max(0.1 + 0.01, comm))
+    # Overlapped, the codec is not hidden: with a fast link the step is compute + codec.
+    fast = ["plan", "--params", "25M", "--world-size", "2", "--gbps", "1000", "--step-compute-ms", "100"]
+    assert ddpopt([*fast, "--codec-gb-per-s", "10", "--json"]) == 0
+    fast = {row["hook"]: row for row in json.loads(capsys.readouterr().out)}
+    assert fast["fp16"]["efficiency_full_overlap"] == pytest.approx(0.1 / 0.11)
+    assert fast["allreduce"]["efficiency_full_overlap"] == pytest.approx(1.0)
+    assert ddpopt([*args, "--step-compute-ms", "100", "--codec-gb-per-s", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "codec ms: the compression's own compute at 10 GB/s of fp32 gradient (--codec-gb-per-s)" in out
+    assert ddpopt(args) == 0
+    assert "this project's 1-thread CPU rates" in capsys.readouterr().out
+
+
+CLUSTER_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cluster.json"
+
+
+def test_plan_agrees_with_the_cluster_benchmark():
+    """The cost model against the bench it was written for: ``benchmarks/results/cluster.json``.
+
+    That run (``benchmarks/cluster.py``, 2026-11-30, shown in docs/performance.md): 2 hosts on a 1 Gbit link,
+    6 x Linear(2048, 2048) = 25,178,112 parameters, step p50: compute only 66.7 ms, stock DDPStrategy 894.3 ms,
+    fp16 480.8 ms, int8 269.1 ms. The sync's cost, stock minus compute, is 827.6 ms; the model's ring allreduce on the
+    nominal 1 Gbit/s predicts 805.8 ms, which must be within 10% (the bench's link carries 0.94 of its nominal rate).
+    The model must order the hooks as the bench did (allreduce slower than fp16 slower than int8), with the bench's
+    bytes, and each hook's measured step must lie between the model's full-overlap step (max(compute + codec, comm))
+    and its no-overlap step (compute + codec + comm), within 10%.
+    """
+    results = json.loads(CLUSTER_RESULTS.read_text())
+    assert (results["meta"]["hosts"], results["meta"]["link"]) == (2, "1gbit")
+    rows = {row["variant"]: row for row in results["rows"]}
+    step = {variant: row["step_p50_ms"] / 1e3 for variant, row in rows.items()}
+    compute = step["compute"]
+    params = 6 * (2048 * 2048 + 2048)
+    hooks = {"allreduce": "stock", "fp16": "fp16", "int8": "int8"}
+    model = estimate_hooks(params, 2, LINKS["1gbe"], compute, hooks=tuple(hooks))
+
+    assert model[0].hook == "allreduce"
+    assert model[0].comm_s == pytest.approx(step["stock"] - compute, rel=0.10)
+    no_overlap, full_overlap = [], []
+    for estimate in model:
+        variant = hooks[estimate.hook]
+        assert estimate.payload_bytes == rows[variant]["bytes_per_step"]  # the bytes the bench counted
+        no_overlap.append(compute + estimate.codec_s + estimate.comm_s)
+        full_overlap.append(max(compute + estimate.codec_s, estimate.comm_s))
+        assert 0.9 * full_overlap[-1] <= step[variant] <= 1.1 * no_overlap[-1], estimate.hook
+    assert step["stock"] > step["fp16"] > step["int8"]
+    for predicted in ([e.comm_s for e in model], no_overlap, full_overlap):
+        assert predicted == sorted(predicted, reverse=True)
+
+
 def test_plan_without_compute_time_shows_no_efficiency_and_says_why(capsys):
     assert ddpopt(["plan", "--params", "25M", "--world-size", "2", "--gbps", "1"]) == 0
     out = capsys.readouterr().out
@@ -342,9 +495,11 @@ def test_diagnosis_order_and_recommendations():
         "comm_hook": "allreduce",
         "comm": {
             "comm_share": 0.62,
-            "transfer_share": 0.6,
+            "exposed_share": 0.6,
+            "link_busy_share": 0.61,
             "sync_time_ms": 60.0,
-            "sync_time_min_rank_ms": 58.0,
+            "exposed_time_ms": 58.0,
+            "exposed_time_min_rank_ms": 58.0,
             "busbw_gbps": 0.91,
             "link_busbw_gbps": 1.0,
             "interval_steps": 20,
@@ -356,6 +511,7 @@ def test_diagnosis_order_and_recommendations():
             "steps": 100,
             "skipped_steps": 30,
             "skip_rate": 0.3,
+            "recent_steps": 100,
             "skip_rate_threshold": 0.1,
             "window": 100,
             "scale": 0.5,
@@ -378,12 +534,13 @@ def test_diagnosis_order_and_recommendations():
     assert [f.area for f in findings] == ["network", "compression", "amp", "accumulation", "stragglers"]
     assert [f.status for f in findings] == ["problem", "ok", "problem", "problem", "problem"]
     assert findings[1].evidence == "hook allreduce: gradients are synced exactly"
-    assert findings[0].evidence.startswith("the transfer is 60% of the step")
-    assert "0.91 of the measured link" in findings[0].evidence
+    assert findings[0].evidence.startswith("sync 60.0 ms per step, of which 58.0 ms exposed (60% of the step)")
+    assert "link busy 61% of the step at 0.910 GB/s bus bandwidth (0.91 of the measured link)" in findings[0].evidence
     # The findings' figures are the profiler's last interval, not the run's mean: the text says so.
     assert "(means of the last 20 steps over all ranks)" in findings[0].evidence
-    assert ", 400 MB sent per step (means of the last 20 steps" in findings[0].evidence
-    assert findings[0].recommendation.startswith("use comm_hook='fp16' (halves the bytes) or 'powersgd'")
+    assert "; 400 MB sent per step (means of the last 20 steps" in findings[0].evidence
+    assert findings[0].recommendation == NETWORK_ADVICE["allreduce"]
+    assert "30 of 100 steps skipped; skip rate 30.0% over the last 100 steps" in findings[2].evidence
     assert "loss scale 0.5 below 1" in findings[2].evidence
     assert "strategy.accumulate(every=K)" in findings[3].recommendation
     assert findings[4].evidence == (

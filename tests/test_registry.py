@@ -37,6 +37,32 @@ def test_trainer_accepts_the_name():
     assert trainer.strategy._core.hooks.spec is COMM_HOOKS["fp16"]
 
 
+def test_ddpopt_names_lists_every_registered_name_and_suggests_for_a_misspelt_one(capsys):
+    from lightning_ddpopt._registration import strategy_names
+    from lightning_ddpopt.cli import main as ddpopt
+
+    ours = {name for name in StrategyRegistry.available_strategies() if name.startswith("ddp_optimized")}
+    assert set(strategy_names()) == ours and len(ours) == 8
+    assert ddpopt(["names"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == list(strategy_names())
+    assert "ddp_optimized_spawn_fp16    OptimizedDDPStrategy(comm_hook='fp16', start_method='spawn')" in listed
+    assert ddpopt(["names", "ddp_optimized_bf16"]) == 0
+    assert capsys.readouterr().out == (
+        "'ddp_optimized_bf16' is registered: OptimizedDDPStrategy(comm_hook='bf16', start_method='popen')\n"
+    )
+    # Lightning's own error for the misspelt name lists none of ours; the command names the one meant.
+    with pytest.raises(ValueError, match="invalid strategy name"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_optimised_fp16", logger=False)
+    assert ddpopt(["names", "ddp_optimised_fp16"]) == 2
+    assert capsys.readouterr().err == (
+        "ddpopt names: error: 'ddp_optimised_fp16' is not a strategy name of lightning_ddpopt; did you mean "
+        "'ddp_optimized_fp16'?\n"
+    )
+    assert ddpopt(["names", "horovod"]) == 2
+    assert "the names are ddp_optimized, ddp_optimized_spawn," in capsys.readouterr().err
+
+
 def test_hook_registry_names():
     assert {"allreduce", "fp16", "bf16"} <= set(COMM_HOOKS)
     for name, spec in COMM_HOOKS.items():

@@ -31,7 +31,7 @@ def report_if_last(trainer: pl.Trainer, callback: object) -> Path | None:
         return None
     summary = summarize(trainer)
     findings = diagnose(summary)
-    print(format_findings(findings), flush=True)
+    print("\n" + format_findings(findings), flush=True)  # a line of their own, not the progress bar's
     write_findings(trainer, findings)
     series: dict[str, Any] = next(
         (c.report_series for c in measuring if getattr(c, "report_series", None) is not None), {}

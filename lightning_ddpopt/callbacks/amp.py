@@ -149,6 +149,7 @@ class AMPMonitor(Callback):
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "skip_rate": self.skip_rate,
+            "recent_steps": len(self._recent),
             "skip_rate_threshold": self.skip_rate_threshold,
             "window": self.window,
             "scale": self._last_scale,
@@ -282,6 +283,7 @@ class AMPMonitor(Callback):
             "scale": scale,
             "skipped_steps": self.skipped_steps,
             "skip_rate": self.skip_rate,
+            "recent_steps": len(self._recent),
             "growth_events": self.growth_events,
             "backoff_events": self.backoff_events,
         }

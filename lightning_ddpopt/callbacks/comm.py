@@ -1,4 +1,4 @@
-"""CommProfiler: sync time, bytes, bandwidth, jitter and the comm share of the step, aggregated across ranks."""
+"""CommProfiler: sync time (its span and the part the step waits for), bytes, bandwidth and jitter, across ranks."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ __all__ = ["CommProfiler"]
 _INTERVAL_FIELDS = (
     "step_time",
     "sync_time",
+    "exposed_time",
+    "busy_time",
     "bytes_sent",
     "bytes_uncompressed",
     "sync_rounds",
@@ -55,18 +57,26 @@ class CommProfiler(Callback):
     key                                   meaning (over the last ``every_n_steps`` steps, all ranks)
     ====================================  ==========================================================================
     ``ddpopt/comm/step_time_ms``          mean time of an optimizer step, from one step's end to the next's
-    ``ddpopt/comm/sync_time_ms``          mean sync time: first bucket handed to the hook to last bucket done
-    ``ddpopt/comm/sync_time_max_ms``      the largest sync time of any rank and step
-    ``ddpopt/comm/sync_time_min_rank_ms`` the lowest rank mean: the last rank to arrive waits least, so this is the
-                                          transfer itself and the rest of ``sync_time_ms`` is waiting for it
-    ``ddpopt/comm/comm_share``            sync time / step time
-    ``ddpopt/comm/transfer_share``        sync_time_min_rank / step time: the network's own share
+    ``ddpopt/comm/sync_time_ms``          mean sync span: first bucket handed to the hook to last bucket done; it
+                                          overlaps the backward pass, which computes the later buckets meanwhile
+    ``ddpopt/comm/sync_time_max_ms``      the largest sync span of any rank and step
+    ``ddpopt/comm/comm_share``            sync span / step time
+    ``ddpopt/comm/exposed_time_ms``       mean exposed sync time: from the last bucket handed to the hook (every
+                                          gradient computed) to the last bucket done: what the step waits for
+    ``ddpopt/comm/exposed_time_min_rank_ms``  the lowest rank mean: the last rank to finish its backward pass waits
+                                          least, so this is the network's own cost and the rest of
+                                          ``exposed_time_ms`` is waiting for that rank
+    ``ddpopt/comm/exposed_share``         exposed_time_min_rank / step time: what the network costs the step
+    ``ddpopt/comm/link_busy_ms``          time with at least one bucket in the hook's hands (compressed, in transfer
+                                          or queued for it), per step; the lowest rank mean, as above
+    ``ddpopt/comm/link_busy_share``       link_busy / step time: how much of the step the link is in use
     ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression
     ``ddpopt/comm/bytes_uncompressed``    gradient bytes per step before compression
     ``ddpopt/comm/compression_ratio``     uncompressed / sent
-    ``ddpopt/comm/algbw_gbps``            bytes sent / transfer time (``sync_time_min_rank``), GB/s; not logged for
-                                          an interval with a transfer that ran while the ranks trained on (local
-                                          SGD's overlapped sync: the step waited for its arrival only)
+    ``ddpopt/comm/algbw_gbps``            bytes sent / busy time (``link_busy``), GB/s: the bandwidth the sync
+                                          achieved while it ran; not logged for an interval with a transfer that ran
+                                          while the ranks trained on (local SGD's overlapped sync: the step waited
+                                          for its arrival only)
     ``ddpopt/comm/busbw_gbps``            algbw x 2 (n - 1) / n: comparable with the link's rate
     ``ddpopt/comm/sync_rounds``           gradient syncs per optimizer step (1 with accumulation done right)
     ``ddpopt/comm/compression_error``     a lossy hook's relative compression error, mean over ranks: the norm of
@@ -156,6 +166,7 @@ class CommProfiler(Callback):
             "step": [],
             "step_time_ms": [],
             "sync_time_ms": [],
+            "exposed_time_ms": [],
             "bytes_sent": [],
             "compression_error": [],
         }
@@ -250,6 +261,8 @@ class CommProfiler(Callback):
             if jitter:
                 self._sync_times.append(record.sync_time_s)
             self._interval["sync_time"].append(record.sync_time_s)
+            self._interval["exposed_time"].append(record.exposed_time_s)
+            self._interval["busy_time"].append(record.busy_time_s)
             self._interval["bytes_uncompressed"].append(float(record.logical_bytes))
             self._interval["sync_rounds"].append(float(record.sync_rounds))
             self._interval["transfer_hidden"].append(float(record.transfer_hidden))
@@ -262,6 +275,7 @@ class CommProfiler(Callback):
                     self._quality[name][0] += value
                     self._quality[name][1] += 1
             self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
+            self._series["exposed_time_ms"].append(record.exposed_time_s * 1e3)
             self._series["bytes_sent"].append(float(record.wire_bytes or 0))
         _thin(self._series, self.max_series_points)
 
@@ -295,10 +309,17 @@ class CommProfiler(Callback):
         "ddpopt network",
         "ddpopt/comm",
         {
-            "step and sync time (ms)": ["step_time_ms", "sync_time_ms", "sync_time_max_ms", "sync_time_min_rank_ms"],
+            "step and sync time (ms)": [
+                "step_time_ms",
+                "sync_time_ms",
+                "sync_time_max_ms",
+                "exposed_time_ms",
+                "exposed_time_min_rank_ms",
+                "link_busy_ms",
+            ],
             "step time percentiles (ms)": ["step_time_p50_ms", "step_time_p95_ms", "step_time_p99_ms"],
             "sync time percentiles (ms)": ["sync_time_p50_ms", "sync_time_p95_ms", "sync_time_p99_ms"],
-            "share of the step": ["comm_share", "transfer_share"],
+            "share of the step": ["comm_share", "exposed_share", "link_busy_share"],
             "bytes per step": ["bytes_sent", "bytes_uncompressed"],
             "compression ratio": ["compression_ratio"],
             "bandwidth (GB/s)": ["algbw_gbps", "busbw_gbps"],
@@ -370,23 +391,28 @@ class CommProfiler(Callback):
             out["step_time_ms"] = step * 1e3
         if not math.isnan(sync):
             out["sync_time_ms"] = sync * 1e3
-            # The last rank to arrive waits least: its sync time is the transfer itself, the rest is waiting.
-            out["sync_time_min_rank_ms"] = float(fields["sync_time"].nan_to_num(math.inf).min()) * 1e3
             out["sync_time_max_ms"] = float(fields["sync_max"].nan_to_num(-math.inf).max()) * 1e3
+            # The last rank to finish its backward pass waits least: its exposed time is the network's own cost, the
+            # rest of the others' is waiting for that rank (and so is their longer busy time).
+            exposed = float(fields["exposed_time"].nan_to_num(math.inf).min())
+            busy = float(fields["busy_time"].nan_to_num(math.inf).min())
+            out["exposed_time_ms"] = mean("exposed_time") * 1e3
+            out["exposed_time_min_rank_ms"] = exposed * 1e3
+            out["link_busy_ms"] = busy * 1e3
             out["sync_rounds"] = mean("sync_rounds")
             out["bytes_uncompressed"] = mean("bytes_uncompressed")
             if "step_time_ms" in out:
                 out["comm_share"] = sync / step
-                out["transfer_share"] = out["sync_time_min_rank_ms"] / out["step_time_ms"]
+                out["exposed_share"] = exposed / step
+                out["link_busy_share"] = busy / step
             sent = mean("bytes_sent")
             if not math.isnan(sent):
                 out["bytes_sent"] = sent
                 out["compression_ratio"] = out["bytes_uncompressed"] / sent if sent else math.nan
-                transfer = out["sync_time_min_rank_ms"] / 1e3
                 # A transfer that ran while the ranks trained (local SGD's overlap) left only its arrival in the
                 # sync time: no bandwidth follows from that.
-                if sent and transfer and not mean("transfer_hidden"):
-                    out["algbw_gbps"] = sent / transfer / 1e9
+                if sent and busy and not mean("transfer_hidden"):
+                    out["algbw_gbps"] = sent / busy / 1e9
                     out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], world_size)
         for name in ("compression_error", "error_feedback"):
             if not math.isnan(mean(name)):
