@@ -181,7 +181,8 @@ def main() -> None:
             f"[{', '.join(format_bytes(b) for b in strategy.bucket_layout or ())}], {steps} optimizer steps, "
             f"{ledger.total_sync_rounds / steps:.2f} sync rounds/step, "
             f"{format_bytes(ledger.total_logical_bytes / steps)} of gradients/step, {sent} sent/step, "
-            f"{sum(s.sync_time_s for s in ledger.steps) / len(ledger.steps) * 1e3:.2f} ms sync/step "
+            f"{sum(s.sync_time_s for s in ledger.steps) / len(ledger.steps) * 1e3:.2f} ms sync/step, of which "
+            f"{sum(s.exposed_time_s for s in ledger.steps) / len(ledger.steps) * 1e3:.2f} ms exposed "
             f"(rank 0's means over all {steps} steps, warm-up included)"
             + (
                 f"; local SGD: {strategy.local_sgd.syncs} parameter syncs, every {strategy.local_sgd.config.sync_every}"

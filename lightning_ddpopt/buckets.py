@@ -340,5 +340,6 @@ class BucketController:
         assert self.plan is not None
         count = f"{len(sizes)} bucket" + ("" if len(sizes) == 1 else "s")
         hook = self._hook_name or "none (DDP built-in allreduce)"
-        cap = f"cap {self.plan.cap_mb:g} MiB{cap_note}"
+        # One unit family on the line: the cap in decimal MB as the sizes, then the argument's own value (MiB).
+        cap = f"cap {format_bytes(self.plan.cap_mb * MIB)}: bucket_cap_mb={self.plan.cap_mb:g}{cap_note}"
         return f"{format_bytes(sum(sizes))} of gradients in {count} ({cap}), hook {hook}"

@@ -223,7 +223,7 @@ def _world_size(args: argparse.Namespace) -> tuple[int, str]:
         raise ValueError(f"{given} must be at least 1")
     if world_size == 1:
         raise ValueError(f"{given}: one process syncs nothing and sends nothing; plan for 2 or more")
-    ranks = f"{world_size} ranks" if nodes is None else f"{world_size} ranks ({nodes} nodes x {per_node} GPUs)"
+    ranks = f"{world_size} ranks" if nodes is None else f"{world_size} ranks ({nodes} nodes x {per_node} per node)"
     return world_size, ranks
 
 

@@ -221,7 +221,9 @@ def _network(summary: dict[str, Any]) -> Finding:
     evidence = f"sync {sync_ms:.1f} ms per step, of which {exposed_ms:.1f} ms exposed ({share:.0%} of the step)"
     waiting_ms = comm["exposed_time_ms"] - exposed_ms
     if waiting_ms > 0.5 * exposed_ms and waiting_ms >= 1.0:
-        evidence += f"; the other ranks wait {waiting_ms:.1f} ms more, for the last rank to finish its backward pass"
+        evidence += (
+            f"; the other ranks wait {waiting_ms:.1f} ms more, for the last rank to reach the sync (see stragglers)"
+        )
     busy = comm.get("link_busy_share")
     if busy is not None:
         evidence += f"; link busy {busy:.0%} of the step"
@@ -241,7 +243,9 @@ def _network(summary: dict[str, Any]) -> Finding:
     if cv is not None and cv > JITTER_CV:
         evidence += f"; step time jitters (CV {cv:.2f}, p95 {comm.get('step_time_p95_ms', 0):.0f} ms)"
     if share < COMM_SHARE_PROBLEM:
-        if comm.get("comm_share", 0.0) >= COMM_SHARE_PROBLEM:
+        # The span the backward pass hides, on the mean rank (a rank waiting for a late one hides nothing: it waits).
+        hidden_ms = sync_ms - comm["exposed_time_ms"]
+        if comm.get("step_time_ms") and hidden_ms >= COMM_SHARE_PROBLEM * comm["step_time_ms"]:
             evidence += (
                 "; the backward pass hides the rest of the sync: the step is compute-bound, and sending fewer bytes "
                 "would not make it faster"

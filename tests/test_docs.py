@@ -105,6 +105,8 @@ def test_the_quickstart_trains_two_ranks_and_prints_the_findings(tmp_path):
     output = stdout.replace("\r", "\n")
     assert process.returncode == 0, output[-3000:]
     assert "ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)" in output
+    # On a line of their own, not at the end of the progress bar's (which ends in a carriage return, no newline).
+    assert "\nddpopt findings (network" in stdout
     assert "hook int8: relative compression error" in output
     assert "accumulation OK       1.00 gradient syncs per optimizer step over 1.00 micro-batches" in output
     assert "amp          OK       no GradScaler; 64 steps with finite gradients" in output

@@ -35,7 +35,7 @@ def test_two_ranks_print_each_warning_once_and_point_at_what_was_written(tmp_pat
     assert [line for line, count in collections.Counter(warnings).items() if count > 1] == []
     assert "LeafSpec" not in out
     # Sizes in one unit: the layout line and the summary say the same gradient bytes.
-    assert "ddpopt: 4.51 MB of gradients in 2 buckets (cap 1.192 MiB), hook fp16 on gloo" in out
+    assert "ddpopt: 4.51 MB of gradients in 2 buckets (cap 1.25 MB: bucket_cap_mb=1.192), hook fp16 on gloo" in out
     assert "4.51 MB of gradients/step, 2.25 MB sent/step" in out
 
 

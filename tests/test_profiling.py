@@ -367,7 +367,7 @@ def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
         assert ddpopt(argv) == 0
         tables.append(capsys.readouterr().out.splitlines())
     assert tables[0][0].startswith("100.0M fp32 parameters, 16 ranks, 10 Gbit/s Ethernet")
-    assert tables[1][0].startswith("100.0M fp32 parameters, 16 ranks (2 nodes x 8 GPUs), 10 Gbit/s Ethernet")
+    assert tables[1][0].startswith("100.0M fp32 parameters, 16 ranks (2 nodes x 8 per node), 10 Gbit/s Ethernet")
     assert tables[1][1:] == tables[0][1:] and tables[2] == tables[1]
     for argv in (flat, nodes):
         assert ddpopt([*argv, "--json"]) == 0

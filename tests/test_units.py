@@ -52,7 +52,7 @@ def test_layout_line_writes_bytes_in_mb_and_the_cap_in_mib():
     buckets = BucketController(5.0)
     buckets.plan = plan_buckets(model, 5, world_size=2)
     line = buckets._describe(buckets.plan.predicted_bucket_bytes)
-    assert line == "8.4 MB of gradients in 1 bucket (cap 5 MiB), hook none (DDP built-in allreduce)"
+    assert line == "8.4 MB of gradients in 1 bucket (cap 5.24 MB: bucket_cap_mb=5), hook none (DDP built-in allreduce)"
 
 
 def test_plan_table_scales_each_row(capsys):

@@ -24,6 +24,7 @@ from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.ledger import CommLedger, StepRecord, local_drift
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import median_seconds
+from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = ["CommProfiler"]
 
@@ -194,7 +195,7 @@ class CommProfiler(Callback):
         if self._active and self.probe_link:
             self.link_busbw_gbps = self._probe(pl_module.device, trainer.world_size)
             rank_zero_info(
-                f"ddpopt: link probe, {self.probe_repeats} allreduces of {self.probe_mb:g} MiB: "
+                f"ddpopt: link probe, {self.probe_repeats} allreduces of {format_bytes(self.probe_mb * MIB)}: "
                 f"bus bandwidth {self.link_busbw_gbps:.3f} GB/s"
             )
 
