@@ -169,12 +169,29 @@ def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     return scaler._scale
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch emulates it, slowly."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    if not all(hasattr(torch.cpu, check) for check in checks):
-        raise _changed("torch", "torch.cpu._is_avx512_bf16_supported", "to tell a CPU's native bf16")
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16, AMX, Arm's BF16); ``None`` where nothing tells.
+
+    Elsewhere torch emulates bf16, slowly. Reads the flags Linux lists in ``/proc/cpuinfo`` first, then torch's
+    own (private) checks where this torch has them: a hint for a warning's advice, so a missing source is
+    "unknown", never an error.
+    """
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = {
+                flag
+                for line in cpuinfo
+                if line.lower().startswith(("flags", "features"))
+                for flag in line.split(":", 1)[-1].split()
+            }
+    except OSError:
+        flags = set()
+    if flags:
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(check is None for check in checks):
+        return None
+    return any(bool(check()) for check in checks if check is not None)
 
 
 def last_batch_of_epoch(trainer: pl.Trainer) -> bool:

@@ -312,7 +312,10 @@ def _plot(series: dict[str, dict[str, list[Any]]], out: Path) -> None:
                 axis.plot([p[0] for p in points], [p[1] for p in points], label=f"rank {rank}", linewidth=1, marker=".")
                 continue
             axis.plot(steps, values, label=f"rank {rank}", linewidth=1)
-        if key.endswith("_ms"):  # the first steps' one-time work (kernels compiled, buckets rebuilt) is 10-100x a step
+        positive = any(v > 0 for data in series.values() for v in data.get(key, []) if v is not None)
+        # The first steps' one-time work (kernels compiled, buckets rebuilt) is 10-100x a step: a log axis keeps the
+        # rest readable; a panel with nothing above zero (no sync measured) keeps its linear axis.
+        if key.endswith("_ms") and positive:
             axis.set_yscale("log")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)

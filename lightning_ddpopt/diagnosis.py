@@ -50,8 +50,9 @@ NETWORK_ADVICE: dict[str, str] = {
         "high; on a very slow link comm_hook='powersgd'"
     ),
     "int8": (
-        "on a link this slow use comm_hook='powersgd' (its error bound keeps the quality), or local SGD for SGD-like "
-        "training (local_sgd=LocalSGDConfig.diloco(16)); accumulating more micro-batches per step also syncs less"
+        "on a link this slow use comm_hook='powersgd' where the model has large weight matrices (its error bound keeps "
+        "the quality), or local SGD for SGD-like training (local_sgd=LocalSGDConfig.diloco(16)); accumulating more "
+        "micro-batches per step also syncs less"
     ),
     "powersgd": (
         "its error bound sets PowerSGD's rank, so the bytes follow the gradients: use local SGD for SGD-like training "
@@ -194,9 +195,9 @@ def network_advice_key(summary: dict[str, Any]) -> str:
         return "cast"
     if hook == "int8":
         return "int8"
-    if "powersgd" in hook:
-        powersgd = summary.get("powersgd")
-        return "powersgd" if powersgd is not None and powersgd["max_error"] is not None else "powersgd_fixed_rank"
+    powersgd = summary.get("powersgd")
+    if "powersgd" in hook and powersgd is not None:  # our PowerSGD state: its rank and bound are known
+        return "powersgd" if powersgd["max_error"] is not None else "powersgd_fixed_rank"
     return "other"
 
 
@@ -219,8 +220,11 @@ def _network(summary: dict[str, Any]) -> Finding:
     hook = summary.get("comm_hook") or "none"
     sync_ms, exposed_ms = comm["sync_time_ms"], comm["exposed_time_min_rank_ms"]
     evidence = f"sync {sync_ms:.1f} ms per step, of which {exposed_ms:.1f} ms exposed ({share:.0%} of the step)"
-    waiting_ms = comm["exposed_time_ms"] - exposed_ms
-    if waiting_ms > 0.5 * exposed_ms and waiting_ms >= 1.0:
+    # The mean covers the last rank too: the others' mean exposed time, less the last rank's, is their wait for it.
+    ranks = summary.get("world_size") or 2
+    waiting_ms = (ranks * comm["exposed_time_ms"] - exposed_ms) / max(ranks - 1, 1) - exposed_ms
+    waiting = waiting_ms > 0.5 * exposed_ms and waiting_ms >= 1.0
+    if waiting:
         evidence += (
             f"; the other ranks wait {waiting_ms:.1f} ms more, for the last rank to reach the sync (see stragglers)"
         )
@@ -246,19 +250,18 @@ def _network(summary: dict[str, Any]) -> Finding:
         # The span the backward pass hides, on the mean rank (a rank waiting for a late one hides nothing: it waits).
         hidden_ms = sync_ms - comm["exposed_time_ms"]
         if comm.get("step_time_ms") and hidden_ms >= COMM_SHARE_PROBLEM * comm["step_time_ms"]:
-            evidence += (
-                "; the backward pass hides the rest of the sync: the step is compute-bound, and sending fewer bytes "
-                "would not make it faster"
-            )
+            evidence += f"; the backward pass hides {hidden_ms:.1f} ms of the sync"
+            if share < COMM_SHARE_PROBLEM / 2 and not waiting:  # a rank waiting for a late one is bound by it
+                evidence += ": the step is compute-bound, and sending fewer bytes would not make it faster"
         return Finding("network", "ok", evidence)
     if busbw and link and busbw < LINK_UNDERUSED * link:
-        return Finding(
-            "network",
-            "problem",
-            evidence,
+        advice = (
             "the exposed sync does not fill the link, so fewer bytes help little: its messages are too small (try "
-            "bucket_cap_mb='autotune') or the hook's own compute is slow (compare comm_hook='allreduce')",
+            "bucket_cap_mb='autotune')"
         )
+        if network_advice_key(summary) != "allreduce":
+            advice += f" or the hook's own compute is slow (compare {hook} with comm_hook='allreduce')"
+        return Finding("network", "problem", evidence, advice)
     powersgd = summary.get("powersgd") or {}
     return Finding("network", "problem", evidence, NETWORK_ADVICE[network_advice_key(summary)].format(**powersgd))
 
@@ -353,7 +356,7 @@ def _amp(summary: dict[str, Any]) -> Finding:
             return Finding("amp", "problem", "; ".join(problems), "lower the learning rate or clip gradients")
         return Finding("amp", "ok", f"no GradScaler; {amp['steps']} steps with finite gradients")
     scale = amp["scale"]
-    recent = amp["recent_steps"]
+    recent = amp.get("recent_steps", min(amp["steps"], amp["window"]))  # a report of an earlier release lacks it
     evidence = (
         f"{amp['skipped_steps']} of {amp['steps']} steps skipped; skip rate {amp['skip_rate']:.1%} over the last "
         f"{recent} steps"

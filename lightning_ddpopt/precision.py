@@ -83,18 +83,22 @@ def _warn_cpu_fp16_once() -> None:
     if _warned_cpu_fp16:
         return
     _warned_cpu_fp16 = True
-    if cpu_has_native_bf16():
+    native = cpu_has_native_bf16()
+    if native:
         instead = "for speed, use precision='bf16-mixed', which this CPU computes natively and needs no GradScaler"
+    elif native is None:
+        instead = (
+            "for speed, use precision='bf16-mixed' where the CPU has AVX512-BF16 or AMX (this one's flags could not "
+            "be read), else fp32"
+        )
     else:
         instead = (
             "this CPU has no native bf16 either (no AVX512-BF16 or AMX), where bf16 autocast is as slow: train in "
             "fp32 for speed"
         )
     rank_zero_warn(
-        "ddpopt: fp16 autocast on a CPU runs torch's float16 CPU kernels, several times slower than fp32 (7x on the "
-        "quickstart's model in the AMP guide's measurement): use it to test AMP behaviour without a GPU; "
-        + instead
-        + "."
+        "ddpopt: fp16 autocast on a CPU runs torch's float16 CPU kernels, several times slower than fp32 (the AMP "
+        "guide has the measured cost): use it to test AMP behaviour without a GPU; " + instead + "."
     )
 
 
@@ -104,7 +108,7 @@ def native_bf16(device: torch.device) -> bool:
     ``torch.cuda.is_bf16_supported()`` alone also counts emulation, which runs but slowly; this does not.
     """
     if device.type != "cuda":
-        return cpu_has_native_bf16()
+        return bool(cpu_has_native_bf16())  # unknown flags: not promised
     if torch.version.hip:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.cuda.get_device_capability(device)[0] >= 8
@@ -119,8 +123,14 @@ def bf16_supported(device: torch.device) -> tuple[bool, str]:
             f"{torch.cuda.get_device_name(device)} has no native bf16 (it needs compute capability 8.0, A100 or "
             "later): lower the learning rate or check the model for values beyond fp16's range"
         )
-    if native_bf16(device):
+    native = cpu_has_native_bf16()
+    if native:
         return True, "this CPU computes bf16 natively: use precision='bf16-mixed'"
+    if native is None:
+        return False, (
+            "this CPU's flags could not be read to tell native bf16 (AVX512-BF16 or AMX): try precision='bf16-mixed' "
+            "and compare its step time with fp32's"
+        )
     return False, (
         "this CPU has no native bf16 (no AVX512-BF16 or AMX), where bf16 autocast is slow too: train in fp32, or lower "
         "the learning rate"

@@ -240,7 +240,7 @@ def test_the_check_needs_no_collective_where_every_rank_holds_the_same_gradients
     assert [torch.load(tmp_path / f"collectives{rank}.pt") for rank in (0, 1)] == [collectives] * 2
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", [True, False, None])
 def test_fp16_on_a_cpu_warns_once_with_its_cost_and_what_is_faster(monkeypatch, native):
     monkeypatch.setattr(precision, "_warned_cpu_fp16", False)
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
@@ -249,14 +249,21 @@ def test_fp16_on_a_cpu_warns_once_with_its_cost_and_what_is_faster(monkeypatch, 
         fp16_mixed_precision("cpu", init_scale=8.0)
     (message,) = [str(w.message) for w in caught if str(w.message).startswith("ddpopt: fp16 autocast")]
     assert message.startswith(
-        "ddpopt: fp16 autocast on a CPU runs torch's float16 CPU kernels, several times slower than fp32 (7x on the "
-        "quickstart's model in the AMP guide's measurement): use it to test AMP behaviour without a GPU; "
+        "ddpopt: fp16 autocast on a CPU runs torch's float16 CPU kernels, several times slower than fp32 (the AMP "
+        "guide has the measured cost): use it to test AMP behaviour without a GPU; "
     )
     if native:
         assert message.endswith("use precision='bf16-mixed', which this CPU computes natively and needs no GradScaler.")
         assert bf16_supported(torch.device("cpu")) == (
             True,
             "this CPU computes bf16 natively: use precision='bf16-mixed'",
+        )
+    elif native is None:
+        assert message.endswith("where the CPU has AVX512-BF16 or AMX (this one's flags could not be read), else fp32.")
+        assert bf16_supported(torch.device("cpu")) == (
+            False,
+            "this CPU's flags could not be read to tell native bf16 (AVX512-BF16 or AMX): try precision='bf16-mixed' "
+            "and compare its step time with fp32's",
         )
     else:
         assert message.endswith("where bf16 autocast is as slow: train in fp32 for speed.")

@@ -64,29 +64,43 @@ def _completed():
 def test_ledger_times_the_span_the_exposed_part_and_the_busy_time():
     # Three buckets: handed over at 0, 10 and 50 (the backward pass computes in between), done at 4, 30 and 60.
     # Bucket 1's transfer (10-30) and bucket 0's (0-4) leave the link idle 4-10 and 30-50.
-    starts, ends = [0.0, 10.0, 50.0], [4.0, 30.0, 60.0]
     ledger = CommLedger(timeline=ScriptedTimeline([-5.0, 0.0, 4.0, 10.0, 30.0, 50.0, 60.0, 61.0]))
     ledger.add_micro_batch(8)  # the step's start mark: -5
     recorded = ledger.record_hook(lambda state, bucket: _completed())
     for index in range(3):  # each future completes at once: its end mark follows its start mark
         recorded(None, FakeBucket(index))
     (record,) = ledger.close_step()
-    assert (starts, ends) == ([0.0, 10.0, 50.0], [4.0, 30.0, 60.0])
     assert record.sync_time_s == 60.0  # first hand-over to last result
     assert record.exposed_time_s == 10.0  # the last bucket's hand-over (50) to the last result (60)
     assert record.busy_time_s == 4.0 + 20.0 + 10.0
 
 
-def test_ledger_busy_time_counts_overlapping_buckets_once():
-    # Two buckets queued behind one another: 0-30 and 5-40; the step ends at 41.
-    ledger = CommLedger(timeline=ScriptedTimeline([0.0, 0.0, 30.0, 5.0, 40.0, 41.0]))
+@pytest.mark.parametrize(
+    ("intervals", "exposed", "busy"),
+    [
+        # Queued behind one another: 0-30 and 5-40. The union counts 0-40 once.
+        ([(0.0, 30.0), (5.0, 40.0)], 35.0, 40.0),
+        # The first bucket outlasts the last one (0-50 and 10-20): the step waits from the last hand-over (10) until
+        # the first bucket's result (50), not for the last bucket's own 10.
+        ([(0.0, 50.0), (10.0, 20.0)], 40.0, 50.0),
+        # Over two sync rounds (accumulation without no_sync): each round's exposed and busy time, added.
+        ([(0.0, 5.0), (100.0, 130.0)], None, None),
+    ],
+)
+def test_ledger_exposed_and_busy_time_of_overlapping_buckets(intervals, exposed, busy):
+    marks = [mark for interval in intervals for mark in interval]
+    ledger = CommLedger(timeline=ScriptedTimeline([0.0, *marks, 200.0]))
     ledger.add_micro_batch(8)
-    # Both futures complete when called; marks come in the order start 0, end 0, start 1, end 1.
     recorded = ledger.record_hook(lambda state, bucket: _completed())
-    recorded(None, FakeBucket(0))
-    recorded(None, FakeBucket(1))
+    two_rounds = exposed is None
+    for index in range(len(intervals)):  # each future completes at once: its end mark follows its start mark
+        recorded(None, FakeBucket(0 if two_rounds else index))
     (record,) = ledger.close_step()
-    assert record.sync_time_s == 40.0 and record.busy_time_s == 40.0 and record.exposed_time_s == 35.0
+    if two_rounds:  # bucket 0 twice: two rounds of one bucket each, 5 and 30 long
+        assert record.sync_rounds == 2 and record.sync_time_s == record.exposed_time_s == record.busy_time_s == 35.0
+    else:
+        assert record.sync_rounds == 1
+        assert (record.exposed_time_s, record.busy_time_s) == (exposed, busy)
 
 
 def _summary(hook: str, exposed_share: float, **extra) -> dict:
@@ -116,7 +130,7 @@ def test_a_busy_backward_over_an_idle_link_is_compute_not_network():
     assert finding.evidence == (
         "sync 90.0 ms per step, of which 2.0 ms exposed (2% of the step); link busy 6% of the step at 0.110 GB/s bus "
         "bandwidth; 4 MB sent per step (means of the last 20 steps over all ranks), hook allreduce; the backward pass "
-        "hides the rest of the sync: the step is compute-bound, and sending fewer bytes would not make it faster"
+        "hides 88.0 ms of the sync: the step is compute-bound, and sending fewer bytes would not make it faster"
     )
 
 
@@ -124,7 +138,6 @@ def test_a_busy_backward_over_an_idle_link_is_compute_not_network():
     ("hook", "extra", "key"),
     [
         ("allreduce", {}, "allreduce"),
-        (None, {}, "allreduce"),
         ("fp16", {}, "cast"),
         ("bf16", {}, "cast"),
         ("int8", {}, "int8"),
@@ -134,6 +147,8 @@ def test_a_busy_backward_over_an_idle_link_is_compute_not_network():
         ("batched_powersgd", {"powersgd": {"rank": 16, "max_rank": 16, "max_error": None}}, "powersgd_fixed_rank"),
         ("int8", {"local_sgd": {"sync_every": 16, "warmup_steps": 0, "syncs": 3}}, "local_sgd"),
         ("my_hook", {}, "other"),
+        # A PowerSGD hook of torch's, or a hook of the user's so named: no PowerSGD state of ours, no rank to name.
+        ("powerSGD_hook", {}, "other"),
     ],
 )
 def test_each_hook_gets_the_advice_of_the_one_table(hook, extra, key):
@@ -165,7 +180,9 @@ def test_an_exposed_sync_that_does_not_fill_the_measured_link_is_not_sent_to_com
 
 def test_ranks_waiting_for_the_last_one_are_said_apart():
     summary = _summary("allreduce", 0.1)
-    summary["comm"]["exposed_time_ms"] = 85.0  # the mean rank; the last to finish its backward pass waits 10
+    # 3 ranks: the last to reach the sync waits 10 ms, the two others 85 each (they wait 75 ms for it); mean 60.
+    summary["comm"]["exposed_time_ms"] = 60.0
+    summary["world_size"] = 3
     finding = _network(summary)
     assert finding.status == "ok"
     assert (

@@ -5,8 +5,8 @@ can show besides them, for each ``TensorBoardLogger`` among the Trainer's (or Fa
 left alone):
 
 - at the start of training, a layout for TensorBoard's *Custom Scalars* tab: one section per measuring callback
-  ("ddpopt network", "ddpopt stragglers", "ddpopt AMP"), related series on one chart (e.g. mean, slowest and
-  fastest rank's sync time), written once by the first measuring callback for all of them;
+  ("ddpopt network", "ddpopt stragglers", "ddpopt AMP"), related series on one chart (e.g. the sync's span beside its
+  exposed part and the link's busy time), written once by the first measuring callback for all of them;
 - at the end of fit, the findings table as text (tag ``ddpopt/findings``, the *Text* tab).
 """
 

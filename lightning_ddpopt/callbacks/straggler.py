@@ -71,9 +71,10 @@ class StragglerDetector(Callback):
 
     * **data**: time spent fetching its batches (the Trainer's data fetcher, timed around each fetch);
     * **compute**: from the batch's start until its gradients are ready for the sync: forward and backward, minus
-      the time its buckets spent in the gradient sync;
-    * **wait**: time waiting for the other ranks: in the gradient sync (first bucket handed to the comm hook until
-      the last finished) and in Lightning's per-batch collective before a batch starts;
+      the exposed gradient sync (backward compute that overlaps the sync counts as compute);
+    * **wait**: time waiting for the other ranks: in the exposed gradient sync (the last bucket handed to the comm
+      hook until the last finished; see :class:`~lightning_ddpopt.ledger.StepRecord`) and in Lightning's per-batch
+      collective before a batch starts;
     * **optimizer**: from the end of the backward pass (``on_before_optimizer_step``) to the batch's end: the
       optimizer step, gradient clipping, the GradScaler.
 
@@ -295,7 +296,8 @@ class StragglerDetector(Callback):
             for t in times:
                 assert t is not None
                 data, gap_wait, busy, optimizer = data + t[0], gap_wait + t[1], busy + t[2], optimizer + t[3]
-            sync = self._records.popleft().sync_time_s if self._cursor.ledger is not None else 0.0
+            # The exposed sync, not its span: backward compute that overlaps the sync is this rank's own work.
+            sync = self._records.popleft().exposed_time_s if self._cursor.ledger is not None else 0.0
             step = [data, max(busy - sync, 0.0), sync + gap_wait, optimizer, 1.0]
             assert self._totals is not None  # made in setup
             self._totals += torch.tensor(step, dtype=torch.float64)
