@@ -26,6 +26,7 @@ from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
 from lightning_ddpopt.ledger import CommLedger, StepRecord
 from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
 from lightning_ddpopt.timing import timeline_for
+from lightning_ddpopt.topology import Topology, discover
 
 __all__ = ["CoreViews", "StrategyCore"]
 
@@ -52,6 +53,7 @@ class StrategyCore:
         cpu_affinity: bool | list[list[int]],
         checkpoint_timeout: float,
         local_sgd: LocalSGDConfig | None,
+        hierarchical: bool | Literal["auto"] = "auto",
         ddp_comm_hook: Callable | None = None,
         ddp_comm_state: object | None = None,
         ddp_comm_wrapper: Callable | None = None,
@@ -65,7 +67,9 @@ class StrategyCore:
             model_averaging_period=model_averaging_period,
             bucket_cap_mb=bucket_cap_mb,
         )
-        self.hooks = HookInstaller(comm_hook, comm_state, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        self.hooks = HookInstaller(
+            comm_hook, comm_state, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, hierarchical=hierarchical
+        )
         # DistributedDataParallel gets only what differs from its own defaults (all False).
         flags = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -80,6 +84,7 @@ class StrategyCore:
         self.model_averaging = model_averaging_period is not None  # Lightning's post-local SGD
         self.ledger: CommLedger | None = None
         self.core_binding: CoreBinding | None = None
+        self.topology: Topology | None = None
         self.world_size = 1
         self.rank = 0
         # A loaded checkpoint's entry, and which of its parts still wait for the component that restores them.
@@ -97,11 +102,13 @@ class StrategyCore:
         world_size: int,
         rank: int,
     ) -> None:
-        """Once the process group exists: bind this rank's cores and open its ledger.
+        """Once the process group exists: learn the nodes, bind this rank's cores and open its ledger.
 
         The ledger times with CUDA events on a GPU (host clocks would time kernel queueing), host clocks on CPU.
         """
         self.world_size, self.rank = world_size, rank
+        # A collective, checked against the host names: on every rank, before anything uses the nodes.
+        self.topology = discover(node_rank, local_rank) if world_size > 1 else None
         self.core_binding = bind_cores(
             self.cpu_affinity,
             local_rank=local_rank,
@@ -136,6 +143,7 @@ class StrategyCore:
             loss_scale=loss_scale,
             own_group=own_group,
             reused_choice=self.reused_decision("hook_choice") if self.hooks.choosing else None,
+            topology=self.topology,
         )
         if self.hooks.registered is not None:
             self._restore_hook_state()

@@ -37,7 +37,9 @@ class BucketRecord:
         num_elements: number of gradient elements in the bucket.
         logical_bytes: bytes the gradients occupy as DDP holds them (what a plain allreduce sends).
         wire_bytes: bytes this rank contributed to collectives for the bucket, after compression; ``None`` when
-            the hook does not report them (a user-supplied hook).
+            the hook does not report them (a user-supplied hook). With a hierarchical hook: what crossed nodes.
+        intra_node_bytes: with a hierarchical hook, the bytes this rank put into collectives inside its node (the
+            bucket in its own precision); 0 otherwise.
         start_s: when DDP handed the bucket to the hook (on a GPU: when the bucket's gradients were computed).
         end_s: when the hook's result was ready (on a GPU: when its collectives had finished on the device).
         transfer_hidden: the bytes travelled while the ranks trained on (local SGD's overlapped sync): ``start_s`` to
@@ -56,6 +58,7 @@ class BucketRecord:
     wire_bytes: int | None
     start_s: float
     end_s: float
+    intra_node_bytes: int = 0
     transfer_hidden: bool = False
     compression: tuple[float, float, float] | None = None
     drift: tuple[float, float] | None = None
@@ -72,7 +75,9 @@ class StepRecord:
         step: 1-based count of optimizer steps this ledger has closed.
         sync_rounds: how many times DDP synchronised gradients for this step (1 is ideal with accumulation).
         logical_bytes: uncompressed gradient bytes over all rounds.
-        wire_bytes: bytes sent after compression over all rounds; ``None`` when a hook did not report them.
+        wire_bytes: bytes sent after compression over all rounds; ``None`` when a hook did not report them. With a
+            hierarchical hook, the bytes that crossed nodes.
+        intra_node_bytes: with a hierarchical hook, the bytes sent inside the node over all rounds; 0 otherwise.
         sync_time_s: summed over rounds, first bucket handed to the hook until the last bucket's future completed: the
             sync's span, which overlaps the backward pass (DDP hands a bucket over as soon as its gradients are
             computed, while the backward pass goes on with the rest).
@@ -109,6 +114,7 @@ class StepRecord:
     wire_bytes: int | None
     sync_time_s: float
     bucket_bytes: tuple[int, ...]
+    intra_node_bytes: int = 0
     exposed_time_s: float = 0.0
     busy_time_s: float = 0.0
     micro_batches: int = 0
@@ -162,6 +168,7 @@ class _OpenBucket:
         "num_elements",
         "logical_bytes",
         "wire_bytes",
+        "intra_node_bytes",
         "start",
         "end",
         "hidden",
@@ -174,6 +181,7 @@ class _OpenBucket:
         self.num_elements = num_elements
         self.logical_bytes = logical_bytes
         self.wire_bytes: int | None = None
+        self.intra_node_bytes = 0
         self.start = start
         self.end: Mark | None = None
         self.hidden = False
@@ -201,6 +209,7 @@ class _OpenBucket:
             self.wire_bytes,
             start,
             end,
+            intra_node_bytes=self.intra_node_bytes,
             transfer_hidden=self.hidden,
             compression=compression,
             drift=drift,
@@ -297,17 +306,21 @@ class CommLedger:
 
         return recorded
 
-    def add_wire_bytes(self, bucket_index: int, nbytes: int) -> None:
+    def add_wire_bytes(self, bucket_index: int, nbytes: int, intra_node: bool = False) -> None:
         """Add bytes that a hook put into collectives for bucket ``bucket_index`` of the current round.
 
         Args:
             bucket_index: the bucket's index in this round.
             nbytes: the bytes this rank sent for it.
+            intra_node: the bytes went to ranks of this rank's node only (a hierarchical hook's inner tier).
         """
         with self._lock:
             for entry in self._rounds[-1] if self._rounds else ():
                 if entry.index == bucket_index:
-                    entry.wire_bytes = (entry.wire_bytes or 0) + nbytes
+                    if intra_node:
+                        entry.intra_node_bytes += nbytes
+                    else:
+                        entry.wire_bytes = (entry.wire_bytes or 0) + nbytes
                     return
         raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
 
@@ -468,6 +481,7 @@ class CommLedger:
             sync_rounds=len(frozen),
             logical_bytes=sum(b.logical_bytes for b in buckets),
             wire_bytes=wire,
+            intra_node_bytes=sum(b.intra_node_bytes for b in buckets),
             sync_time_s=sum(max(b.end_s for b in r) - min(b.start_s for b in r) for r in frozen),
             exposed_time_s=sum(_exposed_seconds(r) for r in frozen),
             busy_time_s=sum(_busy_seconds(r) for r in frozen),

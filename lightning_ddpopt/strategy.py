@@ -103,6 +103,13 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
             its warm-up, gradients are not synchronised at all and the ranks average their parameter changes every
             ``sync_every`` optimizer steps (see :mod:`lightning_ddpopt.localsgd`). ``comm_hook`` then applies
             during the warm-up only.
+        hierarchical: on N nodes x M ranks, sync in two tiers (:mod:`lightning_ddpopt.hooks.hierarchical`): sum
+            inside each node in full precision, send 1/M of each bucket per rank between nodes in the hook's
+            precision, gather inside the node. ``"auto"`` (default) does where the run spans several nodes with
+            several ranks each, as many on every node, and the hook has a two-tier form (``allreduce``, ``fp16``,
+            ``bf16``); ``True`` requires such a hook (a one-node run warns and syncs flat); ``False`` never. The
+            nodes come from the launcher (``NODE_RANK``/``LOCAL_RANK``, SLURM's), checked against the host names
+            at setup (:mod:`lightning_ddpopt.topology`); the choice and why are logged on rank 0.
         **kwargs: forwarded to ``DistributedDataParallel``.
 
     Example::
@@ -136,6 +143,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
         cpu_affinity: bool | list[list[int]] = False,
         checkpoint_timeout: float = 30.0,
         local_sgd: LocalSGDConfig | None = None,
+        hierarchical: bool | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
         check_versions()
@@ -149,6 +157,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
             cpu_affinity=cpu_affinity,
             checkpoint_timeout=checkpoint_timeout,
             local_sgd=local_sgd,
+            hierarchical=hierarchical,
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_state=ddp_comm_state,
             ddp_comm_wrapper=ddp_comm_wrapper,

@@ -34,6 +34,7 @@ _INTERVAL_FIELDS = (
     "exposed_time",
     "busy_time",
     "bytes_sent",
+    "bytes_sent_intra_node",
     "bytes_uncompressed",
     "sync_rounds",
     "transfer_hidden",
@@ -71,7 +72,9 @@ class CommProfiler(Callback):
     ``ddpopt/comm/link_busy_ms``          time with at least one bucket in the hook's hands (compressed, in transfer
                                           or queued for it), per step; the lowest rank mean, as above
     ``ddpopt/comm/link_busy_share``       link_busy / step time: how much of the step the link is in use
-    ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression
+    ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression; with a hierarchical sync,
+                                          those that crossed nodes
+    ``ddpopt/comm/bytes_sent_intra_node`` with a hierarchical sync, the bytes a rank sent inside its node per step
     ``ddpopt/comm/bytes_uncompressed``    gradient bytes per step before compression
     ``ddpopt/comm/compression_ratio``     uncompressed / sent
     ``ddpopt/comm/algbw_gbps``            bytes sent / busy time (``link_busy``), GB/s: the bandwidth the sync
@@ -269,6 +272,7 @@ class CommProfiler(Callback):
             self._interval["transfer_hidden"].append(float(record.transfer_hidden))
             if record.wire_bytes is not None:
                 self._interval["bytes_sent"].append(float(record.wire_bytes))
+            self._interval["bytes_sent_intra_node"].append(float(record.intra_node_bytes))
             for name in _QUALITY_FIELDS:
                 value = getattr(record, name)
                 if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
@@ -321,7 +325,7 @@ class CommProfiler(Callback):
             "step time percentiles (ms)": ["step_time_p50_ms", "step_time_p95_ms", "step_time_p99_ms"],
             "sync time percentiles (ms)": ["sync_time_p50_ms", "sync_time_p95_ms", "sync_time_p99_ms"],
             "share of the step": ["comm_share", "exposed_share", "link_busy_share"],
-            "bytes per step": ["bytes_sent", "bytes_uncompressed"],
+            "bytes per step": ["bytes_sent", "bytes_sent_intra_node", "bytes_uncompressed"],
             "compression ratio": ["compression_ratio"],
             "bandwidth (GB/s)": ["algbw_gbps", "busbw_gbps"],
             "jitter (coefficient of variation)": ["step_time_cv", "sync_time_cv"],
@@ -406,6 +410,8 @@ class CommProfiler(Callback):
                 out["comm_share"] = sync / step
                 out["exposed_share"] = exposed / step
                 out["link_busy_share"] = busy / step
+            if mean("bytes_sent_intra_node") > 0:
+                out["bytes_sent_intra_node"] = mean("bytes_sent_intra_node")
             sent = mean("bytes_sent")
             if not math.isnan(sent):
                 out["bytes_sent"] = sent

@@ -100,6 +100,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         cpu_affinity: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
         checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
         local_sgd: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        hierarchical: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
         **kwargs: forwarded to ``DistributedDataParallel``.
     """
 
@@ -125,6 +126,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         cpu_affinity: bool | list[list[int]] = False,
         checkpoint_timeout: float = 30.0,
         local_sgd: LocalSGDConfig | None = None,
+        hierarchical: bool | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
         check_versions()
@@ -138,6 +140,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
             cpu_affinity=cpu_affinity,
             checkpoint_timeout=checkpoint_timeout,
             local_sgd=local_sgd,
+            hierarchical=hierarchical,
         )
         super().__init__(
             accelerator=accelerator,

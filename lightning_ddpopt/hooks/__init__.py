@@ -3,6 +3,7 @@
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, int8_spec, powersgd_spec
@@ -13,6 +14,7 @@ __all__ = [
     "COMM_HOOKS",
     "HookChoice",
     "CommHookState",
+    "HierarchicalState",
     "HookSpec",
     "Int8Config",
     "Int8State",
@@ -23,6 +25,7 @@ __all__ = [
     "choose_hook",
     "fp16_allreduce_hook",
     "get_hook_spec",
+    "hierarchical_hook",
     "int8_hook",
     "int8_spec",
     "powersgd_hook",

@@ -43,15 +43,16 @@ class CommHookState:
     def __post_init__(self) -> None:
         self.world_size = dist.get_world_size(self.process_group)
 
-    def record_wire_bytes(self, bucket: dist.GradBucket, nbytes: int) -> None:
+    def record_wire_bytes(self, bucket: dist.GradBucket, nbytes: int, intra_node: bool = False) -> None:
         """Tell the ledger how many bytes this rank sent for ``bucket``.
 
         Args:
             bucket: the bucket the hook handles.
             nbytes: the bytes this rank put into collectives for it.
+            intra_node: they went to the ranks of this rank's node only (a hierarchical hook's inner tier).
         """
         if self.ledger is not None:
-            self.ledger.add_wire_bytes(bucket.index(), nbytes)
+            self.ledger.add_wire_bytes(bucket.index(), nbytes, intra_node=intra_node)
 
     @property
     def measuring(self) -> bool:

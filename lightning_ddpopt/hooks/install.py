@@ -10,7 +10,7 @@ reports it attached, restores its saved state, and closes it at teardown.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
 from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
 from lightning_ddpopt.hooks.registry import (
@@ -34,10 +35,13 @@ from lightning_ddpopt.hooks.registry import (
     validate_hook_callable,
 )
 from lightning_ddpopt.ledger import CommHook, CommLedger
+from lightning_ddpopt.topology import TierGroups, Topology
 
-__all__ = ["DEFAULT_COMM_HOOK", "HookInstaller"]
+__all__ = ["DEFAULT_COMM_HOOK", "HIERARCHICAL_HOOKS", "HookInstaller", "validate_hierarchical"]
 
 DEFAULT_COMM_HOOK = "allreduce"
+#: The registry hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`), and what crosses nodes.
+HIERARCHICAL_HOOKS: dict[str, torch.dtype | None] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class HookInstaller:
@@ -49,6 +53,7 @@ class HookInstaller:
         ddp_comm_hook: Lightning's name for a callable hook (with ``ddp_comm_state`` and ``ddp_comm_wrapper``).
         ddp_comm_state: its state.
         ddp_comm_wrapper: a wrapper applied around ``ddp_comm_hook``.
+        hierarchical: see :class:`~lightning_ddpopt.OptimizedDDPStrategy`.
 
     Raises:
         ValueError, TypeError: at construction, for arguments that cannot work together, naming them.
@@ -61,8 +66,11 @@ class HookInstaller:
         ddp_comm_hook: Callable | None,
         ddp_comm_state: object | None,
         ddp_comm_wrapper: Callable | None,
+        hierarchical: bool | Literal["auto"] = "auto",
     ) -> None:
         self._spec, self._callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
+        self.hierarchical = validate_hierarchical(hierarchical, comm_hook, self._spec)
+        self._tiers: TierGroups | None = None
         if ddp_comm_hook is not None:
             validate_hook_callable(ddp_comm_hook, "ddp_comm_hook")
         if ddp_comm_wrapper is not None and ddp_comm_hook is None:
@@ -92,16 +100,29 @@ class HookInstaller:
         loss_scale: Callable[[], torch.Tensor | None],
         own_group: Callable[[], dist.ProcessGroup],
         reused_choice: HookChoice | None,
+        topology: Topology | None = None,
     ) -> None:
         """Build the hook and register it on ``model`` (none: DDP's built-in allreduce).
 
         ``own_group`` makes a process group over the model's ranks for a hook that runs beside the backward pass;
-        ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies.
+        ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies; ``topology`` (the ranks of each
+        node) decides whether the sync is hierarchical.
         """
         self._check_post_local_sgd(device)
         if self.choosing:
             self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
         hook = self._build(model, backend, ledger, device, loss_scale, own_group)
+        if hook is not None and self._two_tiers(topology):
+            assert topology is not None and self._spec is not None
+            self._tiers = TierGroups(topology)
+            state = HierarchicalState(
+                tiers=self._tiers,
+                dtype=HIERARCHICAL_HOOKS[self._spec.name],
+                process_group=model.process_group,
+                ledger=ledger,
+            )
+            state.loss_scale = loss_scale
+            self.comm_state, hook = state, hierarchical_hook
         if hook is None:
             return
         if backend not in TESTED_BACKENDS:
@@ -117,6 +138,36 @@ class HookInstaller:
             raise RuntimeError(
                 f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
             )
+
+    def _two_tiers(self, topology: Topology | None) -> bool:
+        """Whether this run's sync is hierarchical; says why on rank 0 (every rank decides alike)."""
+        if self.hierarchical is False or topology is None or topology.world_size == 1:
+            return False
+        name = self._spec.name if self._spec is not None else None
+        if not topology.tiered:
+            layout = "one node" if topology.num_nodes == 1 else topology.describe()
+            why = "several nodes with several ranks each, as many on every node"
+            if self.hierarchical is True:
+                rank_zero_warn(f"ddpopt: hierarchical=True needs {why}; this run has {layout}: the sync is flat")
+            elif topology.num_nodes > 1:
+                rank_zero_info(f"ddpopt: flat sync over {layout}: a hierarchical one needs {why}")
+            return False
+        if name not in HIERARCHICAL_HOOKS:
+            # hierarchical=True with another hook is refused at construction; here: "auto", or "auto"'s choice.
+            rank_zero_info(
+                f"ddpopt: flat sync over {topology.describe()}: comm hook {name or self.comm_hook_name!r} has no "
+                f"hierarchical form (those with one: {', '.join(HIERARCHICAL_HOOKS)})"
+            )
+            if self.hierarchical is True:
+                rank_zero_warn(f"ddpopt: hierarchical=True: comm_hook='auto' chose {name!r}, which syncs flat")
+            return False
+        crossing = {"allreduce": "fp32", "fp16": "fp16", "bf16": "bf16"}[name]
+        rank_zero_info(
+            f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in full "
+            f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "
+            f"inside the node (hierarchical={self.hierarchical!r})"
+        )
+        return True
 
     @property
     def choosing(self) -> bool:
@@ -281,6 +332,25 @@ class HookInstaller:
         if isinstance(state, Int8State):
             state.exchange_group = None
         destroy_owned_group(self, "_group")
+        if self._tiers is not None:
+            self._tiers.close()
+            self._tiers = None
+
+
+def validate_hierarchical(hierarchical: object, comm_hook: object, spec: HookSpec | None) -> bool | Literal["auto"]:
+    """Check ``hierarchical`` at construction: ``True``, ``False`` or ``"auto"``.
+
+    ``True`` needs a hook with a two-tier form, or ``"auto"`` (whose choice is checked at setup).
+    """
+    if hierarchical is not True and hierarchical is not False and hierarchical != "auto":
+        raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto'")
+    auto = isinstance(comm_hook, AutoConfig) or (isinstance(comm_hook, str) and comm_hook == AUTO_HOOK)
+    if hierarchical is True and not auto and (spec is None or spec.name not in HIERARCHICAL_HOOKS):
+        raise ValueError(
+            f"hierarchical=True needs a comm_hook with a hierarchical form ({', '.join(map(repr, HIERARCHICAL_HOOKS))}"
+            f" or 'auto'), not comm_hook={comm_hook!r}"
+        )
+    return "auto" if hierarchical == "auto" else bool(hierarchical)
 
 
 def _validate_comm_hook(

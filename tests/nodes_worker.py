@@ -1,0 +1,106 @@
+"""Fits on emulated nodes: ``python -m tests.nodes_worker OUT_DIR``, started once per "node" by
+tests/test_hierarchical.py with ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set as a cluster launcher sets them;
+Lightning starts the node's other ranks (``RANKS_PER_NODE`` in all). Every rank writes what it saw of each fit to
+``OUT_DIR/<fit>_rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from tests.helpers import StackModel, regression_data
+
+RANKS_PER_NODE = int(os.environ.get("DDPOPT_TEST_RANKS_PER_NODE", "2"))
+NUM_NODES = int(os.environ.get("DDPOPT_TEST_NODES", "2"))
+#: The fits, in order: name -> (comm_hook, hierarchical). The first is the flat fp32 reference.
+FITS: dict[str, tuple[str, bool]] = {
+    "flat_allreduce": ("allreduce", False),
+    "allreduce": ("allreduce", True),
+    "fp16": ("fp16", True),
+    "bf16": ("bf16", True),
+    "flat_fp16": ("fp16", False),
+}
+#: The rank that sleeps in each training step of the last fit: local rank 1 of node 1.
+SLOW_RANK = RANKS_PER_NODE + 1
+SLOW_MS = 60
+
+
+class SlowLocalRank(StackModel):
+    """StackModel whose rank ``SLOW_RANK`` sleeps in each training step when ``slow``."""
+
+    def __init__(self, slow: bool) -> None:
+        super().__init__()
+        self.slow = slow
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.slow and self.global_rank == SLOW_RANK:
+            time.sleep(SLOW_MS / 1e3)
+        return super().training_step(batch, batch_idx)
+
+
+class Probe(pl.Callback):
+    def __init__(self, out: Path, fit: str) -> None:
+        self.out, self.fit = out, fit
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, OptimizedDDPStrategy) and strategy.ledger is not None
+        topology = strategy._core.topology
+        record: dict[str, Any] = {
+            "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]).cpu(),
+            "rank": (trainer.global_rank, trainer.node_rank, trainer.local_rank, trainer.world_size),
+            "nodes": topology.nodes if topology is not None else None,
+            "state": type(strategy.comm_state).__name__,
+            "hook": strategy.comm_hook_name,
+            "steps": [
+                (s.logical_bytes, s.wire_bytes, s.intra_node_bytes, s.bucket_bytes) for s in strategy.ledger.steps
+            ],
+        }
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, StragglerDetector):
+                record["stragglers"] = callback.summary()
+            if isinstance(callback, CommProfiler):
+                record["comm"] = dict(callback.last_metrics)
+        torch.save(record, self.out / f"{self.fit}_rank{trainer.global_rank}.pt")
+
+
+def fit(out: Path, name: str, hook: str, hierarchical: bool, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=RANKS_PER_NODE,
+        num_nodes=NUM_NODES,
+        strategy=OptimizedDDPStrategy(comm_hook=hook, hierarchical=hierarchical, bucket_cap_mb=0.5),
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out / name,
+        callbacks=[*(callbacks or []), Probe(out, name)],
+    )
+    pl.seed_everything(0)
+    model = SlowLocalRank(slow=bool(callbacks))
+    trainer.fit(model, DataLoader(regression_data(8 * 8 * NUM_NODES * RANKS_PER_NODE), batch_size=8))
+    return trainer
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (hook, hierarchical) in FITS.items():
+        fit(out, name, hook, hierarchical)
+    measured = [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
+    last = fit(out, "callbacks", "fp16", True, callbacks=measured)
+    (out / f"done_rank{last.global_rank}").write_text("ok")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

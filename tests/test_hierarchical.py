@@ -1,0 +1,194 @@
+"""Nodes x ranks: the topology read from the launcher, the two-tier sync against the flat one, bytes per tier.
+
+The ranks start as on a cluster: the test starts one process per "node" with ``NODE_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` (tests/nodes_worker.py), and Lightning starts that node's other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_ddpopt import OptimizedDDPStrategy
+from lightning_ddpopt.hooks.install import HIERARCHICAL_HOOKS
+from lightning_ddpopt.topology import Topology, discover
+from tests.helpers import stack_gradient_bytes, user_environment
+from tests.nodes_worker import FITS, SLOW_MS, SLOW_RANK
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_nodes(out: Path, nodes: int, ranks_per_node: int, timeout: float = 400) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    port = str(_free_port())
+    processes = []
+    for node in range(nodes):
+        env = user_environment(ROOT)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
+        env.update(DDPOPT_TEST_NODES=str(nodes), DDPOPT_TEST_RANKS_PER_NODE=str(ranks_per_node))
+        with open(out / f"output{node}.txt", "w") as output:
+            command = [sys.executable, "-m", "tests.nodes_worker", str(out)]
+            processes.append(
+                subprocess.Popen(
+                    command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+    done = [out / f"done_rank{rank}" for rank in range(nodes * ranks_per_node)]
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process in processes]
+            if any(code not in (None, 0) for code in codes) or all(path.exists() for path in done):
+                break
+            time.sleep(0.2)
+        output = "".join((out / f"output{node}.txt").read_text() for node in range(nodes))
+        assert all(path.exists() for path in done), f"exit codes {codes}\n{output[-5000:]}"
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    return output
+
+
+def _records(out: Path, fit: str, world: int) -> list[dict]:
+    return [torch.load(out / f"{fit}_rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+@pytest.mark.parametrize(("nodes", "ranks_per_node"), [(2, 2)])
+def test_two_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_node):
+    output = _run_nodes(tmp_path, nodes, ranks_per_node)
+    world = nodes * ranks_per_node
+    expected_nodes = tuple(tuple(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(nodes))
+    reference = _records(tmp_path, "flat_allreduce", world)
+    fits = {name: _records(tmp_path, name, world) for name in [*FITS, "callbacks"]}
+    for name, ranks in fits.items():
+        # Every rank as the launcher placed it, and the topology read from it.
+        assert [r["rank"] for r in ranks] == [(g, g // ranks_per_node, g % ranks_per_node, world) for g in range(world)]
+        assert {r["nodes"] for r in ranks} == {expected_nodes}, name
+        # Data parallel: every rank ends with the same parameters, bit for bit.
+        for r in ranks[1:]:
+            torch.testing.assert_close(r["params"], ranks[0]["params"], rtol=0, atol=0, msg=name)
+        hierarchical = name == "callbacks" or FITS[name][1]
+        assert {r["state"] for r in ranks} == {"HierarchicalState" if hierarchical else "CommHookState"}, name
+        # Bytes per tier, exactly: each bucket padded to a multiple of the node's ranks; inside the node the bucket
+        # in fp32, between nodes this rank's 1/M shard in the hook's dtype.
+        hook = FITS[name][0] if name in FITS else "fp16"
+        itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
+        for r in ranks:
+            assert len(r["steps"]) == 8
+            for logical, wire, intra, buckets in r["steps"]:
+                assert logical == sum(buckets) == stack_gradient_bytes()
+                numels = [-(-b // 4 // ranks_per_node) for b in buckets]
+                if hierarchical:
+                    assert wire == sum(numels) * itemsize, name
+                    assert intra == sum(n * ranks_per_node * 4 for n in numels), name
+                else:
+                    assert wire == logical * itemsize // 4 and intra == 0, name
+    # The two-tier fp32 sync sums in another order than the flat one: equal to float rounding after 8 steps.
+    flat = reference[0]["params"]
+    torch.testing.assert_close(fits["allreduce"][0]["params"], flat, rtol=1e-5, atol=1e-6)
+    # Half precision crosses the nodes only: as close to fp32 as the flat fp16 sync is, or closer.
+    for name, atol in (("fp16", 2e-3), ("bf16", 2e-2)):
+        error = (fits[name][0]["params"] - flat).abs().max().item()
+        assert error < atol, (name, error)
+    flat_fp16_error = (fits["flat_fp16"][0]["params"] - flat).abs().max().item()
+    assert (fits["fp16"][0]["params"] - flat).abs().max().item() <= flat_fp16_error * 1.5 + 1e-6
+    # The choice is said once, with the layout.
+    line = (
+        "ddpopt: hierarchical sync over 2 nodes x 2 ranks: each bucket summed inside the node in full precision, 1/2 "
+        "of it per rank sent between nodes in fp16, gathered inside the node (hierarchical=True)"
+    )
+    assert output.count(line) == 2, output[-3000:]  # the fp16 fit and the callbacks' fit
+    # The callbacks attached: the slow rank is local rank 1 of node 1, named from its own figures.
+    stragglers = fits["callbacks"][0]["stragglers"]
+    last = stragglers["last"]
+    assert (last["slowest_rank"], last["phase"], last["is_straggler"]) == (SLOW_RANK, "compute", True), last
+    assert last["excess_ms"] > 0.7 * SLOW_MS
+    comm = fits["callbacks"][0]["comm"]
+    _, wire, intra, _ = fits["callbacks"][0]["steps"][-1]
+    assert (comm["bytes_sent"], comm["bytes_sent_intra_node"]) == (wire, intra)
+
+
+def _one_rank_group(tmp_path: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+
+
+def test_the_topology_of_one_rank_and_its_words(tmp_path):
+    _one_rank_group(tmp_path)
+    try:
+        topology = discover(node_rank=0, local_rank=0)
+    finally:
+        dist.destroy_process_group()
+    assert topology == Topology(rank=0, nodes=((0,),))
+    assert not topology.tiered
+    assert Topology(rank=3, nodes=((0, 1), (2, 3))).describe() == "2 nodes x 2 ranks"
+    assert Topology(rank=1, nodes=((0,), (1,))).describe() == "2 nodes x 1 rank"
+    uneven = Topology(rank=0, nodes=((0, 1, 2), (3, 4)))
+    assert uneven.describe() == "2 nodes with 3, 2 ranks" and not uneven.tiered
+    assert (
+        Topology(rank=3, nodes=((0, 1), (2, 3))).node_rank,
+        Topology(rank=3, nodes=((0, 1), (2, 3))).local_rank,
+    ) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("claims", "message"),
+    [
+        (
+            [("a", 0, 0), ("b", 0, 1)],
+            "the ranks of node 0 run on 2 hosts (ranks [0] on host 'a'; ranks [1] on host 'b')",
+        ),
+        ([("a", 0, 0), ("a", 0, 0)], "ranks 0 and 1 both claim local rank 0 on node 0"),
+        ([("a", 0, 0), ("a", 2, 0)], "node ranks [0, 2] are not 0..1"),
+        ([("a", 0, 0), ("a", 0, 2)], "node 0's local ranks are [0, 2], not 0..1"),
+    ],
+)
+def test_a_launcher_whose_claims_disagree_with_the_hosts_is_refused(monkeypatch, claims, message):
+    def gather(out, _claim, group=None):
+        out[:] = claims
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(claims))
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: list(range(len(claims))))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(ValueError) as raised:
+        discover(node_rank=claims[0][1], local_rank=claims[0][2], group=object())  # type: ignore[arg-type]
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hierarchical": "yes"}, "hierarchical='yes' must be True, False or 'auto'"),
+        ({"hierarchical": 1}, "hierarchical=1 must be True, False or 'auto'"),
+        (
+            {"hierarchical": True, "comm_hook": "int8"},
+            "hierarchical=True needs a comm_hook with a hierarchical form ('allreduce', 'fp16', 'bf16' or 'auto'), "
+            "not comm_hook='int8'",
+        ),
+        ({"hierarchical": True, "comm_hook": None}, "not comm_hook=None"),
+    ],
+)
+def test_bad_hierarchical_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError) as raised:
+        OptimizedDDPStrategy(**kwargs)
+    assert message in str(raised.value)
