@@ -77,8 +77,8 @@ class Topology:
     def describe(self) -> str:
         """In words, for the setup log line: ``2 nodes x 2 ranks`` or ``3 nodes with 2, 2, 1 ranks``."""
         if self.uniform:
-            per_node = self.ranks_per_node
-            return f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''} x {per_node} rank{'s' if per_node > 1 else ''}"
+            nodes, per_node = self.num_nodes, self.ranks_per_node
+            return f"{nodes} node{'s' if nodes > 1 else ''} x {per_node} rank{'s' if per_node > 1 else ''}"
         return f"{self.num_nodes} nodes with {', '.join(str(len(node)) for node in self.nodes)} ranks"
 
 
