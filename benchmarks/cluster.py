@@ -1,12 +1,14 @@
 """Emulated-cluster benchmark: N hosts on a shaped link, stock DDPStrategy against OptimizedDDPStrategy side by side.
 
-Each emulated host is a Linux network namespace with one training process (``num_nodes=N, devices=1``); hosts are
+Each emulated host is a Linux network namespace with ``--ranks-per-host`` training processes (``num_nodes=N,
+devices=M``, each rank started with its ``LOCAL_RANK`` as a cluster launcher starts it; the ranks of a host talk over
+its loopback, unshaped); hosts are
 joined by a veth pair (N = 2) or through a bridge namespace (N > 2), and every host's link is shaped with
 ``tc ... tbf rate RATE burst 256kb latency 50ms`` (plus ``netem delay`` with ``--delay-ms``). Traffic only flows
 between addresses inside namespaces this script creates, and it deletes them on exit, whatever happens. Without
 root or iproute2 it falls back to plain loopback and says so.
 
-Run:  .venv/bin/python benchmarks/cluster.py [--hosts 2] [--rate 1gbit] [--variants stock,ours,fp16,...]
+Run:  .venv/bin/python benchmarks/cluster.py [--hosts 2] [--ranks-per-host 1] [--rate 1gbit] [--variants ...]
       .venv/bin/python benchmarks/cluster.py --task digits --name convergence    # accuracy against wall time
 
 Writes ``benchmarks/results/cluster.{md,json,png}`` (``--name`` changes the stem). ``--task digits`` trains the
@@ -52,6 +54,8 @@ DEFAULT_VARIANTS = (
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
 LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_int8_overlap")
+#: Two tiers against flat, for --ranks-per-host above 1 ("ours" is the default: hierarchical there).
+HIERARCHICAL = ("ours_flat", "allreduce_hier", "fp16_hier", "bf16_hier")
 DIGITS_VARIANTS = ("stock", "fp16", "powersgd_r4", "diloco16")
 #: A variant with this suffix runs with CommProfiler, StragglerDetector and AMPMonitor attached.
 CALLBACKS_SUFFIX = "+callbacks"
@@ -200,31 +204,36 @@ def can_emulate() -> str | None:
     return None
 
 
-def run_variant(cluster: Cluster, variant: str, port: int, worker_args: Sequence[str], timeout: float) -> dict:
-    """Start one worker per host and return rank 0's result.
+def run_variant(
+    cluster: Cluster, variant: str, port: int, worker_args: Sequence[str], timeout: float, ranks_per_host: int = 1
+) -> dict:
+    """Start ``ranks_per_host`` workers per host (as a cluster launcher does: ``LOCAL_RANK`` each) and return rank 0's
+    result.
 
     A variant named ``NAME+callbacks`` is ``NAME`` with the three measuring callbacks attached.
 
-    The compute reference runs one independent process per host at the same time (no process group, no sync):
-    what the hosts compute when nothing waits, sharing the machine's memory bandwidth as the other variants do. Its
-    result holds every host's step times (``host_step_times_s``): the hosts need not compute at the same pace.
+    The compute reference runs one independent process per rank at the same time (no process group, no sync):
+    what the ranks compute when nothing waits, sharing the machine's memory bandwidth as the other variants do. Its
+    result holds every process's step times (``host_step_times_s``): they need not compute at the same pace.
     """
     hosts = cluster.hosts
     processes = []
-    for host in hosts:
+    for host, local_rank in [(host, local) for host in hosts for local in range(ranks_per_host)]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if variant != "compute":
+            # The ranks of a host share its namespace; gloo inside the host goes over its loopback, unshaped.
             env.update(
                 MASTER_ADDR=cluster.hosts[0].address,
                 MASTER_PORT=str(port),
                 NODE_RANK=str(host.index),
-                LOCAL_RANK="0",
-                WORLD_SIZE=str(len(hosts)),
+                LOCAL_RANK=str(local_rank),
+                WORLD_SIZE=str(len(hosts) * ranks_per_host),
                 GLOO_SOCKET_IFNAME=host.interface,
             )
         name = variant.removesuffix(CALLBACKS_SUFFIX)
         flags = ["--callbacks"] if name != variant else []
-        command = [sys.executable, str(WORKER), "--variant", name, "--num-nodes", str(len(hosts)), *flags, *worker_args]
+        sizes = ["--num-nodes", str(len(hosts)), "--devices", str(ranks_per_host)]
+        command = [sys.executable, str(WORKER), "--variant", name, *sizes, *flags, *worker_args]
         if host.namespace is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]
         processes.append(
@@ -335,10 +344,9 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
     md = out_dir / f"{name}.md"
     rounds = meta.get("rounds", 1)
     lines = [
-        f"Emulated cluster: {meta['hosts']} hosts, link {meta['link']}, model {meta['model']}, "
-        f"batch {meta['batch_size']}/host, {meta['timed_steps']} timed steps (compute and local SGD: 64)"
-        + (f", median of {rounds} rounds" if rounds > 1 else "")
-        + f"; {meta['machine']}",
+        f"Emulated cluster: {meta['hosts']} hosts x {meta.get('ranks_per_host', 1)} ranks, link {meta['link']}, "
+        f"model {meta['model']}, batch {meta['batch_size']}/rank, {meta['timed_steps']} timed steps "
+        "(compute and local SGD: 64)" + (f", median of {rounds} rounds" if rounds > 1 else "") + f"; {meta['machine']}",
         f"Command: `{meta['command']}`, {meta['date']}",
         "",
         "| variant | hook | cap MiB | samples/s | step p50 ms | step p95 ms | sync ms | MB/step sent | vs stock "
@@ -480,6 +488,7 @@ def transformer_parameters(width: int, layers: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--ranks-per-host", type=int, default=1, help="training processes per host (default 1)")
     parser.add_argument("--rate", default="1gbit", help="tc rate of every host's link (default 1gbit)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay per link (netem)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces: all hosts on 127.0.0.1, unshaped")
@@ -533,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--model transformer measures throughput; use it without --task digits")
     if args.hosts < 2:
         parser.error(f"--hosts {args.hosts} must be at least 2")
+    if args.ranks_per_host < 1:
+        parser.error(f"--ranks-per-host {args.ranks_per_host} must be at least 1")
     if args.repeat < 1 or (args.repeat > 1 and args.task == "digits"):
         parser.error(f"--repeat {args.repeat} must be at least 1 (and 1 with --task digits)")
     try:
@@ -544,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.task == "digits" and args.batch_size == 16:
         args.batch_size = 32  # the example's
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    known = DEFAULT_VARIANTS + BUCKET_SWEEP + DEFAULTS_CHECK + LOCAL_SGD
+    known = DEFAULT_VARIANTS + BUCKET_SWEEP + DEFAULTS_CHECK + LOCAL_SGD + HIERARCHICAL
     unknown = sorted(set(variants) - set(known))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(known)}")
@@ -570,13 +581,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if loopback
             else f"{args.rate}" + (f", {args.delay_ms:g} ms delay" if args.delay_ms else "")
         )
-        print(f"cluster: {args.hosts} hosts on {link}; {len(variants)} variants x {args.repeat}", flush=True)
+        layout = f"{args.hosts} hosts x {args.ranks_per_host} ranks"
+        print(f"cluster: {layout} on {link}; {len(variants)} variants x {args.repeat}", flush=True)
         for round_index in range(args.repeat):
             results: dict[str, dict] = {}
             for index, variant in enumerate(variants):
                 started = time.monotonic()
                 port = 29700 + round_index * len(variants) + index
-                results[variant] = run_variant(cluster, variant, port, worker_args, args.timeout)
+                results[variant] = run_variant(
+                    cluster, variant, port, worker_args, args.timeout, ranks_per_host=args.ranks_per_host
+                )
                 if args.task == "digits":
                     seconds, accuracy = results[variant]["curve"][-1]
                     figure = f"accuracy {accuracy:.4f} after {seconds:6.1f} s of training"
@@ -592,6 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     meta: dict[str, Any] = {
         "hosts": args.hosts,
+        "ranks_per_host": args.ranks_per_host,
         "link": link,
         "batch_size": args.batch_size,
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),

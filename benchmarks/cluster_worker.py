@@ -1,7 +1,7 @@
-"""One rank of an emulated-cluster benchmark run: a Lightning Trainer with ``num_nodes=N, devices=1``.
+"""One rank of an emulated-cluster benchmark run: a Lightning Trainer with ``num_nodes=N, devices=M``.
 
-Started by ``benchmarks/cluster.py`` once per emulated host (inside that host's network namespace); reads the
-rendezvous from MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK and WORLD_SIZE. Global rank 0 prints one line
+Started by ``benchmarks/cluster.py`` once per rank of each emulated host (inside that host's network namespace);
+reads the rendezvous from MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK and WORLD_SIZE. Global rank 0 prints one line
 ``RESULT {json}`` with the per-step times and the ledger's sync figures (``--task throughput``), or with the
 held-out accuracy after each epoch against the training wall time (``--task digits``: the example's digits
 classifier).
@@ -34,8 +34,13 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "ours": (lambda: OptimizedDDPStrategy(), 1),
     "ours_builtin": (lambda: OptimizedDDPStrategy(comm_hook=None), 1),
     "ours_no_view": (lambda: OptimizedDDPStrategy(gradient_as_bucket_view=False), 1),
-    "fp16": (lambda: OptimizedDDPStrategy(comm_hook="fp16"), 1),
-    "bf16": (lambda: OptimizedDDPStrategy(comm_hook="bf16"), 1),
+    # Flat: every rank in one ring over the hosts' links; *_hier: summed inside the host, 1/M of it sent between hosts.
+    "fp16": (lambda: OptimizedDDPStrategy(comm_hook="fp16", hierarchical=False), 1),
+    "bf16": (lambda: OptimizedDDPStrategy(comm_hook="bf16", hierarchical=False), 1),
+    "ours_flat": (lambda: OptimizedDDPStrategy(hierarchical=False), 1),
+    "allreduce_hier": (lambda: OptimizedDDPStrategy(hierarchical=True), 1),
+    "fp16_hier": (lambda: OptimizedDDPStrategy(comm_hook="fp16", hierarchical=True), 1),
+    "bf16_hier": (lambda: OptimizedDDPStrategy(comm_hook="bf16", hierarchical=True), 1),
     "int8": (lambda: OptimizedDDPStrategy(comm_hook="int8"), 1),
     # A fixed rank (max_error=None); "powersgd" is the default: rank 4 raised while the error is above its bound
     # (0.9 with this MLP's SGD, 0.6 with the transformer's AdamW).
@@ -127,11 +132,13 @@ class AccuracyCurve(pl.Callback):
         self._evaluating += time.perf_counter() - started
 
 
-def _quiet_trainer(num_nodes: int, strategy: Any, callbacks: list[pl.Callback], **settings: Any) -> pl.Trainer:
-    """One process per emulated host on the CPU; no logger, checkpoints, progress bar or summary."""
+def _quiet_trainer(
+    num_nodes: int, strategy: Any, callbacks: list[pl.Callback], devices: int = 1, **settings: Any
+) -> pl.Trainer:
+    """``devices`` processes per emulated host on the CPU; no logger, checkpoints, progress bar or summary."""
     return pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         num_nodes=num_nodes,
         strategy=strategy,
         logger=False,
@@ -185,6 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
     parser.add_argument("--num-nodes", type=int, required=True)
+    parser.add_argument("--devices", type=int, default=1, help="ranks per host (each started by cluster.py)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps not timed (DDP's bucket rebuild, warm-up)")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -208,6 +216,7 @@ def main() -> None:
         run_digits(args, make_strategy)
         return
     num_nodes = 1 if args.variant == "compute" else args.num_nodes
+    devices = 1 if args.variant == "compute" else args.devices
     model = _throughput_model(args)
     if args.variant == "autotune":
         # Time only the steps after the search: its length depends on the model's candidate caps.
@@ -220,12 +229,17 @@ def main() -> None:
     if args.variant.startswith("diloco") or args.variant == "compute":
         # Two to four whole sync windows timed; as many compute steps, whose mean local SGD is compared with.
         args.steps = args.warmup + 64
-    data = _throughput_data(args, (args.steps + 1) * accumulate * args.batch_size * num_nodes)
+    data = _throughput_data(args, (args.steps + 1) * accumulate * args.batch_size * num_nodes * devices)
     timer = StepTimer()
     measuring: list[pl.Callback] = [CommProfiler(), StragglerDetector(), AMPMonitor()] if args.callbacks else []
     pl.seed_everything(0, verbose=False)
     trainer = _quiet_trainer(
-        num_nodes, make_strategy(), [timer, *measuring], max_steps=args.steps, accumulate_grad_batches=accumulate
+        num_nodes,
+        make_strategy(),
+        [timer, *measuring],
+        devices=devices,
+        max_steps=args.steps,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch_size))
     if trainer.global_rank != 0:
@@ -244,6 +258,7 @@ def main() -> None:
         # Local SGD syncs once every H steps: its sync time is the median over the steps that synced.
         "sync_time_s": statistics.median(s.sync_time_s for s in synced) if synced else None,
         "bytes_sent": statistics.fmean(s.wire_bytes or 0 for s in steps) if steps else None,
+        "bytes_sent_intra_node": statistics.fmean(s.intra_node_bytes for s in steps) if steps else None,
         "sync_rounds": statistics.mean(s.sync_rounds for s in steps) if steps else None,
         "bucket_cap_mb": getattr(getattr(trainer.strategy, "bucket_plan", None), "cap_mb", None),
         "comm_hook": f"local SGD H={local_sgd.config.sync_every}"
