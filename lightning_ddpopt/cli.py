@@ -16,8 +16,10 @@ from lightning_ddpopt._registration import strategy_names
 from lightning_ddpopt.costmodel import (
     CODEC_BYTES_PER_S,
     DEFAULT_PLAN_HOOKS,
+    INTRA_NODE_GBPS,
     LINKS,
     PLAN_HOOKS,
+    Link,
     estimate_hooks,
     parse_count,
     resolve_link,
@@ -82,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--link", choices=sorted(LINKS), type=str.lower, help="link preset (or --gbps)")
     plan.add_argument("--gbps", type=float, help="link bandwidth in Gbit/s (or --link)")
     plan.add_argument("--latency-us", type=float, help="per-message latency in microseconds (default: the preset's)")
+    plan.add_argument(
+        "--intra-gbps",
+        type=float,
+        default=INTRA_NODE_GBPS,
+        help=f"with --nodes and --gpus-per-node: the link inside a node in Gbit/s (default {INTRA_NODE_GBPS:g}, "
+        "PCIe 4.0 x16), for the two-tier sync's time",
+    )
     plan.add_argument(
         "--hook", choices=PLAN_HOOKS, action="append", help=f"repeatable (default: {', '.join(DEFAULT_PLAN_HOOKS)})"
     )
@@ -156,6 +165,7 @@ def _plan(args: argparse.Namespace) -> int:
             matrix_width=args.width,
             codec_bytes_per_s=None if codec_gb_per_s is None else codec_gb_per_s * 1e9,
             hooks=hooks,
+            nodes=_tiers(args),
         )
     except ValueError as error:
         raise CLIError(str(error)) from None
@@ -167,19 +177,26 @@ def _plan(args: argparse.Namespace) -> int:
         f"{params / 1e6:.1f}M fp32 parameters, {ranks}, {link.summary} "
         f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), {compute}"
     )
+    tiered = any(e.hierarchical_comm_s is not None for e in estimates)
     print(
         f"{'hook':<10}{'payload':>10}{'sent/rank/step':>16}{'codec ms':>10}{'comm ms':>10}"
-        f"{'eff. no overlap':>17}{'eff. overlap':>14}"
+        f"{'eff. no overlap':>17}{'eff. overlap':>14}" + (f"{'2-tier comm ms':>16}" if tiered else "")
     )
     for e in estimates:
         no_overlap = "-" if e.efficiency_no_overlap is None else f"{e.efficiency_no_overlap:.1%}"
         overlap = "-" if e.efficiency_full_overlap is None else f"{e.efficiency_full_overlap:.1%}"
         codec = "-" if e.codec_bytes_per_s is None else f"{e.codec_s * 1e3:.1f}"
+        two_tier = "-" if e.hierarchical_comm_s is None else f"{e.hierarchical_comm_s * 1e3:.1f}"
         print(
             f"{e.hook:<10}{format_bytes(e.payload_bytes):>10}{format_bytes(e.sent_bytes_per_rank):>16}{codec:>10}"
-            f"{e.comm_s * 1e3:>10.1f}{no_overlap:>17}{overlap:>14}"
+            f"{e.comm_s * 1e3:>10.1f}{no_overlap:>17}{overlap:>14}" + (f"{two_tier:>16}" if tiered else "")
         )
     print("sent/rank/step: what each rank sends per step, 2(n-1)/n x the payload (the hook's compressed gradient)")
+    if tiered:
+        print(
+            f"2-tier comm ms: hierarchical=True: fp32 inside each node at {args.intra_gbps:g} Gbit/s (--intra-gbps), "
+            "the payload\n  between nodes, 1/M of it per rank, the node's M ranks sharing its link"
+        )
     compressing = [hook for hook in hooks if hook in CODEC_BYTES_PER_S]
     if compressing and codec_gb_per_s is None:
         print(
@@ -191,6 +208,16 @@ def _plan(args: argparse.Namespace) -> int:
     if compute_ms is None:
         print("efficiency needs --step-compute-ms: one step's forward+backward time without communication")
     return 0
+
+
+def _tiers(args: argparse.Namespace) -> tuple[int, int, Link] | None:
+    """``(nodes, ranks per node, intra-node link)`` for the two-tier estimate; ``None`` for a flat world."""
+    if args.nodes is None or args.gpus_per_node is None:
+        return None
+    if not args.intra_gbps > 0:
+        raise ValueError(f"--intra-gbps {args.intra_gbps:g} must be positive: the link inside a node in Gbit/s")
+    intra = Link("intra", args.intra_gbps * 1e9 / 8, 5e-6, f"{args.intra_gbps:g} Gbit/s inside the node")
+    return args.nodes, args.gpus_per_node, intra
 
 
 def _world_size(args: argparse.Namespace) -> tuple[int, str]:

@@ -11,9 +11,12 @@ __all__ = [
     "PLAN_HOOKS",
     "HookEstimate",
     "Link",
+    "HIERARCHICAL_PLAN_HOOKS",
+    "INTRA_NODE_GBPS",
     "allreduce_seconds",
     "bus_bandwidth",
     "estimate_hooks",
+    "hierarchical_seconds",
     "parse_count",
     "resolve_link",
     "ring_bytes_per_rank",
@@ -81,6 +84,25 @@ def allreduce_seconds(nbytes: float, world_size: int, link: Link) -> float:
     return ring_bytes_per_rank(nbytes, world_size) / link.bytes_per_s + 2 * (world_size - 1) * link.latency_s
 
 
+#: An intra-node link's default bandwidth in Gbit/s: PCIe 4.0 x16, one direction (NVLink is 4-20x faster).
+INTRA_NODE_GBPS = 256.0
+#: The hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`).
+HIERARCHICAL_PLAN_HOOKS = ("allreduce", "fp16", "bf16")
+
+
+def hierarchical_seconds(
+    fp32_bytes: float, payload_bytes: float, nodes: int, per_node: int, link: Link, intra: Link
+) -> float:
+    """Two-tier sync lower bound on N nodes x M ranks (``nodes``, ``per_node``).
+
+    Inside each node a reduce-scatter and an all-gather of the fp32 bucket, ``2 (M-1)/M x S_fp32`` over the
+    intra-node link; between nodes M all-reduces of 1/M of the payload each, which share the node's link:
+    ``2 (N-1)/N x S`` over it, and ``2 (N-1)`` latencies.
+    """
+    inside = ring_bytes_per_rank(fp32_bytes, per_node) / intra.bytes_per_s + 2 * (per_node - 1) * intra.latency_s
+    return inside + allreduce_seconds(payload_bytes, nodes, link)
+
+
 def bus_bandwidth(algorithm_bytes_per_s: float, world_size: int) -> float:
     """NCCL's bus bandwidth of an allreduce: ``algbw * 2 (n-1) / n``, comparable with the link's rate."""
     if world_size <= 1:
@@ -142,6 +164,8 @@ class HookEstimate:
             unknown.
         efficiency_full_overlap: ``compute / max(compute + codec_s, comm_s)``; ``None`` when the step's compute time
             is unknown.
+        hierarchical_comm_s: the two-tier sync's time (:func:`hierarchical_seconds`) on N nodes x M ranks; ``None``
+            for a flat world or a hook without a two-tier form.
     """
 
     hook: str
@@ -152,6 +176,7 @@ class HookEstimate:
     comm_s: float
     efficiency_no_overlap: float | None
     efficiency_full_overlap: float | None
+    hierarchical_comm_s: float | None = None
 
 
 def estimate_hooks(
@@ -165,6 +190,7 @@ def estimate_hooks(
     int8_block: int = 1024,
     codec_bytes_per_s: float | None = None,
     hooks: tuple[str, ...] = DEFAULT_PLAN_HOOKS,
+    nodes: tuple[int, int, Link] | None = None,
 ) -> list[HookEstimate]:
     """Bytes, compression compute, ring-allreduce time and scaling efficiency per hook for ``params`` fp32 gradients.
 
@@ -178,6 +204,10 @@ def estimate_hooks(
     assumed to run on the device that runs the backward pass, so it adds to the step's compute and cannot hide behind
     it: efficiency is ``compute / (compute + codec + comm)`` without overlap and ``compute / max(compute + codec,
     comm)`` with perfect overlap of communication and backward; ``None`` when ``step_compute_s`` is unknown.
+
+    ``nodes`` is ``(N, M, intra-node link)`` for a world of N nodes x M ranks: ``link`` is then each node's link
+    (which a flat ring's traffic crosses as the model says, M ranks sharing it), and the hooks with a two-tier form
+    get its time too.
     """
     if world_size < 1:
         raise ValueError(f"--world-size {world_size} must be at least 1")
@@ -206,5 +236,8 @@ def estimate_hooks(
             no_overlap = step_compute_s / (step_compute_s + codec + comm)
             overlap = step_compute_s / max(step_compute_s + codec, comm)
         sent = ring_bytes_per_rank(nbytes, world_size)
-        estimates.append(HookEstimate(hook, nbytes, sent, throughput, codec, comm, no_overlap, overlap))
+        tiered = None
+        if nodes is not None and nodes[0] > 1 and nodes[1] > 1 and hook in HIERARCHICAL_PLAN_HOOKS:
+            tiered = hierarchical_seconds(bytes_fp32, nbytes, nodes[0], nodes[1], link, nodes[2])
+        estimates.append(HookEstimate(hook, nbytes, sent, throughput, codec, comm, no_overlap, overlap, tiered))
     return estimates

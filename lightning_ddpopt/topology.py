@@ -6,11 +6,11 @@ local rank, which Lightning's cluster environment reads) and checks it with one 
 that claim one node must run on one host. Ranks on one host may claim different nodes (emulated nodes: one network
 namespace per node, as the tests and benchmarks run them).
 
-:class:`TierGroups` makes the groups a hierarchical hook needs, the same way on every rank: one *intra-node* group
-per node (its M ranks) and one *cross-node* group per local rank (the N ranks of that local rank, one per node).
-Every rank takes part in making every group (torch's rule for ``new_group``), in one order: nodes by node rank,
-then local ranks. What grows with the world: the topology itself is O(world) integers per rank; the groups are
-N + M per rank.
+:class:`TierGroups` makes the groups a hierarchical hook needs, the same way on every rank: two *intra-node* groups
+per node (its M ranks: one for the sum, one for the gather) and one *cross-node* group per local rank (the N ranks of
+that local rank, one per node). Every rank takes part in making every group (torch's rule for ``new_group``), in one
+order: nodes by node rank, then local ranks. What grows with the world: the topology itself is O(world) integers per
+rank; every rank makes 2N + M groups and belongs to three.
 """
 
 from __future__ import annotations
@@ -134,7 +134,11 @@ def discover(node_rank: int, local_rank: int, group: dist.ProcessGroup | None = 
 
 
 class TierGroups:
-    """The intra-node group of this rank's node and the cross-node group of its local rank (see the module doc).
+    """The intra-node groups of this rank's node and the cross-node group of its local rank (see the module doc).
+
+    The node has two groups, :attr:`intra` for the sum inside it and :attr:`intra_gather` for the gather: a CPU hook
+    that pipelines buckets issues each stage's collectives from a thread of its own, and a group's collectives
+    must come in one order on every rank.
 
     Made by every rank of a :attr:`Topology.tiered` topology, together; :meth:`close` destroys both.
 
@@ -148,11 +152,13 @@ class TierGroups:
         assert topology.tiered, "tier groups need several nodes with several ranks each"
         self.topology = topology
         self.intra: dist.ProcessGroup | None = None
+        self.intra_gather: dist.ProcessGroup | None = None
         self.cross: dist.ProcessGroup | None = None
         for node in topology.nodes:  # every rank makes every group, in one order
-            group = dist.new_group(ranks=list(node), backend=backend, timeout=timeout)
-            if topology.rank in node:
-                self.intra = group
+            for attribute in ("intra", "intra_gather"):
+                group = dist.new_group(ranks=list(node), backend=backend, timeout=timeout)
+                if topology.rank in node:
+                    setattr(self, attribute, group)
         for local in range(topology.ranks_per_node):
             members = [node[local] for node in topology.nodes]
             group = dist.new_group(ranks=members, backend=backend, timeout=timeout)
@@ -162,4 +168,5 @@ class TierGroups:
     def close(self) -> None:
         """Destroy both groups (every rank of the topology calls it, at teardown)."""
         destroy_owned_group(self, "intra")
+        destroy_owned_group(self, "intra_gather")
         destroy_owned_group(self, "cross")

@@ -19,12 +19,17 @@ a rank's small gradients underflow fp16 M times less often. The ledger counts th
 the hook's dtype) as the hook's wire bytes, and the intra-node payload (the bucket in its own precision)
 separately (:attr:`~lightning_ddpopt.ledger.StepRecord.intra_node_bytes`).
 
-On a CPU a bucket's three stages run on a worker thread of the state's own, bucket after bucket in DDP's order (the
-backward pass goes on meanwhile); on CUDA they are issued in the hook call on a side stream
-(:mod:`lightning_ddpopt.hooks.streams`), whose waits order that stream only.
+On a CPU the three stages are a pipeline: each runs on a thread of its own and issues its collectives on a group of
+its own (:attr:`~lightning_ddpopt.topology.TierGroups.intra`, ``cross``, ``intra_gather``), bucket after bucket in
+DDP's order, so every rank issues each group's collectives in one order; while one bucket crosses nodes, the next
+is summed inside the node and the one before is gathered, and the backward pass goes on. On CUDA the stages are
+issued in the hook call on a side stream (:mod:`lightning_ddpopt.hooks.streams`), whose waits order that stream
+only. Memory beyond DDP's buckets, per bucket in flight: its shard in the hook's dtype and a clone for the gather,
+O(P / M), and a zero-padded copy of a bucket whose size M does not divide, O(P).
 """
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,12 +69,14 @@ class HierarchicalState(CommHookState):
         self.ranks_per_node = tiers.topology.ranks_per_node
         self.local_rank = tiers.topology.local_rank
         self._streams = SideStreams()
-        self._worker: Worker | None = None
+        #: On a CPU, one thread per stage (inside, between, gather), each issuing on a group of its own.
+        self._stages: list[Worker] = []
+        self.failed: BaseException | None = None
 
     def close(self) -> bool:
-        """Stop the worker thread (its jobs finished first); False if it is still busy."""
-        worker, self._worker = self._worker, None
-        return worker is None or worker.stop()
+        """Stop the stages' threads, first to last, each after its jobs; False if one is still busy."""
+        stages, self._stages = self._stages, []
+        return all([stage.stop() for stage in stages])
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -84,62 +91,107 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     cross_dtype = state.dtype or buffer.dtype
     state.record_wire_bytes(bucket, shard_numel * cross_dtype.itemsize)
     state.record_wire_bytes(bucket, shard_numel * state.ranks_per_node * buffer.element_size(), intra_node=True)
+    sync = _BucketSync(state, bucket, shard_numel)
     if buffer.is_cuda:
-        return state._streams.run(buffer, lambda: _completed(_sync(state, bucket, shard_numel)))
-    if state._worker is None or not state._worker.alive():
-        if state._worker is not None and state._worker.failed is not None:
-            failed = state._worker.failed
-            raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {failed!r}")
-        state._worker = Worker("ddpopt-hierarchical")
-    worker = state._worker
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-    def job() -> None:
-        if worker.failed is not None:  # issuing this bucket's collectives would put this rank out of step
-            future.set_exception(RuntimeError(f"an earlier bucket's hierarchical sync failed: {worker.failed!r}"))  # type: ignore[arg-type]
-            return
-        try:
-            future.set_result(_sync(state, bucket, shard_numel))
-        except Exception as error:  # DDP waits on the future: never leave it pending
-            worker.failed = error
-            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
-
-    worker.submit(job)
-    return future
+        return state._streams.run(buffer, sync.run_all)
+    if state.failed is not None:
+        raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {state.failed!r}")
+    if not state._stages or not all(stage.alive() for stage in state._stages):
+        state._stages = [Worker(f"ddpopt-hierarchical-{name}") for name in ("inside", "between", "gather")]
+    sync.future = torch.futures.Future()
+    inside, between, gather = state._stages
+    sync.then(
+        inside,
+        sync.reduce_inside,
+        lambda: sync.then(between, sync.reduce_between, lambda: sync.then(gather, sync.gather, None)),
+    )
+    return sync.future
 
 
-def _sync(state: HierarchicalState, bucket: dist.GradBucket, shard_numel: int) -> torch.Tensor:
-    start = time.perf_counter()
-    buffer = bucket.buffer()
-    ranks_per_node = state.ranks_per_node
-    padded = buffer
-    if shard_numel * ranks_per_node != buffer.numel():
-        padded = torch.zeros(shard_numel * ranks_per_node, dtype=buffer.dtype, device=buffer.device)
-        padded[: buffer.numel()].copy_(buffer)
-    shards = list(padded.view(ranks_per_node, shard_numel).unbind(0))
-    shard = shards[state.local_rank]
-    intra, cross = state.tiers.intra, state.tiers.cross
-    if dist.get_backend(intra) == "nccl":
-        reduced = torch.empty_like(shard)
-        state.wait(dist.reduce_scatter_tensor(reduced, padded, group=intra, async_op=True))
-        shard.copy_(reduced)
-    else:
-        state.wait(dist.all_reduce(padded, group=intra, async_op=True))
-    shard.div_(state.world_size)
-    send = shard if state.dtype is None else shard.to(state.dtype)
-    if send is not shard and state.measuring:
-        state.record_compression(bucket, squared_norm(shard), squared_norm(shard - send.to(shard.dtype)))
-    state.wait(dist.all_reduce(send, group=cross, async_op=True))
-    if send is not shard:
-        shard.copy_(send)
-    state.wait(dist.all_gather(shards, shard.clone(), group=intra, async_op=True))
-    if padded is not buffer:
-        buffer.copy_(padded[: buffer.numel()])
-    state.add_seconds(time.perf_counter() - start)
-    return buffer
+class _BucketSync:
+    """One bucket's three stages; on a CPU each runs on its stage's thread and hands the bucket to the next."""
 
+    def __init__(self, state: HierarchicalState, bucket: dist.GradBucket, shard_numel: int) -> None:
+        self.state, self.bucket = state, bucket
+        self.buffer = bucket.buffer()
+        ranks_per_node = state.ranks_per_node
+        self.padded = self.buffer
+        self.shard_numel = shard_numel
+        self.future: torch.futures.Future[torch.Tensor] | None = None
+        self.send: torch.Tensor | None = None
+        self.shards: list[torch.Tensor] = []
+        self.ranks_per_node = ranks_per_node
 
-def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buffer.device])
-    future.set_result(buffer)
-    return future
+    def then(self, stage: Worker, work: Callable[[], None], after: Callable[[], None] | None) -> None:
+        """Run ``work`` on ``stage``'s thread, then ``after`` (which hands the bucket on), or complete the future."""
+        future = self.future
+        assert future is not None
+
+        def job() -> None:
+            state = self.state
+            if state.failed is not None:  # issuing this bucket's collectives would put this rank out of step
+                error = RuntimeError(f"an earlier bucket's hierarchical sync failed: {state.failed!r}")
+                future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
+                return
+            start = time.perf_counter()
+            try:
+                work()
+            except Exception as error:  # DDP waits on the future: never leave it pending
+                state.failed = error
+                future.set_exception(error)  # type: ignore[arg-type]
+                return
+            finally:
+                state.add_seconds(time.perf_counter() - start)
+            if after is None:
+                future.set_result(self.buffer)
+            else:
+                after()
+
+        stage.submit(job)
+
+    def run_all(self) -> torch.futures.Future[torch.Tensor]:
+        """Every stage here and now (CUDA: on the side stream, whose waits order that stream only)."""
+        self.reduce_inside()
+        self.reduce_between()
+        self.gather()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[self.buffer.device])
+        future.set_result(self.buffer)
+        return future
+
+    def reduce_inside(self) -> None:
+        """The node's sum; this rank keeps its shard, divided by the world size and cast for the trip between nodes."""
+        state, buffer = self.state, self.buffer
+        numel = self.shard_numel * self.ranks_per_node
+        if numel != buffer.numel():
+            self.padded = torch.zeros(numel, dtype=buffer.dtype, device=buffer.device)
+            self.padded[: buffer.numel()].copy_(buffer)
+        self.shards = list(self.padded.view(self.ranks_per_node, self.shard_numel).unbind(0))
+        shard = self.shards[state.local_rank]
+        tiers = state.tiers
+        if dist.get_backend(tiers.intra) == "nccl":
+            reduced = torch.empty_like(shard)
+            state.wait(dist.reduce_scatter_tensor(reduced, self.padded, group=tiers.intra, async_op=True))
+            shard.copy_(reduced)
+        else:
+            state.wait(dist.all_reduce(self.padded, group=tiers.intra, async_op=True))
+        shard.div_(state.world_size)
+        self.send = shard if state.dtype is None else shard.to(state.dtype)
+        if self.send is not shard and state.measuring:
+            dropped = squared_norm(shard - self.send.to(shard.dtype))
+            state.record_compression(self.bucket, squared_norm(shard), dropped)
+
+    def reduce_between(self) -> None:
+        """The shard's sum over the nodes, among the ranks of this local rank."""
+        assert self.send is not None
+        self.state.wait(dist.all_reduce(self.send, group=self.state.tiers.cross, async_op=True))
+
+    def gather(self) -> None:
+        """Every reduced shard from the node's ranks into the bucket."""
+        state = self.state
+        shard = self.shards[state.local_rank]
+        assert self.send is not None
+        if self.send is not shard:
+            shard.copy_(self.send)
+        state.wait(dist.all_gather(self.shards, shard.clone(), group=state.tiers.intra_gather, async_op=True))
+        if self.padded is not self.buffer:
+            self.buffer.copy_(self.padded[: self.buffer.numel()])
