@@ -1,7 +1,14 @@
-"""CPU-core binding: each local rank gets its own cores, within those it was given, and as many torch threads."""
+"""CPU-core binding: each local rank gets its own cores, within those it was given, and as many torch threads.
+
+Where Linux describes the CPUs (``/sys/devices/system/cpu/cpu*/topology``, ``/sys/devices/system/node``), ranks get
+whole physical cores, SMT siblings together, in NUMA-node order: with the usual numbering (physical cores first,
+then their siblings) a split of the logical ids in order would put ranks 4-7 of an 8-rank node on the siblings of
+ranks 0-3's cores.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -9,18 +16,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 __all__ = [
     "CoreBinding",
     "available_cores",
     "bind_cores",
+    "cpu_layout",
     "plan_core_sets",
     "plan_given_cores",
     "validate_cpu_affinity",
 ]
 
 CpuAffinity = bool | Sequence[Sequence[int]]
+#: A logical CPU's place: (NUMA node, package, physical core id).
+CpuPlace = tuple[int, int, int]
 
 
 def available_cores() -> list[int]:
@@ -62,8 +72,53 @@ def validate_cpu_affinity(value: object) -> CpuAffinity:
     return core_sets
 
 
-def plan_core_sets(cores: Sequence[int], local_world_size: int) -> list[list[int]]:
-    """Split ``cores`` into ``local_world_size`` contiguous, disjoint sets as equal in size as possible.
+def _cpu_list(text: str) -> list[int]:
+    """Linux's CPU list format (``0-3,8-11``) as ids."""
+    ids: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            ids.extend(range(int(first), int(last or first) + 1))
+    return ids
+
+
+def cpu_layout(cores: Sequence[int], root: str = "/sys/devices/system") -> dict[int, CpuPlace] | None:
+    """Each of ``cores``'s (NUMA node, package, physical core id) from Linux's sysfs; ``None`` where unreadable.
+
+    Args:
+        cores: logical CPU ids.
+        root: where sysfs describes the CPUs (a test's fake tree).
+    """
+    numa: dict[int, int] = {}
+    for node_dir in glob.glob(os.path.join(root, "node", "node[0-9]*")):
+        try:
+            with open(os.path.join(node_dir, "cpulist")) as cpulist:
+                for cpu in _cpu_list(cpulist.read()):
+                    numa[cpu] = int(os.path.basename(node_dir)[4:])
+        except (OSError, ValueError):
+            continue
+    layout: dict[int, CpuPlace] = {}
+    for cpu in cores:
+        topology = os.path.join(root, "cpu", f"cpu{cpu}", "topology")
+        try:
+            with (
+                open(os.path.join(topology, "physical_package_id")) as package,
+                open(os.path.join(topology, "core_id")) as core,
+            ):
+                layout[cpu] = (numa.get(cpu, 0), int(package.read()), int(core.read()))
+        except (OSError, ValueError):
+            return None
+    return layout
+
+
+def plan_core_sets(
+    cores: Sequence[int], local_world_size: int, layout: dict[int, CpuPlace] | None = None
+) -> list[list[int]]:
+    """Split ``cores`` into ``local_world_size`` disjoint sets as equal in size as possible.
+
+    With ``layout`` (:func:`cpu_layout`) and at least one physical core per rank, the physical cores, in NUMA-node
+    order, are split into contiguous runs and each rank gets every logical CPU of its run's cores (SMT siblings
+    stay together, no two ranks share a core); otherwise the logical ids, in order.
 
     Raises:
         ValueError: when there are fewer cores than local ranks.
@@ -75,22 +130,37 @@ def plan_core_sets(cores: Sequence[int], local_world_size: int) -> list[list[int
             f"cpu_affinity=True needs at least one core per local rank: {local_world_size} local ranks but only "
             f"{len(cores)} usable cores {list(cores)}; lower `devices` or pass cpu_affinity=False"
         )
-    base, extra = divmod(len(cores), local_world_size)
-    sets, start = [], 0
-    for rank in range(local_world_size):
-        size = base + (1 if rank < extra else 0)
-        sets.append(list(cores[start : start + size]))
+    if layout is not None:
+        physical: dict[CpuPlace, list[int]] = {}
+        for cpu in cores:
+            physical.setdefault(layout[cpu], []).append(cpu)
+        if len(physical) >= local_world_size:
+            runs = _contiguous(sorted(physical), local_world_size)
+            return [sorted(cpu for place in run for cpu in physical[place]) for run in runs]
+    return _contiguous(list(cores), local_world_size)
+
+
+def _contiguous(items: list[Any], parts: int) -> list[list[Any]]:
+    """``items`` in ``parts`` contiguous runs as equal in length as possible, the longer ones first."""
+    base, extra = divmod(len(items), parts)
+    runs, start = [], 0
+    for index in range(parts):
+        size = base + (1 if index < extra else 0)
+        runs.append(items[start : start + size])
         start += size
-    return sets
+    return runs
 
 
-def plan_given_cores(given: Sequence[Sequence[int]]) -> tuple[list[list[int]], str]:
+def plan_given_cores(
+    given: Sequence[Sequence[int]], layout: dict[int, CpuPlace] | None = None
+) -> tuple[list[list[int]], str]:
     """Each local rank's cores for ``cpu_affinity=True``, from the cores each was given (in local-rank order).
 
     Ranks that were given the same cores split them evenly: all of them when Lightning (or a launcher that does not
     bind) started them, a socket's ranks under ``srun --cpu-bind=sockets``. A rank given cores no other rank was
     given (``srun --cpu-bind=cores``, a container per rank) keeps them. No rank is ever given a core it could not
-    use. Returns the sets and a sentence saying which it was.
+    use. Returns the sets and a sentence saying which it was. ``layout`` splits by physical core
+    (:func:`plan_core_sets`).
 
     Raises:
         ValueError: when ranks given the same cores are more than those cores.
@@ -103,7 +173,7 @@ def plan_given_cores(given: Sequence[Sequence[int]]) -> tuple[list[list[int]], s
         sharing.setdefault(tuple(cores), []).append(rank)
     plan = list(sets)
     for shared, ranks in sharing.items():
-        for rank, part in zip(ranks, plan_core_sets(shared, len(ranks)), strict=True):
+        for rank, part in zip(ranks, plan_core_sets(shared, len(ranks), layout), strict=True):
             plan[rank] = part
     distinct = list(sharing)
     overlap = any(set(a) & set(b) for i, a in enumerate(distinct) for b in distinct[i + 1 :])
@@ -165,7 +235,15 @@ def bind_cores(
         return None
     if cpu_affinity is True:
         given = _local_ranks_cores(available_cores(), local_rank, local_world_size, node_rank, world_size)
-        core_sets, how = plan_given_cores(given)
+        layout = cpu_layout(sorted({cpu for cores in given for cpu in cores}))
+        core_sets, how = plan_given_cores(given, layout)
+        if layout is None:
+            rank_zero_warn(
+                "ddpopt: cpu_affinity=True found no CPU topology in /sys/devices/system (physical cores, SMT siblings, "
+                "NUMA nodes): the cores are split in id order, and two ranks may share a physical core"
+            )
+        elif len({layout[cpu] for cpu in layout}) < len(layout):
+            how += "; whole physical cores, SMT siblings together, in NUMA-node order"
     else:
         core_sets, how = [list(cores) for cores in cpu_affinity], "as given"
         if len(core_sets) != local_world_size:

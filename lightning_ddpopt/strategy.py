@@ -96,7 +96,8 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
         static_graph: see ``DistributedDataParallel``.
         cpu_affinity: ``True`` gives each local rank its own cores within those it was given: ranks given the same
             cores (``os.sched_getaffinity``) split them evenly, a rank a launcher bound keeps its own (see
-            :func:`lightning_ddpopt.affinity.plan_given_cores`), with torch's thread count to match; a list gives
+            :func:`lightning_ddpopt.affinity.plan_given_cores`; whole physical cores, SMT siblings together, in
+            NUMA-node order where Linux describes the CPUs), with torch's thread count to match; a list gives
             each local rank its cores explicitly; ``False`` (default) leaves affinity alone.
         checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
         local_sgd: a :class:`~lightning_ddpopt.localsgd.LocalSGDConfig` (e.g. ``LocalSGDConfig.diloco(16)``): after

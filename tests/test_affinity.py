@@ -7,7 +7,41 @@ import os
 import pytest
 import torch
 
-from lightning_ddpopt.affinity import CoreBinding, available_cores, plan_core_sets, plan_given_cores
+from lightning_ddpopt.affinity import CoreBinding, available_cores, cpu_layout, plan_core_sets, plan_given_cores
+
+
+def _two_socket_smt(root):
+    """A fake sysfs: 2 NUMA nodes of 4 physical cores, 2 threads each, numbered physical cores first (cpu i and i + 8
+    are siblings), as Linux numbers them."""
+    for cpu in range(16):
+        topology = root / "cpu" / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        package = (cpu % 8) // 4
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{cpu % 4}\n")
+    for node, cpulist in enumerate(("0-3,8-11", "4-7,12-15")):
+        (root / "node" / f"node{node}").mkdir(parents=True)
+        (root / "node" / f"node{node}" / "cpulist").write_text(cpulist + "\n")
+    return str(root)
+
+
+def test_ranks_get_whole_physical_cores_in_numa_order(tmp_path):
+    layout = cpu_layout(range(16), root=_two_socket_smt(tmp_path))
+    assert layout is not None and layout[0] == layout[8] == (0, 0, 0) and layout[13] == (1, 1, 1)
+    # In id order, ranks 2 and 3 would get the siblings of ranks 0 and 1's cores, on the other NUMA node.
+    assert plan_core_sets(range(16), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert plan_core_sets(list(range(16)), 4, layout) == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    assert plan_core_sets(list(range(16)), 8, layout)[1] == [1, 9]
+    # More ranks than physical cores: the logical ids in order, every rank still has its own.
+    assert plan_core_sets(list(range(16)), 16, layout) == [[cpu] for cpu in range(16)]
+    assert plan_given_cores([list(range(16))] * 2, layout)[0] == [
+        [0, 1, 2, 3, 8, 9, 10, 11],
+        [4, 5, 6, 7, 12, 13, 14, 15],
+    ]
+
+
+def test_without_a_cpu_topology_the_layout_is_unknown(tmp_path):
+    assert cpu_layout([0, 1], root=str(tmp_path)) is None
 
 
 def test_plan_splits_cores_evenly_and_disjointly():

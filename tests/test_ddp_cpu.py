@@ -6,7 +6,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddpopt import OptimizedDDPStrategy
-from lightning_ddpopt.affinity import available_cores, plan_core_sets
+from lightning_ddpopt.affinity import available_cores, cpu_layout, plan_core_sets
 from lightning_ddpopt.buckets import autotune_candidates, plan_buckets
 from tests.helpers import WIDTH, StackModel, fit_ddp, stack_gradient_bytes, uninterrupted_and_resumed
 
@@ -77,8 +77,8 @@ def test_cpu_affinity_gives_each_rank_its_own_cores(tmp_path):
     cores = available_cores()
     ranks = fit_ddp(tmp_path, OptimizedDDPStrategy(cpu_affinity=True, start_method="fork"), max_steps=1)
 
-    assert [record["cores"] for record in ranks] == plan_core_sets(cores, 2)
-    assert [record["threads"] for record in ranks] == [len(c) for c in plan_core_sets(cores, 2)]
+    assert [record["cores"] for record in ranks] == plan_core_sets(cores, 2, cpu_layout(cores))
+    assert [record["threads"] for record in ranks] == [len(c) for c in plan_core_sets(cores, 2, cpu_layout(cores))]
     assert not set(ranks[0]["cores"]) & set(ranks[1]["cores"])
 
 

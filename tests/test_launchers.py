@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
-from lightning_ddpopt.affinity import available_cores, plan_core_sets
+from lightning_ddpopt.affinity import available_cores, cpu_layout, plan_core_sets
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig
 from tests.helpers import user_environment
 from tests.launcher_worker import SLOW_MS, shared_tensors
@@ -163,7 +163,9 @@ def test_every_launcher(tmp_path, launcher):
     # cpu_affinity=True: ranks given the same cores split them, ranks srun bound keep their own core.
     if launcher in ("script", "slurm"):
         given = available_cores()
-        expected = plan_core_sets(given, 2) if launcher == "script" else [[core] for core in SLURM_CORES]
+        expected = (
+            plan_core_sets(given, 2, cpu_layout(given)) if launcher == "script" else [[core] for core in SLURM_CORES]
+        )
         assert [r["cores"] for r in records["callbacks"]] == expected
         assert [r["threads"] for r in records["callbacks"]] == [len(cores) for cores in expected]
         how = f"the same cores {given}: split" if launcher == "script" else "cores of its own: kept"

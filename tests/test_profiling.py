@@ -18,7 +18,7 @@ from torch.utils.data.dataloader import default_collate
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.cli import main as ddpopt
-from lightning_ddpopt.costmodel import LINKS, estimate_hooks
+from lightning_ddpopt.costmodel import LINKS, Link, estimate_hooks
 from lightning_ddpopt.diagnosis import AREAS, NETWORK_ADVICE, Finding, diagnose, format_findings, summarize
 from tests.helpers import LaggingStrategy, StackModel, fit_ddp, regression_data, stack_gradient_bytes
 
@@ -368,11 +368,29 @@ def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
         tables.append(capsys.readouterr().out.splitlines())
     assert tables[0][0].startswith("100.0M fp32 parameters, 16 ranks, 10 Gbit/s Ethernet")
     assert tables[1][0].startswith("100.0M fp32 parameters, 16 ranks (2 nodes x 8 per node), 10 Gbit/s Ethernet")
-    assert tables[1][1:] == tables[0][1:] and tables[2] == tables[1]
+    assert tables[2] == tables[1]
+    # The same flat figures, and the two-tier time beside them for the hooks that have a two-tier form.
+    width = len(tables[0][1])
+    assert tables[1][1] == tables[0][1] + f"{'2-tier comm ms':>16}"
+    assert [line[:width] for line in tables[1][2:6]] == tables[0][2:6]
+    assert [line[width:].strip() != "-" for line in tables[1][2:6]] == [
+        True,
+        True,
+        False,
+        False,
+    ]  # allreduce .. powersgd
+    assert "2-tier comm ms: hierarchical=True: fp32 inside each node at 256 Gbit/s (--intra-gbps)" in tables[1][7]
     for argv in (flat, nodes):
         assert ddpopt([*argv, "--json"]) == 0
         tables.append(json.loads(capsys.readouterr().out))
+    tiered = {row["hook"]: row.pop("hierarchical_comm_s") for row in tables[4]}
+    assert all(row.pop("hierarchical_comm_s") is None for row in tables[3])
     assert tables[3] == tables[4]
+    # 2 nodes x 8 on 10 GbE: the bytes between nodes, 2(N-1)/N of the payload, at N = 2 not 16; fp32 inside.
+    payload = 4 * 100e6
+    inside = payload / (256e9 / 8) * 2 * 7 / 8 + 2 * 7 * 5e-6
+    assert tiered["allreduce"] == pytest.approx(inside + payload / (10e9 / 8) + 2 * 50e-6)
+    assert tiered["int8"] is None and tiered["powersgd"] is None
 
 
 def test_plan_json_fields_and_per_rank_bytes(capsys):
@@ -390,6 +408,7 @@ def test_plan_json_fields_and_per_rank_bytes(capsys):
             "comm_s",
             "efficiency_no_overlap",
             "efficiency_full_overlap",
+            "hierarchical_comm_s",
         ]
     # A ring allreduce: each of n ranks sends 2(n-1)/n of the payload; at n = 2, the whole fp32 gradient.
     assert rows["allreduce"]["sent_bytes_per_rank"] == 4 * params * 2 * (2 - 1) / 2
@@ -459,6 +478,49 @@ def test_plan_agrees_with_the_cluster_benchmark():
     assert step["stock"] > step["fp16"] > step["int8"]
     for predicted in ([e.comm_s for e in model], no_overlap, full_overlap):
         assert predicted == sorted(predicted, reverse=True)
+
+
+CLUSTER_2X2_RESULTS = CLUSTER_RESULTS.with_name("cluster_2x2.json")
+#: gloo's all-reduce plus all-gather of 100 MB between two processes over this machine's loopback, 96.2 + 120.5 ms
+#: (``benchmarks/loopback_collectives.py``, 2026-12-03): the two-tier sync's inner link in that bench, as the ring
+#: model's bandwidth (``2 (M-1)/M x S`` = 100 MB in 216.7 ms).
+LOOPBACK_GLOO_GBPS = 3.7
+
+
+def test_plan_agrees_with_the_two_tier_benchmark():
+    """The flat and two-tier model against ``benchmarks/results/cluster_2x2.json`` (2 hosts x 2 ranks on 1 Gbit).
+
+    Each measured step p50 must be within 15% of the model's no-overlap step (compute + codec + comm; the bench's
+    MLP hands its buckets over at the end of its short backward pass), flat for ``ours_flat`` and ``fp16``, two-tier
+    for ``ours`` (hierarchical by default there) and ``fp16_hier``, with the two-tier's cross-node bytes per rank
+    1/M of the hook's payload.
+    """
+    results = json.loads(CLUSTER_2X2_RESULTS.read_text())
+    assert (results["meta"]["hosts"], results["meta"]["ranks_per_host"], results["meta"]["link"]) == (2, 2, "1gbit")
+    rows = {row["variant"]: row for row in results["rows"]}
+    step = {variant: row["step_p50_ms"] / 1e3 for variant, row in rows.items()}
+    compute = step["compute"]
+    intra = Link("loopback", LOOPBACK_GLOO_GBPS * 1e9 / 8, 5e-6, "gloo over loopback")
+    model = {
+        e.hook: e
+        for e in estimate_hooks(
+            6 * (2048 * 2048 + 2048), 4, LINKS["1gbe"], compute, hooks=("allreduce", "fp16"), nodes=(2, 2, intra)
+        )
+    }
+    for variant, hook, tiered in (
+        ("ours_flat", "allreduce", False),
+        ("fp16", "fp16", False),
+        ("ours", "allreduce", True),
+        ("fp16_hier", "fp16", True),
+    ):
+        estimate = model[hook]
+        comm = estimate.hierarchical_comm_s if tiered else estimate.comm_s
+        assert comm is not None
+        predicted = compute + estimate.codec_s + comm
+        assert step[variant] == pytest.approx(predicted, rel=0.15), (variant, step[variant], predicted)
+        assert rows[variant]["bytes_per_step"] == estimate.payload_bytes / (2 if tiered else 1)
+    # Two tiers send half the bytes between the hosts: faster than flat, by less than the bytes (the inner tier).
+    assert step["ours"] < step["ours_flat"] and step["fp16_hier"] < step["fp16"]
 
 
 def test_plan_without_compute_time_shows_no_efficiency_and_says_why(capsys):
