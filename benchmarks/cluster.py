@@ -343,8 +343,10 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / f"{name}.md"
     rounds = meta.get("rounds", 1)
+    ranks_per_host = meta.get("ranks_per_host", 1)  # results written before --ranks-per-host lack it
     lines = [
-        f"Emulated cluster: {meta['hosts']} hosts x {meta.get('ranks_per_host', 1)} ranks, link {meta['link']}, "
+        f"Emulated cluster: {meta['hosts']} hosts x {ranks_per_host} rank{'s' if ranks_per_host > 1 else ''}, "
+        f"link {meta['link']}, "
         f"model {meta['model']}, batch {meta['batch_size']}/rank, {meta['timed_steps']} timed steps "
         "(compute and local SGD: 64)" + (f", median of {rounds} rounds" if rounds > 1 else "") + f"; {meta['machine']}",
         f"Command: `{meta['command']}`, {meta['date']}",

@@ -102,13 +102,11 @@ class StrategyCore:
         world_size: int,
         rank: int,
     ) -> None:
-        """Once the process group exists: learn the nodes, bind this rank's cores and open its ledger.
+        """Once the process group exists: bind this rank's cores, learn the nodes and open its ledger.
 
         The ledger times with CUDA events on a GPU (host clocks would time kernel queueing), host clocks on CPU.
         """
         self.world_size, self.rank = world_size, rank
-        # A collective, checked against the host names: on every rank, before anything uses the nodes.
-        self.topology = discover(node_rank, local_rank) if world_size > 1 else None
         self.core_binding = bind_cores(
             self.cpu_affinity,
             local_rank=local_rank,
@@ -116,6 +114,8 @@ class StrategyCore:
             node_rank=node_rank,
             world_size=world_size,
         )
+        # A collective, checked against the host names: on every rank, before anything uses the nodes.
+        self.topology = discover(node_rank, local_rank) if world_size > 1 else None
         self.ledger = CommLedger(timeline=timeline_for(device))
 
     def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:

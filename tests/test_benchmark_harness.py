@@ -130,7 +130,7 @@ def test_reports_are_written(tmp_path):
     paths = cluster.write_reports(rows, meta, tmp_path)
     assert [p.name for p in paths] == ["cluster.md", "cluster.json", "cluster.png"]
     table = (tmp_path / "cluster.md").read_text().splitlines()
-    assert table[0].startswith("Emulated cluster: 2 hosts, link 1gbit")
+    assert table[0].startswith("Emulated cluster: 2 hosts x 1 rank, link 1gbit, model m, batch 16/rank")
     assert table[1] == "Command: `benchmarks/cluster.py`, 2026-12-02"  # what reproduces it, and when it ran
     assert table[6] == "| ours | - | - | 35.6 | 900 | 981 | 800 | 100.71 | 1.11x | - | 1.01 |"
     assert json.loads((tmp_path / "cluster.json").read_text())["rows"][1]["variant"] == "ours"

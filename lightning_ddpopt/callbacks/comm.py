@@ -19,8 +19,10 @@ from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
+from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.deferred import to_device
+from lightning_ddpopt.hooks.hierarchical import HierarchicalState
 from lightning_ddpopt.ledger import CommLedger, StepRecord, local_drift
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import median_seconds
@@ -81,7 +83,8 @@ class CommProfiler(Callback):
                                           achieved while it ran; not logged for an interval with a transfer that ran
                                           while the ranks trained on (local SGD's overlapped sync: the step waited
                                           for its arrival only)
-    ``ddpopt/comm/busbw_gbps``            algbw x 2 (n - 1) / n: comparable with the link's rate
+    ``ddpopt/comm/busbw_gbps``            algbw x 2 (n - 1) / n: comparable with the link's rate (n: the ranks;
+                                          with a hierarchical sync, the nodes)
     ``ddpopt/comm/sync_rounds``           gradient syncs per optimizer step (1 with accumulation done right)
     ``ddpopt/comm/compression_error``     a lossy hook's relative compression error, mean over ranks: the norm of
                                           what the compression dropped over the norm of what it was given (gradient
@@ -190,6 +193,7 @@ class CommProfiler(Callback):
             return
         self._exchange = Exchange()
         self._fit_steps = 0
+        self._ring_ranks = trainer.world_size
         self._quality = {name: [0.0, 0] for name in _QUALITY_FIELDS}
         self.run_quality = {}
 
@@ -208,6 +212,12 @@ class CommProfiler(Callback):
         if not self._active:
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
+        # A two-tier sync's bytes_sent cross the nodes in rings of one rank per node: its bus bandwidth is theirs.
+        state = trainer.strategy.comm_state if isinstance(trainer.strategy, CoreViews) else None
+        if isinstance(state, HierarchicalState):
+            self._ring_ranks = state.tiers.topology.num_nodes
+        else:
+            self._ring_ranks = trainer.world_size
         if self._cursor.ledger is not None:
             self._cursor.ledger.error_every = self.error_every
         else:
@@ -420,7 +430,7 @@ class CommProfiler(Callback):
                 # sync time: no bandwidth follows from that.
                 if sent and busy and not mean("transfer_hidden"):
                     out["algbw_gbps"] = sent / busy / 1e9
-                    out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], world_size)
+                    out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], self._ring_ranks)
         for name in ("compression_error", "error_feedback"):
             if not math.isnan(mean(name)):
                 out[name] = mean(name)
