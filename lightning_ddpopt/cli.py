@@ -87,7 +87,6 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--intra-gbps",
         type=float,
-        default=INTRA_NODE_GBPS,
         help=f"with --nodes and --gpus-per-node: the link inside a node in Gbit/s (default {INTRA_NODE_GBPS:g}, "
         "PCIe 4.0 x16), for the two-tier sync's time",
     )
@@ -213,7 +212,14 @@ def _plan(args: argparse.Namespace) -> int:
 def _tiers(args: argparse.Namespace) -> tuple[int, int, Link] | None:
     """``(nodes, ranks per node, intra-node link)`` for the two-tier estimate; ``None`` for a flat world."""
     if args.nodes is None or args.gpus_per_node is None:
+        if args.intra_gbps is not None:
+            raise ValueError(
+                f"--intra-gbps {args.intra_gbps:g} needs --nodes and --gpus-per-node: the link inside a node of a "
+                "two-tier sync"
+            )
         return None
+    if args.intra_gbps is None:
+        args.intra_gbps = INTRA_NODE_GBPS
     if not args.intra_gbps > 0:
         raise ValueError(f"--intra-gbps {args.intra_gbps:g} must be positive: the link inside a node in Gbit/s")
     intra = Link("intra", args.intra_gbps * 1e9 / 8, 5e-6, f"{args.intra_gbps:g} Gbit/s inside the node")

@@ -114,8 +114,16 @@ class StrategyCore:
             node_rank=node_rank,
             world_size=world_size,
         )
-        # A collective, checked against the host names: on every rank, before anything uses the nodes.
-        self.topology = discover(node_rank, local_rank) if world_size > 1 else None
+        self.topology = None
+        if world_size > 1 and self.hooks.hierarchical is not False:
+            # A collective, checked against the host names: on every rank, before anything uses the nodes. Every rank
+            # gathers the same claims, so every rank decides alike.
+            try:
+                self.topology = discover(node_rank, local_rank)
+            except ValueError as error:
+                if self.hooks.hierarchical is True:
+                    raise
+                rank_zero_warn(f"ddpopt: {error}. The sync stays flat (hierarchical='auto').")
         self.ledger = CommLedger(timeline=timeline_for(device))
 
     def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:
@@ -131,6 +139,7 @@ class StrategyCore:
         device: torch.device,
         loss_scale: Callable[[], torch.Tensor | None],
         own_group: Callable[[], dist.ProcessGroup],
+        new_group: Callable[[list[int]], dist.ProcessGroup],
     ) -> None:
         """Register the hook on the freshly wrapped ``model``, start local SGD over it, restore what waited for them."""
         assert self.ledger is not None, "start() first"
@@ -144,6 +153,7 @@ class StrategyCore:
             own_group=own_group,
             reused_choice=self.reused_decision("hook_choice") if self.hooks.choosing else None,
             topology=self.topology,
+            new_group=new_group,
         )
         if self.hooks.registered is not None:
             self._restore_hook_state()

@@ -93,11 +93,12 @@ HIERARCHICAL_PLAN_HOOKS = ("allreduce", "fp16", "bf16")
 def hierarchical_seconds(
     fp32_bytes: float, payload_bytes: float, nodes: int, per_node: int, link: Link, intra: Link
 ) -> float:
-    """Two-tier sync lower bound on N nodes x M ranks (``nodes``, ``per_node``).
+    """Two-tier sync time on N nodes x M ranks (``nodes``, ``per_node``), its tiers one after the other.
 
-    Inside each node a reduce-scatter and an all-gather of the fp32 bucket, ``2 (M-1)/M x S_fp32`` over the
+    Inside each node a reduce-scatter and an all-gather of the fp32 bucket (NCCL's), ``2 (M-1)/M x S_fp32`` over the
     intra-node link; between nodes M all-reduces of 1/M of the payload each, which share the node's link:
-    ``2 (N-1)/N x S`` over it, and ``2 (N-1)`` latencies.
+    ``2 (N-1)/N x S`` over it, and ``2 (N-1)`` latencies. The CPU path pipelines its tiers across buckets and
+    all-reduces inside the node (gloo): give ``intra`` the bandwidth its inner tier reaches.
     """
     inside = ring_bytes_per_rank(fp32_bytes, per_node) / intra.bytes_per_s + 2 * (per_node - 1) * intra.latency_s
     return inside + allreduce_seconds(payload_bytes, nodes, link)

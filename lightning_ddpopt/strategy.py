@@ -105,12 +105,14 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
             ``sync_every`` optimizer steps (see :mod:`lightning_ddpopt.localsgd`). ``comm_hook`` then applies
             during the warm-up only.
         hierarchical: on N nodes x M ranks, sync in two tiers (:mod:`lightning_ddpopt.hooks.hierarchical`): sum
-            inside each node in full precision, send 1/M of each bucket per rank between nodes in the hook's
-            precision, gather inside the node. ``"auto"`` (default) does where the run spans several nodes with
-            several ranks each, as many on every node, and the hook has a two-tier form (``allreduce``, ``fp16``,
-            ``bf16``); ``True`` requires such a hook (a one-node run warns and syncs flat); ``False`` never. The
-            nodes come from the launcher (``NODE_RANK``/``LOCAL_RANK``, SLURM's), checked against the host names
-            at setup (:mod:`lightning_ddpopt.topology`); the choice and why are logged on rank 0.
+            inside each node in the bucket's own precision, send 1/M of each bucket per rank between nodes in the
+            hook's precision, gather inside the node. ``"auto"`` (default) does where the run spans several nodes
+            with several ranks each, as many on every node, the hook has a two-tier form (``allreduce``, ``fp16``,
+            ``bf16``) and the backend is one the tests run (gloo; NCCL keeps its own sync unless ``True``);
+            ``True`` requires such a hook, or an ``AutoConfig`` among them (a one-node run warns and syncs flat);
+            ``False`` never. The nodes come from the launcher (``NODE_RANK``/``LOCAL_RANK``, SLURM's), checked
+            against the host names at setup (:mod:`lightning_ddpopt.topology`; with ``"auto"`` a mismatch warns
+            and the sync stays flat, with ``True`` it raises); the choice and why are logged on rank 0.
         **kwargs: forwarded to ``DistributedDataParallel``.
 
     Example::
@@ -252,6 +254,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
             device=self.root_device,
             loss_scale=self._loss_scale,
             own_group=self._group_of_own,
+            new_group=self._new_group,
         )
 
     @override
@@ -369,6 +372,12 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
 
     def _loss_scale(self) -> torch.Tensor | None:
         return current_loss_scale(self.precision_plugin)
+
+    def _new_group(self, ranks: list[int]) -> torch.distributed.ProcessGroup:
+        """A new process group over ``ranks``, on the strategy's backend and with its timeout (every rank calls it)."""
+        return torch.distributed.new_group(
+            ranks=ranks, backend=self._get_process_group_backend(), timeout=self._timeout
+        )
 
     def _group_of_own(self) -> torch.distributed.ProcessGroup:
         """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""

@@ -16,8 +16,8 @@ rank; every rank makes 2N + M groups and belongs to three.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -144,24 +144,25 @@ class TierGroups:
 
     Args:
         topology: the nodes' ranks.
-        backend: the groups' backend; ``None`` for the default group's.
-        timeout: the groups' timeout; ``None`` for torch's default.
+        new_group: makes a group over the given ranks (the strategy's: its backend and timeout); ``None`` for
+            ``torch.distributed.new_group`` with torch's defaults.
     """
 
-    def __init__(self, topology: Topology, backend: str | None = None, timeout: timedelta | None = None) -> None:
+    def __init__(self, topology: Topology, new_group: Callable[[list[int]], dist.ProcessGroup] | None = None) -> None:
         assert topology.tiered, "tier groups need several nodes with several ranks each"
+        make = new_group or (lambda ranks: dist.new_group(ranks=ranks))
         self.topology = topology
         self.intra: dist.ProcessGroup | None = None
         self.intra_gather: dist.ProcessGroup | None = None
         self.cross: dist.ProcessGroup | None = None
         for node in topology.nodes:  # every rank makes every group, in one order
             for attribute in ("intra", "intra_gather"):
-                group = dist.new_group(ranks=list(node), backend=backend, timeout=timeout)
+                group = make(list(node))
                 if topology.rank in node:
                     setattr(self, attribute, group)
         for local in range(topology.ranks_per_node):
             members = [node[local] for node in topology.nodes]
-            group = dist.new_group(ranks=members, backend=backend, timeout=timeout)
+            group = make(members)
             if topology.rank in members:
                 self.cross = group
 

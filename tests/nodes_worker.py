@@ -17,15 +17,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector, fp16_mixed_precision
-from tests.helpers import OverflowModel, regression_data
+from tests.helpers import WIDTH, OverflowModel, regression_data
 
 RANKS_PER_NODE = int(os.environ.get("DDPOPT_TEST_RANKS_PER_NODE", "2"))
 NUM_NODES = int(os.environ.get("DDPOPT_TEST_NODES", "2"))
 #: The fits, in order: name -> (comm_hook, hierarchical). The first is the flat fp32 reference.
-FITS: dict[str, tuple[str, bool]] = {
+FITS: dict[str, tuple[str, bool | str]] = {
     "flat_allreduce": ("allreduce", False),
     "allreduce": ("allreduce", True),
-    "fp16": ("fp16", True),
+    "fp16": ("fp16", "auto"),  # the default: two tiers on gloo at N x M
     "bf16": ("bf16", True),
     "flat_fp16": ("fp16", False),
 }
@@ -44,11 +44,13 @@ class SlowLocalRank(OverflowModel):
     def __init__(self, slow: bool) -> None:
         super().__init__(overflow_at=(OVERFLOW_STEP,) if slow else (), ranks=(OVERFLOW_RANK,))
         self.slow = slow
+        # 3 x 256 + 3 gradients: a bucket whose size the node's ranks do not divide, padded by the two-tier sync.
+        self.head = torch.nn.Linear(WIDTH, 3)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.slow and self.global_rank == SLOW_RANK:
             time.sleep(SLOW_MS / 1e3)
-        return super().training_step(batch, batch_idx)
+        return super().training_step(batch, batch_idx) + self.head(batch[0]).square().mean()
 
 
 class Probe(pl.Callback):
@@ -79,7 +81,9 @@ class Probe(pl.Callback):
         torch.save(record, self.out / f"{self.fit}_rank{trainer.global_rank}.pt")
 
 
-def fit(out: Path, name: str, hook: str, hierarchical: bool, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+def fit(
+    out: Path, name: str, hook: str, hierarchical: bool | str, callbacks: list[pl.Callback] | None = None
+) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=RANKS_PER_NODE,
@@ -92,7 +96,7 @@ def fit(out: Path, name: str, hook: str, hierarchical: bool, callbacks: list[pl.
         enable_model_summary=False,
         default_root_dir=out / name,
         callbacks=[*(callbacks or []), Probe(out, name)],
-        plugins=[fp16_mixed_precision("cpu")] if callbacks else None,
+        plugins=[fp16_mixed_precision("cpu", init_scale=256.0)] if callbacks else None,  # only the injected overflow
     )
     pl.seed_everything(0)
     model = SlowLocalRank(slow=bool(callbacks))
@@ -107,7 +111,7 @@ def main(out: Path) -> None:
             last = fit(out, name, hook, hierarchical)
     if "callbacks" in CHOSEN:
         measured = [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
-        last = fit(out, "callbacks", "fp16", True, callbacks=measured)
+        last = fit(out, "callbacks", "fp16", "auto", callbacks=measured)
     (out / f"done_rank{last.global_rank}").write_text("ok")
 
 

@@ -350,6 +350,14 @@ def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
             ["--world-size", "2", "--codec-gb-per-s", "0"],
             "--codec-gb-per-s 0 must be positive: GB of fp32 gradient the compression processes per second",
         ),
+        (
+            ["--world-size", "2", "--intra-gbps", "10"],
+            "--intra-gbps 10 needs --nodes and --gpus-per-node: the link inside a node of a two-tier sync",
+        ),
+        (
+            ["--nodes", "2", "--gpus-per-node", "2", "--intra-gbps", "0"],
+            "--intra-gbps 0 must be positive: the link inside a node in Gbit/s",
+        ),
     ],
 )
 def test_plan_world_size_and_codec_errors_exactly(args, message, capsys):

@@ -84,7 +84,8 @@ class CommProfiler(Callback):
                                           while the ranks trained on (local SGD's overlapped sync: the step waited
                                           for its arrival only)
     ``ddpopt/comm/busbw_gbps``            algbw x 2 (n - 1) / n: comparable with the link's rate (n: the ranks;
-                                          with a hierarchical sync, the nodes)
+                                          with a hierarchical sync, the nodes, times the M ranks of a node, whose
+                                          rings share its link)
     ``ddpopt/comm/sync_rounds``           gradient syncs per optimizer step (1 with accumulation done right)
     ``ddpopt/comm/compression_error``     a lossy hook's relative compression error, mean over ranks: the norm of
                                           what the compression dropped over the norm of what it was given (gradient
@@ -193,7 +194,7 @@ class CommProfiler(Callback):
             return
         self._exchange = Exchange()
         self._fit_steps = 0
-        self._ring_ranks = trainer.world_size
+        self._ring_ranks, self._rings_per_link = trainer.world_size, 1
         self._quality = {name: [0.0, 0] for name in _QUALITY_FIELDS}
         self.run_quality = {}
 
@@ -212,12 +213,14 @@ class CommProfiler(Callback):
         if not self._active:
             return
         self._cursor.start(trainer)  # the strategy has registered its hook by now
-        # A two-tier sync's bytes_sent cross the nodes in rings of one rank per node: its bus bandwidth is theirs.
+        # A two-tier sync's bytes_sent cross the nodes in rings of one rank per node, M of which share each node's
+        # link: the link's bus bandwidth is M times one ring's.
         state = trainer.strategy.comm_state if isinstance(trainer.strategy, CoreViews) else None
         if isinstance(state, HierarchicalState):
-            self._ring_ranks = state.tiers.topology.num_nodes
+            topology = state.tiers.topology
+            self._ring_ranks, self._rings_per_link = topology.num_nodes, topology.ranks_per_node
         else:
-            self._ring_ranks = trainer.world_size
+            self._ring_ranks, self._rings_per_link = trainer.world_size, 1
         if self._cursor.ledger is not None:
             self._cursor.ledger.error_every = self.error_every
         else:
@@ -430,7 +433,8 @@ class CommProfiler(Callback):
                 # sync time: no bandwidth follows from that.
                 if sent and busy and not mean("transfer_hidden"):
                     out["algbw_gbps"] = sent / busy / 1e9
-                    out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], self._ring_ranks)
+                    busbw = bus_bandwidth(out["algbw_gbps"], self._ring_ranks) * self._rings_per_link
+                    out["busbw_gbps"] = busbw
         for name in ("compression_error", "error_feedback"):
             if not math.isnan(mean(name)):
                 out[name] = mean(name)

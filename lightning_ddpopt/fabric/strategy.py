@@ -213,6 +213,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
             device=self.root_device,
             loss_scale=self._loss_scale,
             own_group=self._group_of_own,
+            new_group=self._new_group,
         )
         if self.optimizers:
             self._core.hooks.fit_to_optimizers(self.optimizers)
@@ -407,6 +408,12 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         """Fabric's GradScaler when fp16 AMP runs with one (``None`` without, or disabled)."""
         scaler = getattr(self.precision, "scaler", None)
         return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+    def _new_group(self, ranks: list[int]) -> torch.distributed.ProcessGroup:
+        """A new process group over ``ranks``, on the strategy's backend and with its timeout (every rank calls it)."""
+        return torch.distributed.new_group(
+            ranks=ranks, backend=self._get_process_group_backend(), timeout=self._timeout
+        )
 
     def _group_of_own(self) -> torch.distributed.ProcessGroup:
         """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""

@@ -1,4 +1,4 @@
-"""Two-tier gradient sync for N nodes x M ranks: full precision inside a node, compressed only between nodes.
+"""Two-tier gradient sync for N nodes x M ranks: the bucket's own precision inside a node, compressed between nodes.
 
 No ``from __future__ import annotations`` here: DDP compares the hook's annotations with the real types.
 
@@ -6,18 +6,18 @@ Each bucket's sync, on every rank (the groups are :class:`lightning_ddpopt.topol
 
 1. **inside the node**, in the bucket's own precision: the bucket's sum over the node's M ranks, of which local rank
    ``l`` keeps shard ``l`` (a 1/M slice; the bucket is zero-padded to a multiple of M). NCCL reduce-scatters; gloo,
-   which lacks a reduce-scatter in older torch releases, all-reduces the bucket and keeps the slice;
-2. **between the nodes**: the shard, divided by the world size and cast to the hook's dtype (fp32, fp16 or bf16),
-   is all-reduced over the N ranks of the same local rank, one per node: only 1/M of the bucket crosses nodes from
-   each rank, M shards in parallel over each node's link;
+   whose reduce-scatter is slower than its all-reduce on a CPU, all-reduces the bucket and keeps the slice;
+2. **between the nodes**: the shard, divided by the world size and cast to the hook's dtype (fp16 or bf16; left as
+   it is for ``allreduce``), is all-reduced over the N ranks of the same local rank, one per node: 1/M of the bucket
+   crosses nodes from each rank, M shards in parallel over each node's link;
 3. **inside the node**: the reduced shards are all-gathered into the bucket.
 
-Every rank ends with the same bucket. Against the flat cast hooks, the slow link carries the same compressed bytes
-in all (a ring all-reduce of the bucket over N nodes instead of N x M ranks: its bytes per node do not grow with
-M), and fp16's sum runs over N node sums, each already divided by the world size in full precision, so
-a rank's small gradients underflow fp16 M times less often. The ledger counts the cross-node payload (the shard, in
-the hook's dtype) as the hook's wire bytes, and the intra-node payload (the bucket in its own precision)
-separately (:attr:`~lightning_ddpopt.ledger.StepRecord.intra_node_bytes`).
+Every rank ends with the same bucket. Each node's link carries ``2 (N-1)/N`` of the compressed bucket, where a flat
+ring over all N x M ranks puts ``2 (NM-1)/NM`` of it on the link between two nodes. What fp16 casts is a node's sum
+divided by the world size, not one rank's gradient divided by it: values M times larger on average, so fewer small
+gradients underflow. The ledger counts the cross-node payload (the shard, in the hook's dtype) as the hook's wire
+bytes, and the intra-node payload (the padded bucket in its own precision, the size of an all-reduce with the inner
+tier's traffic) separately (:attr:`~lightning_ddpopt.ledger.StepRecord.intra_node_bytes`).
 
 On a CPU the three stages are a pipeline: each runs on a thread of its own and issues its collectives on a group of
 its own (:attr:`~lightning_ddpopt.topology.TierGroups.intra`, ``cross``, ``intra_gather``), bucket after bucket in
@@ -74,13 +74,20 @@ class HierarchicalState(CommHookState):
         self.failed: BaseException | None = None
 
     def close(self) -> bool:
-        """Stop the stages' threads, first to last, each after its jobs; False if one is still busy."""
-        stages, self._stages = self._stages, []
-        return all([stage.stop() for stage in stages])
+        """Stop the stages' threads, first to last, each after its jobs; False at the first still busy.
+
+        The later stages are then kept: the busy one may still hand them a bucket.
+        """
+        for index, stage in enumerate(self._stages):
+            if not stage.stop():
+                self._stages = self._stages[index:]
+                return False
+        self._stages = []
+        return True
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over every rank in two tiers: inside each node in full precision, between nodes cast.
+    """Average the bucket over every rank in two tiers: inside each node in its own precision, between nodes cast.
 
     Args:
         state: a :class:`HierarchicalState`.

@@ -69,7 +69,7 @@ class HookInstaller:
         hierarchical: bool | Literal["auto"] = "auto",
     ) -> None:
         self._spec, self._callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
-        self.hierarchical = validate_hierarchical(hierarchical, comm_hook, self._spec)
+        self.hierarchical = validate_hierarchical(hierarchical, comm_hook, self._spec, ddp_comm_hook)
         self._tiers: TierGroups | None = None
         if ddp_comm_hook is not None:
             validate_hook_callable(ddp_comm_hook, "ddp_comm_hook")
@@ -101,20 +101,22 @@ class HookInstaller:
         own_group: Callable[[], dist.ProcessGroup],
         reused_choice: HookChoice | None,
         topology: Topology | None = None,
+        new_group: Callable[[list[int]], dist.ProcessGroup] | None = None,
     ) -> None:
         """Build the hook and register it on ``model`` (none: DDP's built-in allreduce).
 
         ``own_group`` makes a process group over the model's ranks for a hook that runs beside the backward pass;
         ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies; ``topology`` (the ranks of each
-        node) decides whether the sync is hierarchical.
+        node) decides whether the sync is hierarchical, and ``new_group`` makes its groups (on the strategy's backend,
+        with its timeout).
         """
         self._check_post_local_sgd(device)
         if self.choosing:
             self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
         hook = self._build(model, backend, ledger, device, loss_scale, own_group)
-        if hook is not None and self._two_tiers(topology):
-            assert topology is not None and self._spec is not None
-            self._tiers = TierGroups(topology)
+        if hook is not None and self._two_tiers(topology, model, backend):
+            assert topology is not None and self._spec is not None and new_group is not None
+            self._tiers = TierGroups(topology, new_group)
             state = HierarchicalState(
                 tiers=self._tiers,
                 dtype=HIERARCHICAL_HOOKS[self._spec.name],
@@ -139,31 +141,39 @@ class HookInstaller:
                 f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
             )
 
-    def _two_tiers(self, topology: Topology | None) -> bool:
+    def _two_tiers(self, topology: Topology | None, model: DistributedDataParallel, backend: str) -> bool:
         """Whether this run's sync is hierarchical; says why on rank 0 (every rank decides alike)."""
         if self.hierarchical is False or topology is None or topology.world_size == 1:
             return False
         name = self._spec.name if self._spec is not None else None
+        why = "several nodes with several ranks each, as many on every node"
         if not topology.tiered:
             layout = "one node" if topology.num_nodes == 1 else topology.describe()
-            why = "several nodes with several ranks each, as many on every node"
             if self.hierarchical is True:
                 rank_zero_warn(f"ddpopt: hierarchical=True needs {why}; this run has {layout}: the sync is flat")
-            elif topology.num_nodes > 1:
+            elif topology.num_nodes > 1 and not topology.uniform:
                 rank_zero_info(f"ddpopt: flat sync over {layout}: a hierarchical one needs {why}")
             return False
-        if name not in HIERARCHICAL_HOOKS:
-            # hierarchical=True with another hook is refused at construction; here: "auto", or "auto"'s choice.
-            rank_zero_info(
-                f"ddpopt: flat sync over {topology.describe()}: comm hook {name or self.comm_hook_name!r} has no "
-                f"hierarchical form (those with one: {', '.join(HIERARCHICAL_HOOKS)})"
-            )
-            if self.hierarchical is True:
-                rank_zero_warn(f"ddpopt: hierarchical=True: comm_hook='auto' chose {name!r}, which syncs flat")
+        flat = f"ddpopt: flat sync over {topology.describe()}: "
+        if dist.get_process_group_ranks(model.process_group) != sorted(r for node in topology.nodes for r in node):
+            rank_zero_warn(flat + "DDP's process_group is not every rank, and the tiers are made over every rank")
             return False
-        crossing = {"allreduce": "fp32", "fp16": "fp16", "bf16": "bf16"}[name]
+        if name not in HIERARCHICAL_HOOKS:
+            # hierarchical=True with another hook is refused at construction; here: "auto"'s choice.
+            rank_zero_info(
+                flat + f"comm hook {name or self.comm_hook_name!r} has no hierarchical form (those with one: "
+                f"{', '.join(HIERARCHICAL_HOOKS)})"
+            )
+            return False
+        if self.hierarchical == "auto" and backend not in TESTED_BACKENDS:
+            rank_zero_info(
+                flat + f"hierarchical='auto' keeps {backend}'s own sync, since the two-tier one has not run on "
+                f"{backend} yet (hierarchical=True uses it)"
+            )
+            return False
+        crossing = {"allreduce": "the bucket's precision", "fp16": "fp16", "bf16": "bf16"}[name]
         rank_zero_info(
-            f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in full "
+            f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in its own "
             f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "
             f"inside the node (hierarchical={self.hierarchical!r})"
         )
@@ -337,20 +347,39 @@ class HookInstaller:
             self._tiers = None
 
 
-def validate_hierarchical(hierarchical: object, comm_hook: object, spec: HookSpec | None) -> bool | Literal["auto"]:
+def validate_hierarchical(
+    hierarchical: object, comm_hook: object, spec: HookSpec | None, ddp_comm_hook: Callable | None = None
+) -> bool | Literal["auto"]:
     """Check ``hierarchical`` at construction: ``True``, ``False`` or ``"auto"``.
 
-    ``True`` needs a hook with a two-tier form, or ``"auto"`` (whose choice is checked at setup).
+    ``True`` needs a registry hook with a two-tier form, or an :class:`AutoConfig` that chooses among such hooks only.
     """
     if hierarchical is not True and hierarchical is not False and hierarchical != "auto":
         raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto'")
-    auto = isinstance(comm_hook, AutoConfig) or (isinstance(comm_hook, str) and comm_hook == AUTO_HOOK)
-    if hierarchical is True and not auto and (spec is None or spec.name not in HIERARCHICAL_HOOKS):
+    if hierarchical is not True:
+        return "auto" if hierarchical == "auto" else False
+    forms = ", ".join(map(repr, HIERARCHICAL_HOOKS))
+    if ddp_comm_hook is not None:
         raise ValueError(
-            f"hierarchical=True needs a comm_hook with a hierarchical form ({', '.join(map(repr, HIERARCHICAL_HOOKS))}"
-            f" or 'auto'), not comm_hook={comm_hook!r}"
+            f"hierarchical=True applies to the registry hooks with a two-tier form ({forms}), not to "
+            f"ddp_comm_hook={ddp_comm_hook!r}, which syncs as it is written"
         )
-    return "auto" if hierarchical == "auto" else bool(hierarchical)
+    if isinstance(comm_hook, AutoConfig) or (isinstance(comm_hook, str) and comm_hook == AUTO_HOOK):
+        candidates = comm_hook.candidates if isinstance(comm_hook, AutoConfig) else AutoConfig().candidates
+        others = [name for name in candidates if name not in HIERARCHICAL_HOOKS]
+        if others:
+            raise ValueError(
+                f"hierarchical=True with comm_hook={comm_hook!r}: 'auto' may choose {', '.join(map(repr, others))}, "
+                f"which have no two-tier form; pass comm_hook=AutoConfig(candidates=('allreduce', 'fp16')) or "
+                "hierarchical='auto'"
+            )
+        return True
+    if spec is None or spec.name not in HIERARCHICAL_HOOKS:
+        raise ValueError(
+            f"hierarchical=True needs a comm_hook with a hierarchical form ({forms} or an AutoConfig among them), "
+            f"not comm_hook={comm_hook!r}"
+        )
+    return True
 
 
 def _validate_comm_hook(
