@@ -259,6 +259,16 @@ def run_variant(
     return result
 
 
+def link_bus_bandwidth(result: dict[str, Any], algbw: float, hosts: int) -> float:
+    """A host link's bus bandwidth from one rank's bytes per second of sync: a flat ring over every rank puts
+    ``2 (n-1)/n`` of a rank's payload on the link between two hosts; a two-tier sync (it sent bytes inside the host)
+    runs M rings over the hosts, one per local rank, which share each host's link."""
+    world = result.get("world_size") or hosts
+    if result.get("bytes_sent_intra_node"):
+        return algbw * 2 * (hosts - 1) / hosts * (world // hosts)
+    return algbw * 2 * (world - 1) / world
+
+
 def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | None) -> list[dict[str, Any]]:
     """Per-variant figures: samples/s, step percentiles, sync, bytes, speed-up, compute and link fractions."""
     rows = []
@@ -309,8 +319,7 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             row["samples_per_s"] = compute_limit[False]  # the physical limit: every host computing without syncing
         sync, sent = result.get("sync_time_s"), result.get("bytes_sent")
         if link_bytes_per_s and sync and sent and hosts > 1:
-            busbw = sent / sync * 2 * (hosts - 1) / hosts
-            row["link_fraction"] = busbw / link_bytes_per_s
+            row["link_fraction"] = link_bus_bandwidth(result, sent / sync, hosts) / link_bytes_per_s
         rows.append(row)
     return rows
 

@@ -193,3 +193,13 @@ def test_digits_report(tmp_path):
     table = (tmp_path / "convergence.md").read_text().splitlines()
     assert table[-1] == "| diloco16 | 0.9600 | 0.9600 | 2.5 | 4.00x |"
     assert table[-2] == "| stock | 0.9500 | 0.9500 | 10.0 | 1.00x |"
+
+
+def test_a_host_links_bus_bandwidth_flat_and_in_two_tiers():
+    # 2 hosts x 2 ranks, each rank at 100 MB/s of sync: a flat ring over 4 ranks puts 2(4-1)/4 of a rank's payload
+    # on the link between the hosts; two tiers run 2 rings over the hosts (2(2-1)/2 each), sharing each host's link.
+    flat = {"world_size": 4, "bytes_sent_intra_node": 0}
+    tiered = {"world_size": 4, "bytes_sent_intra_node": 5e7}
+    assert cluster.link_bus_bandwidth(flat, 100e6, hosts=2) == pytest.approx(150e6)
+    assert cluster.link_bus_bandwidth(tiered, 100e6, hosts=2) == pytest.approx(200e6)
+    assert cluster.link_bus_bandwidth({}, 100e6, hosts=2) == pytest.approx(100e6)  # results from before: 1 per host
