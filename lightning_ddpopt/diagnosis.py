@@ -210,6 +210,14 @@ def _network(summary: dict[str, Any]) -> Finding:
     """
     comm = summary.get("comm") or {}
     share = comm.get("exposed_share")
+    if share is None and comm.get("transfer_share") is not None:  # a report of an earlier release: the span only
+        return Finding(
+            "network",
+            "unknown",
+            f"this report measured the sync's span only ({comm['transfer_share']:.0%} of the step), which counts "
+            "backward compute that overlaps the sync",
+            "re-run with this release's CommProfiler: it measures the exposed sync, what the step waits for",
+        )
     if share is None:
         return Finding(
             "network",

@@ -261,3 +261,14 @@ def test_a_slow_link_is_a_network_problem_even_behind_a_busy_backward(tmp_path, 
     # Through a 1 Gbit (125 MB/s) or 100 Mbit bucket that both ranks' traffic shares, the sync reaches at most that.
     rate = {"1gbit": 125e6, "100mbit": 12.5e6}[{"saturated": "1gbit", "busy_backward": "100mbit"}[case]]
     assert comm["algbw_gbps"] * 1e9 < rate
+
+
+def test_a_report_of_an_earlier_release_is_not_judged_on_its_span():
+    summary = {"comm_hook": "allreduce", "comm": {"sync_time_ms": 83.7, "transfer_share": 0.85, "step_time_ms": 98.0}}
+    finding = _network(summary)
+    assert (finding.status, finding.evidence, finding.recommendation) == (
+        "unknown",
+        "this report measured the sync's span only (85% of the step), which counts backward compute that overlaps the "
+        "sync",
+        "re-run with this release's CommProfiler: it measures the exposed sync, what the step waits for",
+    )
