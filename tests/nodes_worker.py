@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector, fp16_mixed_precision
@@ -82,25 +83,39 @@ class Probe(pl.Callback):
 
 
 def fit(
-    out: Path, name: str, hook: str, hierarchical: bool | str, callbacks: list[pl.Callback] | None = None
+    out: Path,
+    name: str,
+    hook: str,
+    hierarchical: bool | str,
+    callbacks: list[pl.Callback] | None = None,
+    resume: str | None = None,
 ) -> pl.Trainer:
+    """8 optimizer steps; with ``resume``, two epochs of 4: ``"save"`` saving at each epoch's end, ``"load"`` resumed
+    from the first epoch's checkpoint."""
+    epochs: dict[str, Any] = {"max_steps": 8}
+    if resume is not None:
+        epochs = {"max_epochs": 2}
+        saving = ModelCheckpoint(dirpath=out / "resume", filename="{epoch}", save_top_k=-1)
+        callbacks = [saving] if resume == "save" else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=RANKS_PER_NODE,
         num_nodes=NUM_NODES,
         strategy=OptimizedDDPStrategy(comm_hook=hook, hierarchical=hierarchical, bucket_cap_mb=0.5),
-        max_steps=8,
+        **epochs,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=resume == "save",
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=out / name,
         callbacks=[*(callbacks or []), Probe(out, name)],
-        plugins=[fp16_mixed_precision("cpu", init_scale=256.0)] if callbacks else None,  # only the injected overflow
+        plugins=[fp16_mixed_precision("cpu", init_scale=256.0)] if callbacks and not resume else None,  # one overflow
     )
     pl.seed_everything(0)
-    model = SlowLocalRank(slow=bool(callbacks))
-    trainer.fit(model, DataLoader(regression_data(8 * 8 * NUM_NODES * RANKS_PER_NODE), batch_size=8))
+    model = SlowLocalRank(slow=bool(callbacks) and not resume)
+    steps = 4 if resume else 8
+    loader = DataLoader(regression_data(8 * steps * NUM_NODES * RANKS_PER_NODE), batch_size=8)
+    trainer.fit(model, loader, ckpt_path=str(out / "resume" / "epoch=0.ckpt") if resume == "load" else None)
     return trainer
 
 
@@ -109,6 +124,9 @@ def main(out: Path) -> None:
     for name, (hook, hierarchical) in FITS.items():
         if name in CHOSEN:
             last = fit(out, name, hook, hierarchical)
+    if "resume" in CHOSEN:  # two tiers (fp16) through a checkpoint: the resumed run ends as the uninterrupted one
+        fit(out, "resume_full", "fp16", "auto", resume="save")
+        last = fit(out, "resume_half", "fp16", "auto", resume="load")
     if "callbacks" in CHOSEN:
         measured = [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
         last = fit(out, "callbacks", "fp16", "auto", callbacks=measured)

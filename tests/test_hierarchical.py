@@ -76,7 +76,7 @@ def _records(out: Path, fit: str, world: int) -> list[dict]:
 @pytest.mark.parametrize(
     ("nodes", "ranks_per_node", "chosen"),
     [
-        (2, 2, [*FITS, "callbacks"]),
+        (2, 2, [*FITS, "resume", "callbacks"]),
         (3, 2, ["fp16", "callbacks"]),
         (2, 4, ["fp16"]),  # 8 ranks: a smoke run
     ],
@@ -86,11 +86,14 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
     output = _run_nodes(tmp_path, nodes, ranks_per_node, chosen)
     world = nodes * ranks_per_node
     expected_nodes = tuple(tuple(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(nodes))
-    fits = {name: _records(tmp_path, name, world) for name in chosen}
+    runs = [name for name in chosen if name != "resume"] + (
+        ["resume_full", "resume_half"] if "resume" in chosen else []
+    )
+    fits = {name: _records(tmp_path, name, world) for name in runs}
     for name, ranks in fits.items():
         # Every rank as the launcher placed it, and the topology read from it.
         assert [r["rank"] for r in ranks] == [(g, g // ranks_per_node, g % ranks_per_node, world) for g in range(world)]
-        hierarchical = name == "callbacks" or FITS[name][1] is not False
+        hierarchical = name not in FITS or FITS[name][1] is not False
         # hierarchical=False reads no topology (no gather of host names at setup).
         assert {r["nodes"] for r in ranks} == {expected_nodes if hierarchical else None}, name
         # Data parallel: every rank ends with the same parameters, bit for bit.
@@ -99,10 +102,10 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
         assert {r["state"] for r in ranks} == {"HierarchicalState" if hierarchical else "CommHookState"}, name
         # Bytes per tier, exactly: each bucket padded to a multiple of the node's ranks; inside the node the bucket
         # in fp32, between nodes this rank's 1/M shard in the hook's dtype.
-        hook = FITS[name][0] if name in FITS else "fp16"
+        hook = FITS[name][0] if name in FITS else "fp16"  # the callbacks' and resumed fits: fp16
         itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
         for r in ranks:
-            assert len(r["steps"]) == 8
+            assert len(r["steps"]) == {"resume_full": 8, "resume_half": 4}.get(name, 8), name
             for logical, wire, intra, buckets in r["steps"]:
                 assert logical == sum(buckets) == r["params"].numel() * 4
                 numels = [-(-b // 4 // ranks_per_node) for b in buckets]
@@ -127,7 +130,12 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
         f"its own precision, 1/{ranks_per_node} of it per rank sent between nodes in fp16, gathered inside the node "
         "(hierarchical='auto')"
     )
-    assert output.count(line) == len({"fp16", "callbacks"} & set(chosen)), output[-3000:]
+    said = sum(FITS[name][1] == "auto" if name in FITS else True for name in fits)  # every fp16 fit: 'auto'
+    assert output.count(line) == said, output[-3000:]
+    if "resume_full" in fits:
+        # Resumed from the first epoch's checkpoint, every rank ends bit for bit where the uninterrupted run did.
+        for full, resumed in zip(fits["resume_full"], fits["resume_half"], strict=True):
+            torch.testing.assert_close(resumed["params"], full["params"], rtol=0, atol=0)
     if "callbacks" not in fits:
         return
     # fp16 AMP: one rank's overflow reaches every rank through both tiers, and every rank skips that step.

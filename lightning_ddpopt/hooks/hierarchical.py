@@ -93,6 +93,8 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
         state: a :class:`HierarchicalState`.
         bucket: the gradient bucket DDP hands the hook.
     """
+    if state.failed is not None:
+        raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {state.failed!r}")
     buffer = bucket.buffer()
     shard_numel = -(-buffer.numel() // state.ranks_per_node)
     cross_dtype = state.dtype or buffer.dtype
@@ -101,8 +103,6 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     sync = _BucketSync(state, bucket, shard_numel)
     if buffer.is_cuda:
         return state._streams.run(buffer, sync.run_all)
-    if state.failed is not None:
-        raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {state.failed!r}")
     if not state._stages or not all(stage.alive() for stage in state._stages):
         state._stages = [Worker(f"ddpopt-hierarchical-{name}") for name in ("inside", "between", "gather")]
     sync.future = torch.futures.Future()
@@ -121,13 +121,12 @@ class _BucketSync:
     def __init__(self, state: HierarchicalState, bucket: dist.GradBucket, shard_numel: int) -> None:
         self.state, self.bucket = state, bucket
         self.buffer = bucket.buffer()
-        ranks_per_node = state.ranks_per_node
         self.padded = self.buffer
         self.shard_numel = shard_numel
+        self.ranks_per_node = state.ranks_per_node
         self.future: torch.futures.Future[torch.Tensor] | None = None
         self.send: torch.Tensor | None = None
         self.shards: list[torch.Tensor] = []
-        self.ranks_per_node = ranks_per_node
 
     def then(self, stage: Worker, work: Callable[[], None], after: Callable[[], None] | None) -> None:
         """Run ``work`` on ``stage``'s thread, then ``after`` (which hands the bucket on), or complete the future."""
