@@ -29,6 +29,8 @@ FITS: dict[str, tuple[str, bool | str]] = {
     "fp16": ("fp16", "auto"),  # the default: two tiers on gloo at N x M
     "bf16": ("bf16", True),
     "flat_fp16": ("fp16", False),
+    "int8": ("int8", "auto"),
+    "flat_int8": ("int8", False),
 }
 #: The fits this run makes (all of FITS by default), and whether the callbacks' fit follows them.
 CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join([*FITS, "callbacks"])).split(",")

@@ -4,6 +4,7 @@ from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choos
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
+from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, int8_spec, powersgd_spec
@@ -14,6 +15,7 @@ __all__ = [
     "COMM_HOOKS",
     "HookChoice",
     "CommHookState",
+    "HierarchicalInt8State",
     "HierarchicalState",
     "HookSpec",
     "Int8Config",
@@ -26,6 +28,7 @@ __all__ = [
     "fp16_allreduce_hook",
     "get_hook_spec",
     "hierarchical_hook",
+    "hierarchical_int8_hook",
     "int8_hook",
     "int8_spec",
     "powersgd_hook",

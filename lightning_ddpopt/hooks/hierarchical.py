@@ -30,6 +30,7 @@ O(P / M), and a zero-padded copy of a bucket whose size M does not divide, O(P).
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from lightning_ddpopt.hooks.streams import SideStreams
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.topology import TierGroups
 
-__all__ = ["HierarchicalState", "hierarchical_hook"]
+__all__ = ["HierarchicalState", "TierStages", "TierSync", "hierarchical_hook", "run_all"]
 
 
 class HierarchicalState(CommHookState):
@@ -70,20 +71,111 @@ class HierarchicalState(CommHookState):
         self.local_rank = tiers.topology.local_rank
         self._streams = SideStreams()
         #: On a CPU, one thread per stage (inside, between, gather), each issuing on a group of its own.
-        self._stages: list[Worker] = []
-        self.failed: BaseException | None = None
+        self.stages = TierStages("ddpopt-hierarchical")
 
     def close(self) -> bool:
-        """Stop the stages' threads, first to last, each after its jobs; False at the first still busy.
+        """Stop the stages' threads (see :meth:`TierStages.close`)."""
+        return self.stages.close()
+
+
+class TierSync(Protocol):
+    """One bucket's two-tier sync in three stages, as :class:`TierStages` and :func:`run_all` run them."""
+
+    buffer: torch.Tensor
+
+    def reduce_inside(self) -> None:
+        """Stage 1, on the intra-node group: the node's sum, of which this rank keeps its shard."""
+
+    def reduce_between(self) -> None:
+        """Stage 2, on the cross-node group: the shard's sum over the nodes."""
+
+    def gather(self) -> None:
+        """Stage 3, on the intra-node gather group: every reduced shard into the bucket."""
+
+    def abandon(self) -> None:
+        """A stage failed (this bucket's or an earlier one's): drop whatever the sync would have kept."""
+
+
+class TierStages:
+    """A two-tier hook's stages on a CPU: one thread each (inside, between, gather), bucket after bucket.
+
+    Each stage issues its collectives on a group of its own (:class:`~lightning_ddpopt.topology.TierGroups`), in
+    DDP's bucket order, so every rank issues each group's collectives in one order; while one bucket crosses nodes,
+    the next is summed inside the node and the one before is gathered. ``failed`` holds the first failure: every
+    later stage fails its bucket at once, without issuing a collective (this rank would be out of step).
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._threads: list[Worker] = []
+        self.failed: BaseException | None = None
+
+    def run(self, state: CommHookState, sync: TierSync) -> torch.futures.Future[torch.Tensor]:
+        """Hand ``sync`` to the first stage; its future completes after the last stage (or fails with a stage)."""
+        if self.failed is not None:
+            raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {self.failed!r}")
+        if not self._threads or not all(thread.alive() for thread in self._threads):
+            self._threads = [Worker(f"{self.prefix}-{name}") for name in ("inside", "between", "gather")]
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        inside, between, gather = self._threads
+
+        def then(stage: Worker, work: Callable[[], None], after: Callable[[], None] | None) -> None:
+            def job() -> None:
+                if self.failed is not None:  # issuing this bucket's collectives would put this rank out of step
+                    error = RuntimeError(f"an earlier bucket's hierarchical sync failed: {self.failed!r}")
+                    sync.abandon()
+                    future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
+                    return
+                start = time.perf_counter()
+                try:
+                    work()
+                except Exception as error:  # DDP waits on the future: never leave it pending
+                    self.failed = error
+                    sync.abandon()
+                    future.set_exception(error)  # type: ignore[arg-type]
+                    return
+                finally:
+                    state.add_seconds(time.perf_counter() - start)
+                if after is None:
+                    future.set_result(sync.buffer)
+                else:
+                    after()
+
+            stage.submit(job)
+
+        then(
+            inside,
+            sync.reduce_inside,
+            lambda: then(between, sync.reduce_between, lambda: then(gather, sync.gather, None)),
+        )
+        return future
+
+    def drain(self) -> None:
+        """Wait until every bucket handed in has been through every stage."""
+        for thread in self._threads:  # each stage hands buckets to the next: drain them in order
+            thread.drain()
+
+    def close(self) -> bool:
+        """Stop the threads, first to last, each after its jobs; False at the first still busy.
 
         The later stages are then kept: the busy one may still hand them a bucket.
         """
-        for index, stage in enumerate(self._stages):
-            if not stage.stop():
-                self._stages = self._stages[index:]
+        for index, thread in enumerate(self._threads):
+            if not thread.stop():
+                self._threads = self._threads[index:]
                 return False
-        self._stages = []
+        self._threads = []
         return True
+
+
+def run_all(sync: TierSync) -> torch.futures.Future[torch.Tensor]:
+    """Every stage here and now (CUDA: on a side stream, whose waits order that stream only)."""
+    sync.reduce_inside()
+    sync.reduce_between()
+    sync.gather()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[sync.buffer.device])
+    future.set_result(sync.buffer)
+    return future
 
 
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -93,8 +185,6 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
         state: a :class:`HierarchicalState`.
         bucket: the gradient bucket DDP hands the hook.
     """
-    if state.failed is not None:
-        raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {state.failed!r}")
     buffer = bucket.buffer()
     shard_numel = -(-buffer.numel() // state.ranks_per_node)
     cross_dtype = state.dtype or buffer.dtype
@@ -102,21 +192,12 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     state.record_wire_bytes(bucket, shard_numel * state.ranks_per_node * buffer.element_size(), intra_node=True)
     sync = _BucketSync(state, bucket, shard_numel)
     if buffer.is_cuda:
-        return state._streams.run(buffer, sync.run_all)
-    if not state._stages or not all(stage.alive() for stage in state._stages):
-        state._stages = [Worker(f"ddpopt-hierarchical-{name}") for name in ("inside", "between", "gather")]
-    sync.future = torch.futures.Future()
-    inside, between, gather = state._stages
-    sync.then(
-        inside,
-        sync.reduce_inside,
-        lambda: sync.then(between, sync.reduce_between, lambda: sync.then(gather, sync.gather, None)),
-    )
-    return sync.future
+        return state._streams.run(buffer, lambda: run_all(sync))
+    return state.stages.run(state, sync)
 
 
 class _BucketSync:
-    """One bucket's three stages; on a CPU each runs on its stage's thread and hands the bucket to the next."""
+    """One bucket's three stages (a :class:`TierSync`) for ``allreduce``, ``fp16`` and ``bf16``."""
 
     def __init__(self, state: HierarchicalState, bucket: dist.GradBucket, shard_numel: int) -> None:
         self.state, self.bucket = state, bucket
@@ -124,45 +205,11 @@ class _BucketSync:
         self.padded = self.buffer
         self.shard_numel = shard_numel
         self.ranks_per_node = state.ranks_per_node
-        self.future: torch.futures.Future[torch.Tensor] | None = None
         self.send: torch.Tensor | None = None
         self.shards: list[torch.Tensor] = []
 
-    def then(self, stage: Worker, work: Callable[[], None], after: Callable[[], None] | None) -> None:
-        """Run ``work`` on ``stage``'s thread, then ``after`` (which hands the bucket on), or complete the future."""
-        future = self.future
-        assert future is not None
-
-        def job() -> None:
-            state = self.state
-            if state.failed is not None:  # issuing this bucket's collectives would put this rank out of step
-                error = RuntimeError(f"an earlier bucket's hierarchical sync failed: {state.failed!r}")
-                future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
-                return
-            start = time.perf_counter()
-            try:
-                work()
-            except Exception as error:  # DDP waits on the future: never leave it pending
-                state.failed = error
-                future.set_exception(error)  # type: ignore[arg-type]
-                return
-            finally:
-                state.add_seconds(time.perf_counter() - start)
-            if after is None:
-                future.set_result(self.buffer)
-            else:
-                after()
-
-        stage.submit(job)
-
-    def run_all(self) -> torch.futures.Future[torch.Tensor]:
-        """Every stage here and now (CUDA: on the side stream, whose waits order that stream only)."""
-        self.reduce_inside()
-        self.reduce_between()
-        self.gather()
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[self.buffer.device])
-        future.set_result(self.buffer)
-        return future
+    def abandon(self) -> None:
+        """Nothing is kept across steps."""
 
     def reduce_inside(self) -> None:
         """The node's sum; this rank keeps its shard, divided by the world size and cast for the trip between nodes."""

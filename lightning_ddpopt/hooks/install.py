@@ -23,6 +23,7 @@ from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
+from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
 from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
 from lightning_ddpopt.hooks.registry import (
@@ -40,8 +41,14 @@ from lightning_ddpopt.topology import TierGroups, Topology
 __all__ = ["DEFAULT_COMM_HOOK", "HIERARCHICAL_HOOKS", "HookInstaller", "validate_hierarchical"]
 
 DEFAULT_COMM_HOOK = "allreduce"
-#: The registry hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`), and what crosses nodes.
-HIERARCHICAL_HOOKS: dict[str, torch.dtype | None] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: The registry hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`, and
+#: :mod:`lightning_ddpopt.hooks.hierarchical_int8` for int8), and what crosses nodes.
+HIERARCHICAL_HOOKS: dict[str, torch.dtype | None] = {
+    "allreduce": None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+}
 
 
 class HookInstaller:
@@ -113,18 +120,15 @@ class HookInstaller:
         self._check_post_local_sgd(device)
         if self.choosing:
             self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
-        hook = self._build(model, backend, ledger, device, loss_scale, own_group)
-        if hook is not None and self._two_tiers(topology, model, backend):
+        # Decided before the hook is built: a two-tier int8 sync needs no exchange group of its own.
+        tiered = self._spec is not None and self._two_tiers(topology, model, backend)
+        hook = self._build(model, backend, ledger, device, loss_scale, own_group, beside_backward=not tiered)
+        if hook is not None and self._spec is None:
+            self._two_tiers(topology, model, backend)  # says why a user's hook stays flat
+        if hook is not None and tiered:
             assert topology is not None and self._spec is not None and new_group is not None
             self._tiers = TierGroups(topology, new_group)
-            state = HierarchicalState(
-                tiers=self._tiers,
-                dtype=HIERARCHICAL_HOOKS[self._spec.name],
-                process_group=model.process_group,
-                ledger=ledger,
-            )
-            state.loss_scale = loss_scale
-            self.comm_state, hook = state, hierarchical_hook
+            self.comm_state, hook = self._two_tier_state(model, ledger, loss_scale), self._two_tier_hook()
         if hook is None:
             return
         if backend not in TESTED_BACKENDS:
@@ -140,6 +144,33 @@ class HookInstaller:
             raise RuntimeError(
                 f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
             )
+
+    def _two_tier_state(
+        self, model: DistributedDataParallel, ledger: CommLedger, loss_scale: Callable[[], torch.Tensor | None]
+    ) -> CommHookState:
+        """The two-tier hook's state on the tiers' groups (int8's with the config the flat state was built with)."""
+        assert self._spec is not None and self._tiers is not None
+        state: CommHookState
+        if self._spec.name == "int8":
+            assert isinstance(self.comm_state, Int8State)
+            state = HierarchicalInt8State(
+                config=self.comm_state.config, tiers=self._tiers, process_group=model.process_group, ledger=ledger
+            )
+            state.bind_module(model.module)
+        else:
+            state = HierarchicalState(
+                tiers=self._tiers,
+                dtype=HIERARCHICAL_HOOKS[self._spec.name],
+                process_group=model.process_group,
+                ledger=ledger,
+            )
+        state.loss_scale = loss_scale
+        return state
+
+    def _two_tier_hook(self) -> CommHook:
+        assert self._spec is not None
+        hook: CommHook = hierarchical_int8_hook if self._spec.name == "int8" else hierarchical_hook
+        return hook
 
     def _two_tiers(self, topology: Topology | None, model: DistributedDataParallel, backend: str) -> bool:
         """Whether this run's sync is hierarchical; says why on rank 0 (every rank decides alike)."""
@@ -171,7 +202,7 @@ class HookInstaller:
                 f"{backend} yet (hierarchical=True uses it)"
             )
             return False
-        crossing = {"allreduce": "the bucket's precision", "fp16": "fp16", "bf16": "bf16"}[name]
+        crossing = {"allreduce": "the bucket's precision", "fp16": "fp16", "bf16": "bf16", "int8": "int8 blocks"}[name]
         rank_zero_info(
             f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in its own "
             f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "
@@ -244,6 +275,7 @@ class HookInstaller:
         device: torch.device,
         loss_scale: Callable[[], torch.Tensor | None],
         own_group: Callable[[], dist.ProcessGroup],
+        beside_backward: bool = True,
     ) -> CommHook | None:
         if self._spec is not None:
             reason = self._spec.unsupported_reason(backend)
@@ -253,7 +285,7 @@ class HookInstaller:
             self.comm_state, self._owns_state, self.comm_hook_name = state, True, self._spec.name
             state.loss_scale = loss_scale
             state.bind_module(model.module)
-            if device.type == "cpu":
+            if device.type == "cpu" and beside_backward:
                 self._run_beside_backward(state, model, own_group)
             return self._spec.hook
         hook: Callable | None = self._callable

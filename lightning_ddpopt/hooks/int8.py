@@ -143,8 +143,8 @@ class Int8State(ErrorFeedbackState):
         return super().state_dict()
 
     def config_dict(self) -> dict[str, object]:
-        """The Int8Config as saved."""
-        return asdict(self.config)
+        """The Int8Config as saved, and ``tiers``: ``None`` for the flat sync (see the hierarchical state's)."""
+        return {**asdict(self.config), "tiers": None}
 
     def load_shared_state_dict(self, state: dict[str, object]) -> str:
         """Restore the step counter (the same on every rank); error feedback starts afresh.
