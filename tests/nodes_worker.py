@@ -34,6 +34,8 @@ FITS: dict[str, tuple[str, bool | str]] = {
 }
 #: The fits this run makes (all of FITS by default), and whether the callbacks' fit follows them.
 CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join([*FITS, "callbacks"])).split(",")
+#: The hook of the resumed fits and of the callbacks' fit (fp16 AMP with an overflow), two tiers by default.
+TIERED_HOOK = os.environ.get("DDPOPT_TEST_TIERED_HOOK", "fp16")
 #: The rank that sleeps in each training step of the callbacks' fit: local rank 1 of node 1.
 SLOW_RANK = RANKS_PER_NODE + 1
 SLOW_MS = 60
@@ -70,6 +72,9 @@ class Probe(pl.Callback):
             "nodes": topology.nodes if topology is not None else None,
             "state": type(strategy.comm_state).__name__,
             "hook": strategy.comm_hook_name,
+            "numels": [p.numel() for p in pl_module.parameters()],
+            # DDP's buckets as they stand (rebuilt after the first step): the parameters' indices in each.
+            "buckets": _bucket_members(strategy, pl_module),
             "steps": [
                 (s.logical_bytes, s.wire_bytes, s.intra_node_bytes, s.bucket_bytes) for s in strategy.ledger.steps
             ],
@@ -82,6 +87,14 @@ class Probe(pl.Callback):
             if isinstance(callback, AMPMonitor):
                 record["amp"] = callback.summary()
         torch.save(record, self.out / f"{self.fit}_rank{trainer.global_rank}.pt")
+
+
+def _bucket_members(strategy: OptimizedDDPStrategy, module: pl.LightningModule) -> list[list[int]]:
+    index = {id(p): i for i, p in enumerate(module.parameters())}
+    model = strategy.model
+    assert model is not None
+    buckets = model.reducer._get_zeros_like_grad_buckets()  # type: ignore[union-attr, operator]
+    return [sorted(index[id(p)] for p in bucket.parameters()) for bucket in buckets]
 
 
 def fit(
@@ -126,12 +139,12 @@ def main(out: Path) -> None:
     for name, (hook, hierarchical) in FITS.items():
         if name in CHOSEN:
             last = fit(out, name, hook, hierarchical)
-    if "resume" in CHOSEN:  # two tiers (fp16) through a checkpoint: the resumed run ends as the uninterrupted one
-        fit(out, "resume_full", "fp16", "auto", resume="save")
-        last = fit(out, "resume_half", "fp16", "auto", resume="load")
+    if "resume" in CHOSEN:  # two tiers through a checkpoint: the resumed run ends as the uninterrupted one
+        fit(out, "resume_full", TIERED_HOOK, "auto", resume="save")
+        last = fit(out, "resume_half", TIERED_HOOK, "auto", resume="load")
     if "callbacks" in CHOSEN:
         measured = [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
-        last = fit(out, "callbacks", "fp16", "auto", callbacks=measured)
+        last = fit(out, "callbacks", TIERED_HOOK, "auto", callbacks=measured)
     (out / f"done_rank{last.global_rank}").write_text("ok")
 
 

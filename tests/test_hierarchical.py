@@ -38,7 +38,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_nodes(out: Path, nodes: int, ranks_per_node: int, fits: list[str], timeout: float = 400) -> str:
+def _run_nodes(
+    out: Path, nodes: int, ranks_per_node: int, fits: list[str], tiered_hook: str = "fp16", timeout: float = 400
+) -> str:
     out.mkdir(parents=True, exist_ok=True)
     port = str(_free_port())
     processes = []
@@ -46,7 +48,7 @@ def _run_nodes(out: Path, nodes: int, ranks_per_node: int, fits: list[str], time
         env = user_environment(ROOT)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
         env.update(DDPOPT_TEST_NODES=str(nodes), DDPOPT_TEST_RANKS_PER_NODE=str(ranks_per_node))
-        env.update(DDPOPT_TEST_FITS=",".join(fits))
+        env.update(DDPOPT_TEST_FITS=",".join(fits), DDPOPT_TEST_TIERED_HOOK=tiered_hook)
         with open(out / f"output{node}.txt", "w") as output:
             command = [sys.executable, "-m", "tests.nodes_worker", str(out)]
             processes.append(
@@ -75,65 +77,113 @@ def _records(out: Path, fit: str, world: int) -> list[dict]:
     return [torch.load(out / f"{fit}_rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
+def _int8_tier_bytes(numels: list[int], members: list[list[int]], nodes: int, per_node: int, block: int) -> tuple:
+    """The two-tier int8 bytes, per step, of buckets holding ``members``: between nodes (the packed shard) and inside.
+
+    Each parameter's blocks split into ``per_node`` runs; run r goes to local rank (r + the parameter's first block
+    in the model) mod M; each shard padded to the most blocks, rounded up to a multiple of the nodes.
+    """
+    firsts, first = [], 0
+    for numel in numels:
+        firsts.append(first)
+        first += math.ceil(numel / block)
+    wire = intra = 0
+    for bucket in members:
+        owned = [0] * per_node
+        for index in bucket:
+            count = math.ceil(numels[index] / block)
+            for owner in range(per_node):
+                run = (owner - firsts[index]) % per_node
+                owned[owner] += (run + 1) * count // per_node - run * count // per_node
+        shard = math.ceil(max(owned) / nodes) * nodes
+        wire += shard * (block + 4)
+        intra += per_node * shard * block * 4
+    return wire, intra
+
+
+def _choice_line(nodes: int, ranks_per_node: int, hook: str, hierarchical: bool | str) -> str:
+    crossing = {"allreduce": "the bucket's precision", "fp16": "fp16", "bf16": "bf16", "int8": "int8 blocks"}[hook]
+    return (
+        f"ddpopt: hierarchical sync over {nodes} nodes x {ranks_per_node} ranks: each bucket summed inside the node in "
+        f"its own precision, 1/{ranks_per_node} of it per rank sent between nodes in {crossing}, gathered inside the "
+        f"node (hierarchical={hierarchical!r})"
+    )
+
+
 @pytest.mark.parametrize(
-    ("nodes", "ranks_per_node", "chosen"),
+    ("nodes", "ranks_per_node", "chosen", "tiered_hook"),
     [
-        (2, 2, [*FITS, "resume", "callbacks"]),
-        (3, 2, ["fp16", "callbacks"]),
-        (2, 4, ["fp16"]),  # 8 ranks: a smoke run
+        (2, 2, [*FITS, "resume", "callbacks"], "int8"),
+        (3, 2, ["fp16", "int8", "callbacks"], "fp16"),
+        (2, 4, ["int8"], "fp16"),  # 8 ranks: a smoke run
     ],
     ids=["2x2", "3x2", "2x4"],
 )
-def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_node, chosen):
-    output = _run_nodes(tmp_path, nodes, ranks_per_node, chosen)
+def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_node, chosen, tiered_hook):
+    output = _run_nodes(tmp_path, nodes, ranks_per_node, chosen, tiered_hook)
     world = nodes * ranks_per_node
     expected_nodes = tuple(tuple(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(nodes))
     runs = [name for name in chosen if name != "resume"] + (
         ["resume_full", "resume_half"] if "resume" in chosen else []
     )
     fits = {name: _records(tmp_path, name, world) for name in runs}
+    said: dict[str, int] = {}
     for name, ranks in fits.items():
+        hook, setting = FITS.get(name, (tiered_hook, "auto"))  # the callbacks' and resumed fits: 'auto'
         # Every rank as the launcher placed it, and the topology read from it.
         assert [r["rank"] for r in ranks] == [(g, g // ranks_per_node, g % ranks_per_node, world) for g in range(world)]
-        hierarchical = name not in FITS or FITS[name][1] is not False
+        hierarchical = setting is not False
         # hierarchical=False reads no topology (no gather of host names at setup).
         assert {r["nodes"] for r in ranks} == {expected_nodes if hierarchical else None}, name
         # Data parallel: every rank ends with the same parameters, bit for bit.
         for r in ranks[1:]:
             torch.testing.assert_close(r["params"], ranks[0]["params"], rtol=0, atol=0, msg=name)
-        assert {r["state"] for r in ranks} == {"HierarchicalState" if hierarchical else "CommHookState"}, name
-        # Bytes per tier, exactly: each bucket padded to a multiple of the node's ranks; inside the node the bucket
-        # in fp32, between nodes this rank's 1/M shard in the hook's dtype.
-        hook = FITS[name][0] if name in FITS else "fp16"  # the callbacks' and resumed fits: fp16
-        itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
+        states = {"int8": ("HierarchicalInt8State", "Int8State")}.get(hook, ("HierarchicalState", "CommHookState"))
+        assert {r["state"] for r in ranks} == {states[0] if hierarchical else states[1]}, name
+        if hierarchical:
+            line = _choice_line(nodes, ranks_per_node, hook, setting)
+            said[line] = said.get(line, 0) + 1
+        # Bytes per tier, exactly. fp32/fp16/bf16: each bucket padded to a multiple of the node's ranks; inside the
+        # node the bucket in fp32, between nodes this rank's 1/M shard in the hook's dtype. int8: whole blocks.
+        checked = 0
         for r in ranks:
             assert len(r["steps"]) == {"resume_full": 8, "resume_half": 4}.get(name, 8), name
             for logical, wire, intra, buckets in r["steps"]:
                 assert logical == sum(buckets) == r["params"].numel() * 4
+                if hook == "int8" and hierarchical:
+                    # Steps in DDP's final buckets (the first steps of a fit have others, before DDP rebuilds them).
+                    final = [sum(4 * r["numels"][i] for i in bucket) for bucket in r["buckets"]]
+                    if sorted(buckets) == sorted(final):
+                        expected = _int8_tier_bytes(r["numels"], r["buckets"], nodes, ranks_per_node, 1024)
+                        assert (wire, intra) == expected, name
+                        checked += 1
+                    continue
+                if hook == "int8":
+                    continue  # the flat int8 hook's bytes: tests/test_int8.py
+                itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
                 numels = [-(-b // 4 // ranks_per_node) for b in buckets]
                 if hierarchical:
                     assert wire == sum(numels) * itemsize, name
                     assert intra == sum(n * ranks_per_node * 4 for n in numels), name
                 else:
                     assert wire == logical * itemsize // 4 and intra == 0, name
+        if hook == "int8" and hierarchical:
+            assert checked >= world * (len(ranks[0]["steps"]) - 2), (name, checked)
     if "flat_allreduce" in fits:
         # The two-tier fp32 sync sums in another order than the flat one: equal to float rounding after 8 steps.
         flat = fits["flat_allreduce"][0]["params"]
         torch.testing.assert_close(fits["allreduce"][0]["params"], flat, rtol=1e-5, atol=1e-6)
-        # Half precision crosses the nodes only: as close to fp32 as the flat fp16 sync is, or closer.
-        for name, atol in (("fp16", 2e-3), ("bf16", 2e-2)):
+        # Compression crosses the nodes only: as close to fp32 as the flat sync with the same hook (int8: within
+        # 1.25x of it: its shards are quantised once per node, the flat hook's gradients once per rank).
+        for name, atol in (("fp16", 2e-3), ("bf16", 2e-2), ("int8", 2e-3)):
             error = (fits[name][0]["params"] - flat).abs().max().item()
             assert error < atol, (name, error)
-        flat_fp16_error = (fits["flat_fp16"][0]["params"] - flat).abs().max().item()
-        assert (fits["fp16"][0]["params"] - flat).abs().max().item() <= flat_fp16_error
-    # The choice is said once per fit, with the layout.
-    line = (
-        f"ddpopt: hierarchical sync over {nodes} nodes x {ranks_per_node} ranks: each bucket summed inside the node in "
-        f"its own precision, 1/{ranks_per_node} of it per rank sent between nodes in fp16, gathered inside the node "
-        "(hierarchical='auto')"
-    )
-    said = sum(FITS[name][1] == "auto" if name in FITS else True for name in fits)  # every fp16 fit: 'auto'
-    assert output.count(line) == said, output[-3000:]
+        for name, factor in (("fp16", 1.0), ("int8", 1.25)):
+            flat_error = (fits[f"flat_{name}"][0]["params"] - flat).abs().max().item()
+            assert (fits[name][0]["params"] - flat).abs().max().item() <= factor * flat_error, name
+    # The choice is said once per fit, with the layout and what crosses the nodes.
+    for line, count in said.items():
+        assert output.count(line) == count, (line, output[-3000:])
     if "resume_full" in fits:
         # Resumed from the first epoch's checkpoint, every rank ends bit for bit where the uninterrupted run did.
         for full, resumed in zip(fits["resume_full"], fits["resume_half"], strict=True):
@@ -214,20 +264,20 @@ def _user_hook(state, bucket):
         ({"hierarchical": "yes"}, "hierarchical='yes' must be True, False or 'auto'"),
         ({"hierarchical": 1}, "hierarchical=1 must be True, False or 'auto'"),
         (
-            {"hierarchical": True, "comm_hook": "int8"},
-            "hierarchical=True needs a comm_hook with a hierarchical form ('allreduce', 'fp16', 'bf16' or an "
-            "AutoConfig among them), not comm_hook='int8'",
+            {"hierarchical": True, "comm_hook": "powersgd"},
+            "hierarchical=True needs a comm_hook with a hierarchical form ('allreduce', 'fp16', 'bf16', 'int8' or an "
+            "AutoConfig among them), not comm_hook='powersgd'",
         ),
         ({"hierarchical": True, "comm_hook": None}, "not comm_hook=None"),
         (
-            {"hierarchical": True, "comm_hook": "auto"},
-            "hierarchical=True with comm_hook='auto': 'auto' may choose 'int8', which have no two-tier form; pass "
+            {"hierarchical": True, "comm_hook": AutoConfig(candidates=("allreduce", "powersgd"))},
+            "'auto' may choose 'powersgd', which have no two-tier form; pass "
             "comm_hook=AutoConfig(candidates=('allreduce', 'fp16')) or hierarchical='auto'",
         ),
         (
             {"hierarchical": True, "ddp_comm_hook": _user_hook},
-            "hierarchical=True applies to the registry hooks with a two-tier form ('allreduce', 'fp16', 'bf16'), not "
-            "to ddp_comm_hook=",
+            "hierarchical=True applies to the registry hooks with a two-tier form ('allreduce', 'fp16', 'bf16', "
+            "'int8'), not to ddp_comm_hook=",
         ),
     ],
 )
@@ -238,6 +288,8 @@ def test_bad_hierarchical_arguments_fail_at_construction(kwargs, message):
     # What is accepted: a hook with a two-tier form, or an AutoConfig that chooses among such hooks only.
     OptimizedDDPStrategy(hierarchical=True, comm_hook=AutoConfig(candidates=("allreduce", "fp16")))
     OptimizedDDPStrategy(hierarchical=True, comm_hook="bf16")
+    OptimizedDDPStrategy(hierarchical=True, comm_hook="int8")
+    OptimizedDDPStrategy(hierarchical=True, comm_hook="auto")  # its default candidates all have a two-tier form
 
 
 def _int8_tiers_worker(rank: int, world_size: int, port: int, out: str, loops: bool, cap_mb: float) -> None:
@@ -323,7 +375,7 @@ def test_int8_in_two_tiers_gives_the_same_bits_whatever_the_buckets_and_the_kern
                 torch.testing.assert_close(error, other[rank]["errors"][name], rtol=0, atol=0, msg=name)
     numels = fast[0]["numels"]
     blocks = [math.ceil(n / INT8_BLOCK) for n in numels]
-    for rank, r in enumerate(fast):
+    for r in fast:
         # Every rank decodes the same bytes: the same gradient everywhere, every step.
         for step, grad in enumerate(r["grads"]):
             torch.testing.assert_close(grad, fast[0]["grads"][step], rtol=0, atol=0, equal_nan=True)

@@ -22,10 +22,10 @@ from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_firs
 from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.deferred import to_device
-from lightning_ddpopt.hooks.hierarchical import HierarchicalState
 from lightning_ddpopt.ledger import CommLedger, StepRecord, local_drift
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.timing import median_seconds
+from lightning_ddpopt.topology import TierGroups
 from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = ["CommProfiler"]
@@ -216,8 +216,9 @@ class CommProfiler(Callback):
         # A two-tier sync's bytes_sent cross the nodes in rings of one rank per node, M of which share each node's
         # link: the link's bus bandwidth is M times one ring's.
         state = trainer.strategy.comm_state if isinstance(trainer.strategy, CoreViews) else None
-        if isinstance(state, HierarchicalState):
-            topology = state.tiers.topology
+        tiers = getattr(state, "tiers", None)  # a two-tier hook's state (fp32/fp16/bf16 or int8)
+        if isinstance(tiers, TierGroups):
+            topology = tiers.topology
             self._ring_ranks, self._rings_per_link = topology.num_nodes, topology.ranks_per_node
         else:
             self._ring_ranks, self._rings_per_link = trainer.world_size, 1
