@@ -41,7 +41,8 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "allreduce_hier": (lambda: OptimizedDDPStrategy(hierarchical=True), 1),
     "fp16_hier": (lambda: OptimizedDDPStrategy(comm_hook="fp16", hierarchical=True), 1),
     "bf16_hier": (lambda: OptimizedDDPStrategy(comm_hook="bf16", hierarchical=True), 1),
-    "int8": (lambda: OptimizedDDPStrategy(comm_hook="int8"), 1),
+    "int8": (lambda: OptimizedDDPStrategy(comm_hook="int8", hierarchical=False), 1),
+    "int8_hier": (lambda: OptimizedDDPStrategy(comm_hook="int8", hierarchical=True), 1),
     # A fixed rank (max_error=None); "powersgd" is the default: rank 4 raised while the error is above its bound
     # (0.9 with this MLP's SGD, 0.6 with the transformer's AdamW).
     "powersgd_r1": (lambda: OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=1, max_error=None, start_iter=2)), 1),

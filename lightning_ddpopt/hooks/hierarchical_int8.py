@@ -154,6 +154,19 @@ class _Layout:
         self.shard_blocks = max(1, math.ceil(max(used) / nodes)) * nodes
         self.per_node = self.shard_blocks // nodes
         self.block = block
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, purpose: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer for ``purpose``, kept for this bucket's next steps.
+
+        A fresh bucket-sized allocation each step costs more than the arithmetic (the kernel hands large blocks out
+        zeroed, page by page). A bucket's sync is done before DDP hands it in again, and each bucket has a layout
+        (and buffers) of its own.
+        """
+        found = self._buffers.get(purpose)
+        if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
+            found = self._buffers[purpose] = torch.empty(shape, dtype=dtype, device=device)
+        return found
 
 
 def hierarchical_int8_hook(state: HierarchicalInt8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -211,7 +224,8 @@ class _Int8TierSync:
         """Send each local rank its blocks in fp32; sum this rank's shard over the node, in local-rank order."""
         state, layout = self.state, self.layout
         block, shard = layout.block, layout.shard_blocks * layout.block
-        outgoing = torch.empty(state.ranks_per_node, shard, dtype=torch.float32, device=self.buffer.device)
+        device = self.buffer.device
+        outgoing = layout.buffer("outgoing", (state.ranks_per_node, shard), torch.float32, device)
         for index, owner, slot, start, end in layout.copies:
             at = slot * block
             outgoing[owner, at : at + end - start].copy_(self.gradients[index][start:end])
@@ -219,9 +233,9 @@ class _Int8TierSync:
                 outgoing[owner, at + end - start : at + math.ceil((end - start) / block) * block].zero_()
         for owner, used in enumerate(layout.used):  # the shard's padding to equal shards
             outgoing[owner, used * block :].zero_()
-        incoming = torch.empty_like(outgoing)
+        incoming = layout.buffer("incoming", (state.ranks_per_node, shard), torch.float32, device)
         state.wait(dist.all_to_all_single(incoming, outgoing, group=state.tiers.intra, async_op=True))  # type: ignore[union-attr]
-        node_sum = incoming[0].clone()
+        node_sum = incoming[0]
         for contribution in incoming[1:]:  # in local-rank order: the same bits whatever the bucket layout
             node_sum.add_(contribution)
         self.send = self._quantize(node_sum)
@@ -275,10 +289,10 @@ class _Int8TierSync:
         state, layout, send = self.state, self.layout, self.send
         assert send is not None
         cross = state.tiers.cross  # type: ignore[union-attr]
-        received = torch.empty_like(send)
+        received = layout.buffer("received", send.shape, torch.int8, send.device)
         state.wait(dist.all_to_all_single(received, send, group=cross, async_op=True))
         own = reduce_and_requantize(received, layout.per_node * layout.block, layout.block, loops=self.loops)
-        gathered = torch.empty_like(send)
+        gathered = layout.buffer("gathered", send.shape, torch.int8, send.device)
         state.wait(all_gather_async(gathered.view(-1), own.view(-1), cross))
         self.gathered = gathered
 
@@ -287,7 +301,8 @@ class _Int8TierSync:
         state, layout, gathered = self.state, self.layout, self.gathered
         assert gathered is not None
         block, per_node = layout.block, layout.per_node
-        everything = torch.empty(state.ranks_per_node, *gathered.shape, dtype=torch.int8, device=gathered.device)
+        shape = (state.ranks_per_node, *gathered.shape)
+        everything = layout.buffer("everything", shape, torch.int8, gathered.device)
         state.wait(all_gather_async(everything.view(-1), gathered.view(-1), state.tiers.intra_gather))  # type: ignore[union-attr]
         chunk = per_node * block
         payloads, scales = unpack(everything.view(-1, gathered.shape[1]), chunk)
