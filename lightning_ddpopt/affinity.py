@@ -3,7 +3,8 @@
 Where Linux describes the CPUs (``/sys/devices/system/cpu/cpu*/topology``, ``/sys/devices/system/node``), ranks get
 whole physical cores, SMT siblings together, in NUMA-node order: with the usual numbering (physical cores first,
 then their siblings) a split of the logical ids in order would put ranks 4-7 of an 8-rank node on the siblings of
-ranks 0-3's cores.
+ranks 0-3's cores. On a GPU, a rank's cores are on its GPU's NUMA node (read from the GPU's PCI device) where every
+local rank's GPU reports one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "available_cores",
     "bind_cores",
     "cpu_layout",
+    "gpu_numa_node",
     "plan_core_sets",
     "plan_given_cores",
     "validate_cpu_affinity",
@@ -111,6 +113,28 @@ def cpu_layout(cores: Sequence[int], root: str = "/sys/devices/system") -> dict[
     return layout
 
 
+def gpu_numa_node(device: torch.device | None, root: str = "/sys/bus/pci/devices") -> int | None:
+    """The NUMA node of ``device``'s PCI device (Linux's ``numa_node``); ``None`` for a CPU or where unknown.
+
+    Args:
+        device: the rank's device.
+        root: where sysfs lists the PCI devices (a test's fake tree).
+    """
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(device)
+    address = [getattr(properties, field, None) for field in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if not all(isinstance(part, int) for part in address):  # a torch that does not report the PCI address
+        return None
+    domain, bus, slot = address
+    try:
+        with open(os.path.join(root, f"{domain:04x}:{bus:02x}:{slot:02x}.0", "numa_node")) as numa_node:
+            node = int(numa_node.read())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None  # -1: the platform does not say
+
+
 def plan_core_sets(
     cores: Sequence[int], local_world_size: int, layout: dict[int, CpuPlace] | None = None
 ) -> list[list[int]]:
@@ -152,7 +176,9 @@ def _contiguous(items: list[Any], parts: int) -> list[list[Any]]:
 
 
 def plan_given_cores(
-    given: Sequence[Sequence[int]], layout: dict[int, CpuPlace] | None = None
+    given: Sequence[Sequence[int]],
+    layout: dict[int, CpuPlace] | None = None,
+    gpu_nodes: Sequence[int | None] | None = None,
 ) -> tuple[list[list[int]], str]:
     """Each local rank's cores for ``cpu_affinity=True``, from the cores each was given (in local-rank order).
 
@@ -160,7 +186,9 @@ def plan_given_cores(
     bind) started them, a socket's ranks under ``srun --cpu-bind=sockets``. A rank given cores no other rank was
     given (``srun --cpu-bind=cores``, a container per rank) keeps them. No rank is ever given a core it could not
     use. Returns the sets and a sentence saying which it was. ``layout`` splits by physical core
-    (:func:`plan_core_sets`).
+    (:func:`plan_core_sets`). ``gpu_nodes``: each local rank's GPU's NUMA node (:func:`gpu_numa_node`); where every
+    rank's is known and each node has a physical core for each of its ranks, ranks given the same cores split those
+    of their GPU's NUMA node.
 
     Raises:
         ValueError: when ranks given the same cores are more than those cores.
@@ -172,8 +200,11 @@ def plan_given_cores(
     for rank, cores in enumerate(sets):
         sharing.setdefault(tuple(cores), []).append(rank)
     plan = list(sets)
+    near_gpus = False
     for shared, ranks in sharing.items():
-        for rank, part in zip(ranks, plan_core_sets(shared, len(ranks), layout), strict=True):
+        by_gpu = _split_by_gpu_node(shared, ranks, layout, gpu_nodes)
+        near_gpus = near_gpus or by_gpu is not None
+        for rank, part in by_gpu or zip(ranks, plan_core_sets(shared, len(ranks), layout), strict=True):
             plan[rank] = part
     distinct = list(sharing)
     overlap = any(set(a) & set(b) for i, a in enumerate(distinct) for b in distinct[i + 1 :])
@@ -185,7 +216,29 @@ def plan_given_cores(
     else:
         others = ", the others keep theirs" if any(len(ranks) == 1 for ranks in sharing.values()) else ""
         how = f"ranks given the same cores split them{others}{note}"
+    if near_gpus:
+        nodes = ", ".join(f"rank {rank}: node {node}" for rank, node in enumerate(gpu_nodes or ()))
+        how += f", each rank on its GPU's NUMA node ({nodes})"
     return plan, how
+
+
+def _split_by_gpu_node(
+    shared: Sequence[int],
+    ranks: list[int],
+    layout: dict[int, CpuPlace] | None,
+    gpu_nodes: Sequence[int | None] | None,
+) -> list[tuple[int, list[int]]] | None:
+    """``ranks`` with their part of ``shared``, each on its GPU's NUMA node; ``None`` where that cannot be done."""
+    if layout is None or gpu_nodes is None or any(gpu_nodes[rank] is None for rank in ranks):
+        return None
+    parts = []
+    for node in sorted({gpu_nodes[rank] for rank in ranks}, key=lambda n: n if n is not None else -1):
+        on_node = [rank for rank in ranks if gpu_nodes[rank] == node]
+        cores = [cpu for cpu in shared if layout[cpu][0] == node]
+        if len({layout[cpu] for cpu in cores}) < len(on_node):  # fewer physical cores there than ranks
+            return None
+        parts += list(zip(on_node, plan_core_sets(cores, len(on_node), layout), strict=True))
+    return parts
 
 
 @dataclass
@@ -223,20 +276,29 @@ def _pin_every_thread(cores: Collection[int]) -> None:
 
 
 def bind_cores(
-    cpu_affinity: CpuAffinity, *, local_rank: int, local_world_size: int, node_rank: int, world_size: int
+    cpu_affinity: CpuAffinity,
+    *,
+    local_rank: int,
+    local_world_size: int,
+    node_rank: int,
+    world_size: int,
+    device: torch.device | None = None,
 ) -> CoreBinding | None:
     """Pin this rank to its cores (every thread of it, the process group's too) once the ranks can talk.
 
     ``cpu_affinity=True`` plans from the cores each local rank was given (``os.sched_getaffinity``): gathered
-    from the ranks, so that ranks a launcher bound keep their cores and ranks given the same cores split them.
-    ``None`` with ``cpu_affinity=False``.
+    from the ranks, so that ranks a launcher bound keep their cores and ranks given the same cores split them, on
+    their GPUs' NUMA nodes where ``device`` is a GPU whose node Linux reports. ``None`` with ``cpu_affinity=False``.
     """
     if cpu_affinity is False:
         return None
     if cpu_affinity is True:
-        given = _local_ranks_cores(available_cores(), local_rank, local_world_size, node_rank, world_size)
+        given, gpu_nodes = _local_ranks_cores(
+            available_cores(), gpu_numa_node(device), local_rank, local_world_size, node_rank, world_size
+        )
         layout = cpu_layout(sorted({cpu for cores in given for cpu in cores}))
-        core_sets, how = plan_given_cores(given, layout)
+        known = gpu_nodes if any(node is not None for node in gpu_nodes) else None
+        core_sets, how = plan_given_cores(given, layout, known)
         if layout is None:
             rank_zero_warn(
                 "ddpopt: cpu_affinity=True found no CPU topology in /sys/devices/system (physical cores, SMT siblings, "
@@ -260,12 +322,13 @@ def bind_cores(
 
 
 def _local_ranks_cores(
-    own: list[int], local_rank: int, local_world_size: int, node_rank: int, world_size: int
-) -> list[list[int]]:
-    """The cores each rank on this node was given, in local-rank order (one all-gather at setup)."""
+    own: list[int], gpu_node: int | None, local_rank: int, local_world_size: int, node_rank: int, world_size: int
+) -> tuple[list[list[int]], list[int | None]]:
+    """The cores each rank on this node was given and its GPU's NUMA node, in local-rank order (one all-gather)."""
     if not dist.is_initialized() or world_size == 1:
-        return [own] * local_world_size  # no other rank to ask: as if each was given what this one was
+        # No other rank to ask: as if each was given what this one was (its GPU's node: unknown).
+        return [own] * local_world_size, [gpu_node] + [None] * (local_world_size - 1)
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (node_rank, local_rank, own))
-    on_this_node = sorted((local, cores) for node, local, cores in gathered if node == node_rank)
-    return [cores for _, cores in on_this_node]
+    dist.all_gather_object(gathered, (node_rank, local_rank, own, gpu_node))
+    on_this_node = sorted((local, cores, gpu) for node, local, cores, gpu in gathered if node == node_rank)
+    return [cores for _, cores, _ in on_this_node], [gpu for _, _, gpu in on_this_node]

@@ -113,6 +113,7 @@ class StrategyCore:
             local_world_size=local_world_size,
             node_rank=node_rank,
             world_size=world_size,
+            device=device,
         )
         self.topology = None
         if world_size > 1 and self.hooks.hierarchical is not False:

@@ -86,21 +86,30 @@ def allreduce_seconds(nbytes: float, world_size: int, link: Link) -> float:
 
 #: An intra-node link's default bandwidth in Gbit/s: PCIe 4.0 x16, one direction (NVLink is 4-20x faster).
 INTRA_NODE_GBPS = 256.0
-#: The hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`).
-HIERARCHICAL_PLAN_HOOKS = ("allreduce", "fp16", "bf16")
+#: The hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`, ``hierarchical_int8``).
+HIERARCHICAL_PLAN_HOOKS = ("allreduce", "fp16", "bf16", "int8")
 
 
 def hierarchical_seconds(
-    fp32_bytes: float, payload_bytes: float, nodes: int, per_node: int, link: Link, intra: Link
+    fp32_bytes: float,
+    payload_bytes: float,
+    nodes: int,
+    per_node: int,
+    link: Link,
+    intra: Link,
+    gather_bytes: float | None = None,
 ) -> float:
     """Two-tier sync time on N nodes x M ranks (``nodes``, ``per_node``), its tiers one after the other.
 
-    Inside each node a reduce-scatter and an all-gather of the fp32 bucket (NCCL's), ``2 (M-1)/M x S_fp32`` over the
-    intra-node link; between nodes M all-reduces of 1/M of the payload each, which share the node's link:
-    ``2 (N-1)/N x S`` over it, and ``2 (N-1)`` latencies. The CPU path pipelines its tiers across buckets and
-    all-reduces inside the node (gloo): give ``intra`` the bandwidth its inner tier reaches.
+    Inside each node a reduce-scatter of the fp32 bucket and an all-gather of ``gather_bytes`` (the fp32 bucket by
+    default; int8's gathers its int8 payload), ``(M-1)/M`` of each over the intra-node link; between nodes M
+    all-reduces of 1/M of the payload each, which share the node's link: ``2 (N-1)/N x S`` over it, and ``2 (N-1)``
+    latencies. The CPU path pipelines its tiers across buckets and all-reduces inside the node (gloo): give
+    ``intra`` the bandwidth its inner tier reaches.
     """
-    inside = ring_bytes_per_rank(fp32_bytes, per_node) / intra.bytes_per_s + 2 * (per_node - 1) * intra.latency_s
+    gathered = fp32_bytes if gather_bytes is None else gather_bytes
+    inside = ring_bytes_per_rank((fp32_bytes + gathered) / 2, per_node) / intra.bytes_per_s
+    inside += 2 * (per_node - 1) * intra.latency_s
     return inside + allreduce_seconds(payload_bytes, nodes, link)
 
 
@@ -239,6 +248,7 @@ def estimate_hooks(
         sent = ring_bytes_per_rank(nbytes, world_size)
         tiered = None
         if nodes is not None and nodes[0] > 1 and nodes[1] > 1 and hook in HIERARCHICAL_PLAN_HOOKS:
-            tiered = hierarchical_seconds(bytes_fp32, nbytes, nodes[0], nodes[1], link, nodes[2])
+            gather = nbytes if hook == "int8" else None  # int8 gathers its quantised shards inside the node
+            tiered = hierarchical_seconds(bytes_fp32, nbytes, nodes[0], nodes[1], link, nodes[2], gather)
         estimates.append(HookEstimate(hook, nbytes, sent, throughput, codec, comm, no_overlap, overlap, tiered))
     return estimates

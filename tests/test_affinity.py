@@ -116,3 +116,39 @@ def test_binding_pins_threads_that_already_run():
         binding.release()
         thread.join()
     assert os.sched_getaffinity(0) == before
+
+
+def test_ranks_split_the_cores_of_their_gpus_numa_nodes(tmp_path):
+    layout = cpu_layout(range(16), root=_two_socket_smt(tmp_path))
+    # 4 local ranks whose GPUs hang off NUMA nodes 1, 0, 1, 0: each pair splits its node's physical cores.
+    plan, how = plan_given_cores([list(range(16))] * 4, layout, gpu_nodes=[1, 0, 1, 0])
+    assert plan == [[4, 5, 12, 13], [0, 1, 8, 9], [6, 7, 14, 15], [2, 3, 10, 11]]
+    assert how.endswith(
+        ", each rank on its GPU's NUMA node (rank 0: node 1, rank 1: node 0, rank 2: node 1, rank 3: node 0)"
+    )
+    # All on one node: that node's 4 physical cores, one each for 4 ranks; the other node's cores stay free.
+    assert plan_given_cores([list(range(16))] * 4, layout, gpu_nodes=[0] * 4)[0] == [[0, 8], [1, 9], [2, 10], [3, 11]]
+    # More ranks on a node than it has physical cores, or a GPU whose node is unknown: the plain split, no claim.
+    for nodes in ([0] * 5 + [1], [0, None]):
+        ranks = len(nodes)
+        plan, how = plan_given_cores([list(range(16))] * ranks, layout, gpu_nodes=nodes)
+        assert plan == plan_given_cores([list(range(16))] * ranks, layout)[0] and "GPU" not in how
+
+
+def test_a_gpus_numa_node_comes_from_its_pci_device(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning_ddpopt.affinity import gpu_numa_node
+
+    assert gpu_numa_node(torch.device("cpu")) is None and gpu_numa_node(None) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    properties = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    device = tmp_path / "0000:3b:00.0"
+    device.mkdir()
+    (device / "numa_node").write_text("1\n")
+    assert gpu_numa_node(torch.device("cuda", 0), root=str(tmp_path)) == 1
+    (device / "numa_node").write_text("-1\n")  # the platform does not say
+    assert gpu_numa_node(torch.device("cuda", 0), root=str(tmp_path)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace())  # an older torch
+    assert gpu_numa_node(torch.device("cuda", 0), root=str(tmp_path)) is None

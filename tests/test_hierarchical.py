@@ -144,7 +144,8 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
             line = _choice_line(nodes, ranks_per_node, hook, setting)
             said[line] = said.get(line, 0) + 1
         # Bytes per tier, exactly. fp32/fp16/bf16: each bucket padded to a multiple of the node's ranks; inside the
-        # node the bucket in fp32, between nodes this rank's 1/M shard in the hook's dtype. int8: whole blocks.
+        # node the bucket in fp32, between nodes this rank's 1/M shard in the hook's dtype (fp16: and its peak).
+        # int8: whole blocks.
         checked = 0
         for r in ranks:
             assert len(r["steps"]) == {"resume_full": 8, "resume_half": 4}.get(name, 8), name
@@ -162,8 +163,8 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
                     continue  # the flat int8 hook's bytes: tests/test_int8.py
                 itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
                 numels = [-(-b // 4 // ranks_per_node) for b in buckets]
-                if hierarchical:
-                    assert wire == sum(numels) * itemsize, name
+                if hierarchical:  # fp16: and each shard's fp32 peak, for the scale the nodes agree on
+                    assert wire == sum(numels) * itemsize + (4 * len(buckets) if hook == "fp16" else 0), name
                     assert intra == sum(n * ranks_per_node * 4 for n in numels), name
                 else:
                     assert wire == logical * itemsize // 4 and intra == 0, name
@@ -404,3 +405,67 @@ def test_int8_in_two_tiers_gives_the_same_bits_whatever_the_buckets_and_the_kern
             first += count
         shard = -(-max(owned) // 2) * 2
         assert r["wire"] == [(shard * (INT8_BLOCK + 4), 2 * shard * INT8_BLOCK * 4)] * 6
+
+
+class _Dot(torch.nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(size))
+
+    def forward(self, coefficients: torch.Tensor) -> torch.Tensor:
+        return (coefficients * self.weight).sum()
+
+
+def _fp16_tiers_worker(rank: int, world_size: int, port: int, out: str, factor: int) -> None:
+    """One backward pass of ``sum(c * w)`` (gradient ``c``: magnitudes from 1e-8 to 1e2) through the two-tier fp16
+    hook and the flat one, each state told a world size ``factor`` times the real one (the mean over that many)."""
+    from lightning_ddpopt._groups import destroy_all_groups
+    from lightning_ddpopt.hooks import CommHookState, HierarchicalState, fp16_allreduce_hook, hierarchical_hook
+    from lightning_ddpopt.topology import TierGroups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    tiers = TierGroups(Topology(rank=rank, nodes=((0, 1), (2, 3))))
+    magnitudes = 10.0 ** torch.linspace(-8, 2, 4001)
+    signs = torch.where(torch.arange(4001) % 3 == 0, -1.0, 1.0)
+    coefficients = magnitudes * signs * (1 + rank / 10)  # every rank's gradient a little different
+    results = {}
+    for name in ("tiers", "flat"):
+        module = _Dot(4001)
+        model = torch.nn.parallel.DistributedDataParallel(module)
+        if name == "tiers":
+            state: CommHookState = HierarchicalState(tiers=tiers, dtype=torch.float16)
+            model.register_comm_hook(state, hierarchical_hook)
+        else:
+            state = CommHookState()
+            model.register_comm_hook(state, fp16_allreduce_hook)
+        state.world_size = factor * world_size
+        model(coefficients).backward()
+        results[name] = module.weight.grad.clone()
+        del model
+    exact = [torch.empty_like(coefficients) for _ in range(world_size)]
+    dist.all_gather(exact, coefficients)
+    torch.save({**results, "exact": sum(exact) / (factor * world_size)}, f"{out}.{rank}")
+    tiers.close()
+    destroy_all_groups()
+
+
+def test_fp16_between_nodes_does_not_underflow_at_a_large_world_size(tmp_path):
+    # 4 ranks standing for 256 (a world-size factor of 64): the mean of gradients from 1e-8 to 1e2 over 256 ranks.
+    out = str(tmp_path / "fp16")
+    mp.start_processes(_fp16_tiers_worker, args=(4, _free_port(), out, 64), nprocs=4, start_method="fork")
+    results = [torch.load(f"{out}.{rank}") for rank in range(4)]
+    exact = results[0]["exact"]
+    for r in results:
+        torch.testing.assert_close(r["tiers"], results[0]["tiers"], rtol=0, atol=0)  # the same on every rank
+    tiers, flat = results[0]["tiers"], results[0]["flat"]
+    # Two tiers: the nodes agree on a power-of-two scale from the shard's peak, so every value down to 1e-6 (1e-8 of
+    # the largest) crosses as a normal fp16 value: two roundings of fp16 (the cast, the sum of two nodes) at most.
+    kept = exact.abs() >= 1e-6 / 256
+    relative = ((tiers - exact).abs() / exact.abs())[kept]
+    assert relative.max().item() < 2 * 2**-11, relative.max().item()
+    assert bool((tiers != 0).all())  # nothing vanished, down to 1e-8
+    # The flat fp16 hook divides by the world size before the cast: at 256 ranks everything under about 1e-5
+    # crosses as a subnormal or zero.
+    assert bool((flat[exact.abs() < 1e-8] == 0).all()) and not bool((flat == 0).all())

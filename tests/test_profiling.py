@@ -384,9 +384,9 @@ def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
     assert [line[width:].strip() != "-" for line in tables[1][2:6]] == [
         True,
         True,
+        True,
         False,
-        False,
-    ]  # allreduce .. powersgd
+    ]  # allreduce, fp16, int8, powersgd
     assert "2-tier comm ms: hierarchical=True: fp32 inside each node at 256 Gbit/s (--intra-gbps)" in tables[1][7]
     for argv in (flat, nodes):
         assert ddpopt([*argv, "--json"]) == 0
@@ -398,7 +398,11 @@ def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
     payload = 4 * 100e6
     inside = payload / (256e9 / 8) * 2 * 7 / 8 + 2 * 7 * 5e-6
     assert tiered["allreduce"] == pytest.approx(inside + payload / (10e9 / 8) + 2 * 50e-6)
-    assert tiered["int8"] is None and tiered["powersgd"] is None
+    # int8: the fp32 bucket reduce-scattered inside the node, its int8 payload gathered; that payload between nodes.
+    int8 = 100e6 * (1 + 4 / 1024)
+    inside = (payload + int8) / 2 / (256e9 / 8) * 2 * 7 / 8 + 2 * 7 * 5e-6
+    assert tiered["int8"] == pytest.approx(inside + int8 / (10e9 / 8) + 2 * 50e-6)
+    assert tiered["powersgd"] is None
 
 
 def test_plan_json_fields_and_per_rank_bytes(capsys):

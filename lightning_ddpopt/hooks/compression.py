@@ -8,7 +8,28 @@ import torch.distributed as dist
 
 from lightning_ddpopt.hooks.base import CommHookState, squared_norm
 
-__all__ = ["allreduce_mean_hook", "bf16_allreduce_hook", "fp16_allreduce_hook"]
+__all__ = ["FP16_MAX", "allreduce_mean_hook", "bf16_allreduce_hook", "fp16_allreduce_hook", "fp16_scale", "peak"]
+
+#: fp16's largest finite value.
+FP16_MAX = 65504.0
+
+
+def peak(values: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a 0-dim fp32 tensor, without materialising ``|x|``; NaN and inf propagate."""
+    return torch.maximum(values.amax(), values.amin().neg()).float()
+
+
+def fp16_scale(peak: torch.Tensor, summands: int) -> torch.Tensor:
+    """The power of two that lifts ``summands`` values of magnitude up to ``peak`` as far as fp16's sum allows.
+
+    ``peak`` is the largest magnitude over every rank that sums (the same 0-dim fp32 tensor on each): scaled values
+    then sum to at most :data:`FP16_MAX`, so the fp16 sum cannot overflow, and values down to ``2^-24`` of the peak
+    stay normal whatever the world size (dividing by the world size before the cast, as torch's fp16 hook does,
+    loses every value under ``6e-8 x world size``). Powers of two scale exactly. A zero peak gives ``2^126``; an
+    infinite one ``2^-126`` (the inf stays, so the step is skipped as it would be); a NaN peak 1.
+    """
+    exponent = torch.floor(torch.log2(torch.tensor(FP16_MAX / summands, device=peak.device)) - torch.log2(peak))
+    return torch.exp2(torch.nan_to_num(exponent, nan=0.0).clamp(-126.0, 126.0))
 
 
 def allreduce_mean_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

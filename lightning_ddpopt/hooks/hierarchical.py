@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import CommHookState, squared_norm
+from lightning_ddpopt.hooks.compression import fp16_scale, peak
 from lightning_ddpopt.hooks.streams import SideStreams
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.topology import TierGroups
@@ -188,7 +189,8 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     buffer = bucket.buffer()
     shard_numel = -(-buffer.numel() // state.ranks_per_node)
     cross_dtype = state.dtype or buffer.dtype
-    state.record_wire_bytes(bucket, shard_numel * cross_dtype.itemsize)
+    # fp16: and the shard's fp32 peak, for the scale the nodes agree on.
+    state.record_wire_bytes(bucket, shard_numel * cross_dtype.itemsize + (4 if state.dtype == torch.float16 else 0))
     state.record_wire_bytes(bucket, shard_numel * state.ranks_per_node * buffer.element_size(), intra_node=True)
     sync = _BucketSync(state, bucket, shard_numel)
     if buffer.is_cuda:
@@ -207,12 +209,14 @@ class _BucketSync:
         self.ranks_per_node = state.ranks_per_node
         self.send: torch.Tensor | None = None
         self.shards: list[torch.Tensor] = []
+        #: fp16: what the shard's reduced sum is divided by (the world size, times the scale).
+        self.divisor: torch.Tensor | None = None
 
     def abandon(self) -> None:
         """Nothing is kept across steps."""
 
     def reduce_inside(self) -> None:
-        """The node's sum; this rank keeps its shard, divided by the world size and cast for the trip between nodes."""
+        """The node's sum; this rank keeps its shard (but for fp16, divided by the world size and cast to cross)."""
         state, buffer = self.state, self.buffer
         numel = self.shard_numel * self.ranks_per_node
         if numel != buffer.numel():
@@ -227,16 +231,34 @@ class _BucketSync:
             shard.copy_(reduced)
         else:
             state.wait(dist.all_reduce(self.padded, group=tiers.intra, async_op=True))
-        shard.div_(state.world_size)
+        if state.dtype != torch.float16:
+            shard.div_(state.world_size)
+            self._cast(shard)
+
+    def _cast(self, shard: torch.Tensor) -> None:
+        state = self.state
         self.send = shard if state.dtype is None else shard.to(state.dtype)
         if self.send is not shard and state.measuring:
             dropped = squared_norm(shard - self.send.to(shard.dtype))
             state.record_compression(self.bucket, squared_norm(shard), dropped)
 
     def reduce_between(self) -> None:
-        """The shard's sum over the nodes, among the ranks of this local rank."""
+        """The shard's sum over the nodes, among the ranks of this local rank.
+
+        fp16: the nodes first agree on the shard's peak (a 4-byte all-reduce), and the shard crosses scaled by
+        :func:`~lightning_ddpopt.hooks.compression.fp16_scale`, so no world size makes it underflow.
+        """
+        state = self.state
+        cross = state.tiers.cross
+        if state.dtype == torch.float16:
+            shard = self.shards[state.local_rank]
+            top = peak(shard)
+            state.wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=cross, async_op=True))
+            scale = fp16_scale(top, dist.get_world_size(cross))
+            self._cast(shard.mul_(scale))
+            self.divisor = scale * state.world_size
         assert self.send is not None
-        self.state.wait(dist.all_reduce(self.send, group=self.state.tiers.cross, async_op=True))
+        state.wait(dist.all_reduce(self.send, group=cross, async_op=True))
 
     def gather(self) -> None:
         """Every reduced shard from the node's ranks into the bucket."""
@@ -245,6 +267,8 @@ class _BucketSync:
         assert self.send is not None
         if self.send is not shard:
             shard.copy_(self.send)
+        if self.divisor is not None:
+            shard.div_(self.divisor)
         state.wait(dist.all_gather(self.shards, shard.clone(), group=state.tiers.intra_gather, async_op=True))
         if self.padded is not self.buffer:
             self.buffer.copy_(self.padded[: self.buffer.numel()])
