@@ -382,7 +382,11 @@ def test_int8_in_two_tiers_gives_the_same_bits_whatever_the_buckets_and_the_kern
             torch.testing.assert_close(grad, fast[0]["grads"][step], rtol=0, atol=0, equal_nan=True)
         # The overflow reached every rank as a non-finite gradient, and no rank committed that round's errors.
         assert not r["grads"][INT8_OVERFLOW_STEP].isfinite().all() and r["skipped"] == 1
-        assert r["config"] == {"block_size": INT8_BLOCK, "error_feedback": True, "tiers": "2 nodes x 2 ranks"}
+        assert r["config"] == {
+            "block_size": INT8_BLOCK,
+            "error_feedback": True,
+            "tiers": "2 nodes x 2 ranks: [[0, 1], [2, 3]]",
+        }
     # Error feedback for the blocks this rank owns only: the ranks of a node hold every block once between them.
     for node in (fast[:2], fast[2:]):
         assert sum(e.numel() for r in node for e in r["errors"].values()) == sum(blocks) * INT8_BLOCK

@@ -3,6 +3,8 @@
 No ``from __future__ import annotations`` here: DDP compares the hooks' annotations with the real types.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -23,13 +25,14 @@ def fp16_scale(peak: torch.Tensor, summands: int) -> torch.Tensor:
     """The power of two that lifts ``summands`` values of magnitude up to ``peak`` as far as fp16's sum allows.
 
     ``peak`` is the largest magnitude over every rank that sums (the same 0-dim fp32 tensor on each): scaled values
-    then sum to at most :data:`FP16_MAX`, so the fp16 sum cannot overflow, and values down to ``2^-24`` of the peak
-    stay normal whatever the world size (dividing by the world size before the cast, as torch's fp16 hook does,
-    loses every value under ``6e-8 x world size``). Powers of two scale exactly. A zero peak gives ``2^126``; an
-    infinite one ``2^-126`` (the inf stays, so the step is skipped as it would be); a NaN peak 1.
+    then sum to at most half of :data:`FP16_MAX` (the half: a cast may round a value up), so the fp16 sum cannot
+    overflow, and values down to ``2^-25`` of the peak stay normal whatever the world size (dividing by the world
+    size before the cast, as torch's fp16 hook does, loses every value under ``6e-8 x world size``). Powers of two
+    scale exactly. The exponent stays within +-100 (a zero peak gives ``2^100``, an infinite one ``2^-100``: the inf
+    stays, and the step is skipped as it would be); a NaN peak gives 1. No host sync: everything stays on the device.
     """
-    exponent = torch.floor(torch.log2(torch.tensor(FP16_MAX / summands, device=peak.device)) - torch.log2(peak))
-    return torch.exp2(torch.nan_to_num(exponent, nan=0.0).clamp(-126.0, 126.0))
+    exponent = torch.floor(math.log2(FP16_MAX / summands / 2) - torch.log2(peak))
+    return torch.exp2(torch.nan_to_num(exponent, nan=0.0).clamp(-100.0, 100.0))
 
 
 def allreduce_mean_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

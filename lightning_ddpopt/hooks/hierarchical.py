@@ -7,17 +7,19 @@ Each bucket's sync, on every rank (the groups are :class:`lightning_ddpopt.topol
 1. **inside the node**, in the bucket's own precision: the bucket's sum over the node's M ranks, of which local rank
    ``l`` keeps shard ``l`` (a 1/M slice; the bucket is zero-padded to a multiple of M). NCCL reduce-scatters; gloo,
    whose reduce-scatter is slower than its all-reduce on a CPU, all-reduces the bucket and keeps the slice;
-2. **between the nodes**: the shard, divided by the world size and cast to the hook's dtype (fp16 or bf16; left as
-   it is for ``allreduce``), is all-reduced over the N ranks of the same local rank, one per node: 1/M of the bucket
-   crosses nodes from each rank, M shards in parallel over each node's link;
+2. **between the nodes**: the shard, divided by the world size and cast to the hook's dtype (bf16; left as it is
+   for ``allreduce``; fp16: see below), is all-reduced over the N ranks of the same local rank, one per node: 1/M of
+   the bucket crosses nodes from each rank, M shards in parallel over each node's link;
 3. **inside the node**: the reduced shards are all-gathered into the bucket.
 
 Every rank ends with the same bucket. Each node's link carries ``2 (N-1)/N`` of the compressed bucket, where a flat
-ring over all N x M ranks puts ``2 (NM-1)/NM`` of it on the link between two nodes. What fp16 casts is a node's sum
-divided by the world size, not one rank's gradient divided by it: values M times larger on average, so fewer small
-gradients underflow. The ledger counts the cross-node payload (the shard, in the hook's dtype) as the hook's wire
-bytes, and the intra-node payload (the padded bucket in its own precision, the size of an all-reduce with the inner
-tier's traffic) separately (:attr:`~lightning_ddpopt.ledger.StepRecord.intra_node_bytes`).
+ring over all N x M ranks puts ``2 (NM-1)/NM`` of it on the link between two nodes. fp16 is not divided by the world
+size before the cast: the N ranks first agree on the shard's peak (a 4-byte all-reduce of the maximum), the shard
+crosses multiplied by the power of two :func:`~lightning_ddpopt.hooks.compression.fp16_scale` gives for it, and the
+sum is divided by that scale and the world size in fp32, so no world size makes small gradients underflow. The
+ledger counts the cross-node payload (the shard in the hook's dtype, and fp16's peak) as the hook's wire bytes, and
+the intra-node payload (the padded bucket in its own precision, the size of an all-reduce with the inner tier's
+traffic) separately (:attr:`~lightning_ddpopt.ledger.StepRecord.intra_node_bytes`).
 
 On a CPU the three stages are a pipeline: each runs on a thread of its own and issues its collectives on a group of
 its own (:attr:`~lightning_ddpopt.topology.TierGroups.intra`, ``cross``, ``intra_gather``), bucket after bucket in
@@ -111,10 +113,14 @@ class TierStages:
         self._threads: list[Worker] = []
         self.failed: BaseException | None = None
 
-    def run(self, state: CommHookState, sync: TierSync) -> torch.futures.Future[torch.Tensor]:
-        """Hand ``sync`` to the first stage; its future completes after the last stage (or fails with a stage)."""
+    def check(self) -> None:
+        """Raise if an earlier bucket failed: a hook calls it before it records or opens anything for a bucket."""
         if self.failed is not None:
             raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {self.failed!r}")
+
+    def run(self, state: CommHookState, sync: TierSync) -> torch.futures.Future[torch.Tensor]:
+        """Hand ``sync`` to the first stage; its future completes after the last stage (or fails with a stage)."""
+        self.check()
         if not self._threads or not all(thread.alive() for thread in self._threads):
             self._threads = [Worker(f"{self.prefix}-{name}") for name in ("inside", "between", "gather")]
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -186,6 +192,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
         state: a :class:`HierarchicalState`.
         bucket: the gradient bucket DDP hands the hook.
     """
+    state.stages.check()  # before the bytes are recorded: an earlier bucket failed
     buffer = bucket.buffer()
     shard_numel = -(-buffer.numel() // state.ranks_per_node)
     cross_dtype = state.dtype or buffer.dtype
@@ -216,7 +223,7 @@ class _BucketSync:
         """Nothing is kept across steps."""
 
     def reduce_inside(self) -> None:
-        """The node's sum; this rank keeps its shard (but for fp16, divided by the world size and cast to cross)."""
+        """The node's sum; this rank keeps its shard, divided by the world size and cast to cross (fp16: later)."""
         state, buffer = self.state, self.buffer
         numel = self.shard_numel * self.ranks_per_node
         if numel != buffer.numel():
@@ -235,12 +242,15 @@ class _BucketSync:
             shard.div_(state.world_size)
             self._cast(shard)
 
-    def _cast(self, shard: torch.Tensor) -> None:
+    def _cast(self, shard: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Cast the shard to cross; a measured round records what the cast dropped, in the gradients' units."""
         state = self.state
         self.send = shard if state.dtype is None else shard.to(state.dtype)
         if self.send is not shard and state.measuring:
-            dropped = squared_norm(shard - self.send.to(shard.dtype))
-            state.record_compression(self.bucket, squared_norm(shard), dropped)
+            given, dropped = squared_norm(shard), squared_norm(shard - self.send.to(shard.dtype))
+            if scale is not None:  # the step's error sums the buckets: each in the same units
+                given, dropped = given / scale.double().square(), dropped / scale.double().square()
+            state.record_compression(self.bucket, given, dropped)
 
     def reduce_between(self) -> None:
         """The shard's sum over the nodes, among the ranks of this local rank.
@@ -255,7 +265,7 @@ class _BucketSync:
             top = peak(shard)
             state.wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=cross, async_op=True))
             scale = fp16_scale(top, dist.get_world_size(cross))
-            self._cast(shard.mul_(scale))
+            self._cast(shard.mul_(scale), scale)
             self.divisor = scale * state.world_size
         assert self.send is not None
         state.wait(dist.all_reduce(self.send, group=cross, async_op=True))

@@ -72,7 +72,15 @@ class HierarchicalInt8State(Int8State):
 
     Args:
         tiers: the intra- and cross-node groups.
-        config, process_group, ledger, loss_scale: as for :class:`~lightning_ddpopt.hooks.int8.Int8State`.
+        config: block size and error feedback.
+        process_group: the model's group (its size is the world size the gradients are averaged over).
+        ledger: where the hook reports its bytes; ``None`` records nothing.
+        loss_scale: returns the current loss scale (the strategy sets it under fp16 AMP).
+        iteration: sync rounds so far (restored from a checkpoint; leave it 0).
+        skipped_rounds: rounds whose reduced values were not finite and left the state untouched.
+        errors: this rank's error feedback per parameter name, for the blocks it owns (saved in checkpoints).
+        error_scales: the loss scale each error was computed at.
+        exchange_group: unused: the tiers' groups carry every stage.
     """
 
     label: ClassVar[str] = "int8"
@@ -81,7 +89,9 @@ class HierarchicalInt8State(Int8State):
     #: Each parameter's first block in the model (the blocks' owners follow from it).
     _first_blocks: dict[str, int] = field(default_factory=dict, repr=False)
     _layouts: "dict[tuple[str, ...], _Layout]" = field(default_factory=dict, repr=False)
-    stages: TierStages = field(default_factory=lambda: TierStages("ddpopt-hierarchical-int8"), repr=False)
+    stages: TierStages = field(default_factory=lambda: TierStages("ddpopt-hierarchical-int8"), init=False, repr=False)
+    #: The bucket layouts of the round now open: the others' buffers are dropped when the next round opens.
+    _used: set[tuple[str, ...]] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,7 +102,11 @@ class HierarchicalInt8State(Int8State):
         self.local_rank = topology.local_rank
 
     def bind_module(self, module: torch.nn.Module) -> None:
-        """Learn the parameter names and where each parameter's blocks start in the model."""
+        """Learn the parameter names and where each parameter's blocks start in the model.
+
+        Args:
+            module: the module DDP wraps.
+        """
         super().bind_module(module)
         first = 0
         self._first_blocks, self._layouts = {}, {}
@@ -102,9 +116,10 @@ class HierarchicalInt8State(Int8State):
                 first += math.ceil(param.numel() / self.config.block_size)
 
     def config_dict(self) -> dict[str, object]:
-        """The Int8Config and the layout of the tiers, as saved: errors of another layout do not apply."""
+        """The Int8Config and the tiers (every node's ranks), as saved: errors of another layout do not apply."""
         assert self.tiers is not None
-        return {**asdict(self.config), "tiers": self.tiers.topology.describe()}
+        topology = self.tiers.topology
+        return {**asdict(self.config), "tiers": f"{topology.describe()}: {[list(node) for node in topology.nodes]}"}
 
     def close(self) -> bool:
         """Stop the stages' threads (see :meth:`~lightning_ddpopt.hooks.hierarchical.TierStages.close`)."""
@@ -116,8 +131,14 @@ class HierarchicalInt8State(Int8State):
         return super().state_dict()
 
     def layout(self, names: list[str], numels: list[int]) -> "_Layout":
-        """Where the bucket's blocks go (made once per bucket layout)."""
+        """Where the bucket's blocks go (made once per bucket layout).
+
+        Args:
+            names: the bucket's parameter names, in DDP's order.
+            numels: their sizes.
+        """
         key = tuple(names)
+        self._used.add(key)
         found = self._layouts.get(key)
         if found is None:
             params = [(n, numel, self._first_blocks[n]) for n, numel in zip(names, numels, strict=True)]
@@ -176,12 +197,17 @@ def hierarchical_int8_hook(state: HierarchicalInt8State, bucket: dist.GradBucket
         state: a :class:`HierarchicalInt8State`.
         bucket: the gradient bucket DDP hands the hook.
     """
+    state.stages.check()  # before anything is recorded or opened: an earlier bucket failed
     start = time.perf_counter()
     buffer = bucket.buffer()
-    if bucket.index() == 0 and state._round is not None:
-        # Left over from a backward pass that raised before its last bucket: start this round afresh.
-        state.stages.drain()
-        state._round = None
+    if bucket.index() == 0:
+        if state._round is not None:
+            # Left over from a backward pass that raised before its last bucket: start this round afresh.
+            state.stages.drain()
+            state._round = None
+        # The buckets DDP used before its rebuild are not handed in again: free their buffers.
+        state._layouts = {key: state._layouts[key] for key in state._used if key in state._layouts}
+        state._used = set()
     sync = _Int8TierSync(state, state._open_round(), bucket)
     state.add_seconds(time.perf_counter() - start)
     if buffer.is_cuda:
@@ -214,7 +240,7 @@ class _Int8TierSync:
         if state.config.error_feedback:
             key = "|".join(self.names)
             self.values = state.error_buffer(round_, key, (shard,), torch.float32, self.buffer.device)
-        self.loops = _kernels.available() and not self.buffer.is_cuda
+        self.loops = _kernels.available() and _kernels.fits(self.buffer.view(1, -1))  # fp32 on a CPU
         self.send: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
         state.record_wire_bytes(bucket, layout.shard_blocks * (layout.block + 4))
