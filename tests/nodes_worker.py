@@ -37,10 +37,12 @@ CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join([*FITS, "callbacks"])).spli
 #: The hook of the resumed fits and of the callbacks' fit (fp16 AMP with an overflow), two tiers by default.
 TIERED_HOOK = os.environ.get("DDPOPT_TEST_TIERED_HOOK", "fp16")
 #: The rank that sleeps in each training step of the callbacks' fit: local rank 1 of node 1.
-SLOW_RANK = RANKS_PER_NODE + 1
+#: With DDPOPT_TEST_RANK_ZERO set, rank 0 is the slow rank and the overflowing one.
+RANK_ZERO = bool(os.environ.get("DDPOPT_TEST_RANK_ZERO"))
+SLOW_RANK = 0 if RANK_ZERO else RANKS_PER_NODE + 1
 SLOW_MS = 60
 #: In the callbacks' fit (fp16 AMP), this rank's loss overflows at this optimizer step: every rank must skip it.
-OVERFLOW_RANK, OVERFLOW_STEP = RANKS_PER_NODE, 3
+OVERFLOW_RANK, OVERFLOW_STEP = 0 if RANK_ZERO else RANKS_PER_NODE, 3
 
 
 class SlowLocalRank(OverflowModel):

@@ -27,7 +27,7 @@ from lightning_ddpopt.hooks import AutoConfig
 from lightning_ddpopt.hooks.install import HIERARCHICAL_HOOKS
 from lightning_ddpopt.topology import Topology, discover
 from tests.helpers import user_environment
-from tests.nodes_worker import FITS, SLOW_MS, SLOW_RANK
+from tests.nodes_worker import FITS, SLOW_MS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,13 @@ def _free_port() -> int:
 
 
 def _run_nodes(
-    out: Path, nodes: int, ranks_per_node: int, fits: list[str], tiered_hook: str = "fp16", timeout: float = 400
+    out: Path,
+    nodes: int,
+    ranks_per_node: int,
+    fits: list[str],
+    tiered_hook: str = "fp16",
+    rank_zero: bool = False,
+    timeout: float = 400,
 ) -> str:
     out.mkdir(parents=True, exist_ok=True)
     port = str(_free_port())
@@ -49,6 +55,8 @@ def _run_nodes(
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
         env.update(DDPOPT_TEST_NODES=str(nodes), DDPOPT_TEST_RANKS_PER_NODE=str(ranks_per_node))
         env.update(DDPOPT_TEST_FITS=",".join(fits), DDPOPT_TEST_TIERED_HOOK=tiered_hook)
+        if rank_zero:  # rank 0 is the slow rank and the overflowing one
+            env.update(DDPOPT_TEST_RANK_ZERO="1")
         with open(out / f"output{node}.txt", "w") as output:
             command = [sys.executable, "-m", "tests.nodes_worker", str(out)]
             processes.append(
@@ -111,16 +119,16 @@ def _choice_line(nodes: int, ranks_per_node: int, hook: str, hierarchical: bool 
 
 
 @pytest.mark.parametrize(
-    ("nodes", "ranks_per_node", "chosen", "tiered_hook"),
+    ("nodes", "ranks_per_node", "chosen", "tiered_hook", "rank_zero"),
     [
-        (2, 2, [*FITS, "resume", "callbacks"], "int8"),
-        (3, 2, ["fp16", "int8", "callbacks"], "fp16"),
-        (2, 4, ["int8"], "fp16"),  # 8 ranks: a smoke run
+        (2, 2, [*FITS, "resume", "callbacks"], "int8", False),
+        (3, 2, ["fp16", "int8", "callbacks"], "fp16", True),  # rank 0 slow and overflowing
+        (2, 4, ["int8"], "fp16", False),  # 8 ranks: a smoke run
     ],
     ids=["2x2", "3x2", "2x4"],
 )
-def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_node, chosen, tiered_hook):
-    output = _run_nodes(tmp_path, nodes, ranks_per_node, chosen, tiered_hook)
+def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_node, chosen, tiered_hook, rank_zero):
+    output = _run_nodes(tmp_path, nodes, ranks_per_node, chosen, tiered_hook, rank_zero)
     world = nodes * ranks_per_node
     expected_nodes = tuple(tuple(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(nodes))
     runs = [name for name in chosen if name != "resume"] + (
@@ -191,13 +199,15 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
             torch.testing.assert_close(resumed["params"], full["params"], rtol=0, atol=0)
     if "callbacks" not in fits:
         return
-    # fp16 AMP: one rank's overflow reaches every rank through both tiers, and every rank skips that step.
+    # fp16 AMP: one rank's overflow (rank 0's, or node 1's first) reaches every rank through both tiers, and every
+    # rank skips that step.
     for r in fits["callbacks"]:
         assert (r["amp"]["steps"], r["amp"]["skipped_steps"]) == (8, 1), r["amp"]
-    # The callbacks attached: the slow rank is local rank 1 of node 1, named from its own figures.
+    # The callbacks attached: the slow rank (local rank 1 of node 1, or rank 0) named from its own figures.
+    slow_rank = 0 if rank_zero else ranks_per_node + 1
     stragglers = fits["callbacks"][0]["stragglers"]
     last = stragglers["last"]
-    assert (last["slowest_rank"], last["phase"], last["is_straggler"]) == (SLOW_RANK, "compute", True), last
+    assert (last["slowest_rank"], last["phase"], last["is_straggler"]) == (slow_rank, "compute", True), last
     assert last["excess_ms"] > 0.7 * SLOW_MS
     comm = fits["callbacks"][0]["comm"]
     _, wire, intra, _ = fits["callbacks"][0]["steps"][-1]
