@@ -272,8 +272,11 @@ class _Int8TierSync:
         block, per_node, world = layout.block, layout.per_node, state.world_size
         feedback = state.config.error_feedback
         keep = feedback or self.measuring
-        values = self.values if self.values is not None else torch.empty_like(node_sum)
-        send = torch.empty(state.num_nodes, per_node * block + 4 * per_node, dtype=torch.int8, device=node_sum.device)
+        device = node_sum.device
+        values = (
+            self.values if self.values is not None else layout.buffer("values", node_sum.shape, torch.float32, device)
+        )
+        send = layout.buffer("send", (state.num_nodes, per_node * block + 4 * per_node), torch.int8, device)
         found = {}
         if feedback:
             for name, slot, blocks in layout.mine:
