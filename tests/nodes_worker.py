@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector, fp16_mixed_precision
+from lightning_ddpopt.hooks import PowerSGDConfig
 from tests.helpers import WIDTH, OverflowModel, regression_data
 
 RANKS_PER_NODE = int(os.environ.get("DDPOPT_TEST_RANKS_PER_NODE", "2"))
@@ -31,11 +32,15 @@ FITS: dict[str, tuple[str, bool | str]] = {
     "flat_fp16": ("fp16", False),
     "int8": ("int8", "auto"),
     "flat_int8": ("int8", False),
+    "powersgd": ("powersgd", "auto"),
 }
-#: The fits this run makes (all of FITS by default), and whether the callbacks' fit follows them.
+#: The fits this run makes (all of FITS by default), and whether the callbacks' fits follow them: "callbacks" with
+#: TIERED_HOOK, "callbacks_<hook>" with that hook.
 CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join([*FITS, "callbacks"])).split(",")
 #: The hook of the resumed fits and of the callbacks' fit (fp16 AMP with an overflow), two tiers by default.
 TIERED_HOOK = os.environ.get("DDPOPT_TEST_TIERED_HOOK", "fp16")
+#: What the strategy is given for a hook name, where that is not the name itself: PowerSGD compressing from sync 2.
+HOOKS: dict[str, Any] = {"powersgd": PowerSGDConfig(rank=2, start_iter=2)}
 #: The rank that sleeps in each training step of the callbacks' fit: local rank 1 of node 1.
 #: With DDPOPT_TEST_RANK_ZERO set, rank 0 is the slow rank and the overflowing one.
 RANK_ZERO = bool(os.environ.get("DDPOPT_TEST_RANK_ZERO"))
@@ -75,6 +80,7 @@ class Probe(pl.Callback):
             "state": type(strategy.comm_state).__name__,
             "hook": strategy.comm_hook_name,
             "numels": [p.numel() for p in pl_module.parameters()],
+            "shapes": [tuple(p.shape) for p in pl_module.parameters()],
             # DDP's buckets as they stand (rebuilt after the first step): the parameters' indices in each.
             "buckets": _bucket_members(strategy, pl_module),
             "steps": [
@@ -118,7 +124,7 @@ def fit(
         accelerator="cpu",
         devices=RANKS_PER_NODE,
         num_nodes=NUM_NODES,
-        strategy=OptimizedDDPStrategy(comm_hook=hook, hierarchical=hierarchical, bucket_cap_mb=0.5),
+        strategy=OptimizedDDPStrategy(comm_hook=HOOKS.get(hook, hook), hierarchical=hierarchical, bucket_cap_mb=0.5),
         **epochs,
         logger=False,
         enable_checkpointing=resume == "save",
@@ -136,6 +142,11 @@ def fit(
     return trainer
 
 
+def callbacks_hook(name: str) -> str:
+    """The hook of a callbacks' fit: ``"callbacks_<hook>"``'s, else ``TIERED_HOOK``."""
+    return name.partition("_")[2] or TIERED_HOOK
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, (hook, hierarchical) in FITS.items():
@@ -144,9 +155,10 @@ def main(out: Path) -> None:
     if "resume" in CHOSEN:  # two tiers through a checkpoint: the resumed run ends as the uninterrupted one
         fit(out, "resume_full", TIERED_HOOK, "auto", resume="save")
         last = fit(out, "resume_half", TIERED_HOOK, "auto", resume="load")
-    if "callbacks" in CHOSEN:
-        measured = [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
-        last = fit(out, "callbacks", TIERED_HOOK, "auto", callbacks=measured)
+    for name in CHOSEN:
+        if name.startswith("callbacks"):
+            measured = [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
+            last = fit(out, name, callbacks_hook(name), "auto", callbacks=measured)
     (out / f"done_rank{last.global_rank}").write_text("ok")
 
 

@@ -27,7 +27,7 @@ from lightning_ddpopt.hooks import AutoConfig
 from lightning_ddpopt.hooks.install import HIERARCHICAL_HOOKS
 from lightning_ddpopt.topology import Topology, discover
 from tests.helpers import user_environment
-from tests.nodes_worker import FITS, SLOW_MS
+from tests.nodes_worker import FITS, HOOKS, SLOW_MS, callbacks_hook
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,13 @@ def _int8_tier_bytes(numels: list[int], members: list[list[int]], nodes: int, pe
 
 
 def _choice_line(nodes: int, ranks_per_node: int, hook: str, hierarchical: bool | str) -> str:
-    crossing = {"allreduce": "the bucket's precision", "fp16": "fp16", "bf16": "bf16", "int8": "int8 blocks"}[hook]
+    crossing = {
+        "allreduce": "the bucket's precision",
+        "fp16": "fp16",
+        "bf16": "bf16",
+        "int8": "int8 blocks",
+        "powersgd": "PowerSGD's fp32 factors",
+    }[hook]
     return (
         f"ddpopt: hierarchical sync over {nodes} nodes x {ranks_per_node} ranks: each bucket summed inside the node in "
         f"its own precision, 1/{ranks_per_node} of it per rank sent between nodes in {crossing}, gathered inside the "
@@ -122,7 +128,8 @@ def _choice_line(nodes: int, ranks_per_node: int, hook: str, hierarchical: bool 
     ("nodes", "ranks_per_node", "chosen", "tiered_hook", "rank_zero"),
     [
         (2, 2, [*FITS, "resume", "callbacks"], "int8", False),
-        (3, 2, ["fp16", "int8", "callbacks"], "fp16", True),  # rank 0 slow and overflowing
+        # rank 0 slow and overflowing
+        (3, 2, ["fp16", "int8", "powersgd", "callbacks", "callbacks_powersgd"], "fp16", True),
         (2, 4, ["int8"], "fp16", False),  # 8 ranks: a smoke run
     ],
     ids=["2x2", "3x2", "2x4"],
@@ -137,7 +144,8 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
     fits = {name: _records(tmp_path, name, world) for name in runs}
     said: dict[str, int] = {}
     for name, ranks in fits.items():
-        hook, setting = FITS.get(name, (tiered_hook, "auto"))  # the callbacks' and resumed fits: 'auto'
+        # The callbacks' and resumed fits: 'auto'.
+        hook, setting = FITS.get(name, (callbacks_hook(name) if name.startswith("callbacks") else tiered_hook, "auto"))
         # Every rank as the launcher placed it, and the topology read from it.
         assert [r["rank"] for r in ranks] == [(g, g // ranks_per_node, g % ranks_per_node, world) for g in range(world)]
         hierarchical = setting is not False
@@ -146,7 +154,10 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
         # Data parallel: every rank ends with the same parameters, bit for bit.
         for r in ranks[1:]:
             torch.testing.assert_close(r["params"], ranks[0]["params"], rtol=0, atol=0, msg=name)
-        states = {"int8": ("HierarchicalInt8State", "Int8State")}.get(hook, ("HierarchicalState", "CommHookState"))
+        states = {
+            "int8": ("HierarchicalInt8State", "Int8State"),
+            "powersgd": ("HierarchicalPowerSGDState", "PowerSGDState"),
+        }.get(hook, ("HierarchicalState", "CommHookState"))
         assert {r["state"] for r in ranks} == {states[0] if hierarchical else states[1]}, name
         if hierarchical:
             line = _choice_line(nodes, ranks_per_node, hook, setting)
@@ -169,6 +180,10 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
                     continue
                 if hook == "int8":
                     continue  # the flat int8 hook's bytes: tests/test_int8.py
+                if hook == "powersgd":
+                    # Inside the node the bucket twice; between nodes the owners' part: checked per node below.
+                    assert intra == 2 * logical, name
+                    continue
                 itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
                 numels = [-(-b // 4 // ranks_per_node) for b in buckets]
                 if hierarchical:  # fp16: and each shard's fp32 peak, for the scale the nodes agree on
@@ -178,6 +193,21 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
                     assert wire == logical * itemsize // 4 and intra == 0, name
         if hook == "int8" and hierarchical:
             assert checked >= world * (len(ranks[0]["steps"]) - 2), (name, checked)
+        if hook == "powersgd":
+            # Each parameter crosses from its owner alone: a node's ranks send, between them, what flat PowerSGD
+            # sends from each rank: the whole model exactly before start_iter, then the factors and the rest exactly.
+            config = HOOKS[hook]
+            factors = sum(
+                (shape[0] + shape[1]) * config.rank * 4
+                if len(shape) == 2 and config.compresses(shape[0], shape[1])
+                else math.prod(shape) * 4
+                for shape in ranks[0]["shapes"]
+            )
+            for node in range(nodes):
+                members = ranks[node * ranks_per_node : (node + 1) * ranks_per_node]
+                sent = [sum(r["steps"][step][1] for r in members) for step in range(len(members[0]["steps"]))]
+                logical = members[0]["steps"][0][0]
+                assert sent == [logical] * config.start_iter + [factors] * (len(sent) - config.start_iter), name
     if "flat_allreduce" in fits:
         # The two-tier fp32 sync sums in another order than the flat one: equal to float rounding after 8 steps.
         flat = fits["flat_allreduce"][0]["params"]
@@ -197,23 +227,23 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
         # Resumed from the first epoch's checkpoint, every rank ends bit for bit where the uninterrupted run did.
         for full, resumed in zip(fits["resume_full"], fits["resume_half"], strict=True):
             torch.testing.assert_close(resumed["params"], full["params"], rtol=0, atol=0)
-    if "callbacks" not in fits:
-        return
-    # fp16 AMP: one rank's overflow (rank 0's, or node 1's first) reaches every rank through both tiers, and every
-    # rank skips that step.
-    for r in fits["callbacks"]:
-        assert (r["amp"]["steps"], r["amp"]["skipped_steps"]) == (8, 1), r["amp"]
-    # The callbacks attached: the slow rank (local rank 1 of node 1, or rank 0) named from its own figures.
-    slow_rank = 0 if rank_zero else ranks_per_node + 1
-    stragglers = fits["callbacks"][0]["stragglers"]
-    last = stragglers["last"]
-    assert (last["slowest_rank"], last["phase"], last["is_straggler"]) == (slow_rank, "compute", True), last
-    assert last["excess_ms"] > 0.7 * SLOW_MS
-    comm = fits["callbacks"][0]["comm"]
-    _, wire, intra, _ = fits["callbacks"][0]["steps"][-1]
-    assert (comm["bytes_sent"], comm["bytes_sent_intra_node"]) == (wire, intra)
-    # Its bus bandwidth is the node link's: M rings between the nodes (one rank per node each) share it.
-    assert comm["busbw_gbps"] == pytest.approx(comm["algbw_gbps"] * 2 * (nodes - 1) / nodes * ranks_per_node)
+    for name in [name for name in fits if name.startswith("callbacks")]:
+        # fp16 AMP: one rank's overflow (rank 0's, or node 1's first) reaches every rank through both tiers, and
+        # every rank skips that step.
+        for r in fits[name]:
+            assert (r["amp"]["steps"], r["amp"]["skipped_steps"]) == (8, 1), (name, r["amp"])
+        # The callbacks attached: the slow rank (local rank 1 of node 1, or rank 0) named from its own figures.
+        slow_rank = 0 if rank_zero else ranks_per_node + 1
+        last = fits[name][0]["stragglers"]["last"]
+        assert (last["slowest_rank"], last["phase"], last["is_straggler"]) == (slow_rank, "compute", True), last
+        assert last["excess_ms"] > 0.7 * SLOW_MS
+        comm = fits[name][0]["comm"]
+        # Means over the ranks (two-tier PowerSGD's ranks send different shares) of the interval's steps (alike).
+        wire = sum(r["steps"][-1][1] for r in fits[name]) / world
+        intra = sum(r["steps"][-1][2] for r in fits[name]) / world
+        assert (comm["bytes_sent"], comm["bytes_sent_intra_node"]) == pytest.approx((wire, intra)), name
+        # Its bus bandwidth is the node link's: M rings between the nodes (one rank per node each) share it.
+        assert comm["busbw_gbps"] == pytest.approx(comm["algbw_gbps"] * 2 * (nodes - 1) / nodes * ranks_per_node)
 
 
 def _one_rank_group(tmp_path: Path) -> None:
@@ -483,3 +513,144 @@ def test_fp16_between_nodes_does_not_underflow_at_a_large_world_size(tmp_path):
     # The flat fp16 hook divides by the world size before the cast: at 256 ranks everything under about 1e-5
     # crosses as a subnormal or zero.
     assert bool((flat[exact.abs() < 1e-8] == 0).all()) and not bool((flat == 0).all())
+
+
+#: Two-tier PowerSGD's raw-DDP steps: loss scales (a GradScaler's growth and backoff), the overflowing step.
+POWERSGD_SCALES = (1.0, 1.0, 8.0, 4.0, 4.0, 4.0, 4.0, 2.0, 2.0, 2.0, 2.0)
+POWERSGD_OVERFLOW_STEP = 4
+POWERSGD_RESUME_AT = 5
+
+
+def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    """Raw DDP on 2 nodes x 2 ranks: two-tier PowerSGD, the same resumed from its state mid-way, and the reference,
+    flat PowerSGD over the ranks of one local rank given the node's mean; every step's gradient and the state."""
+    import copy
+
+    from lightning_ddpopt._groups import destroy_all_groups
+    from lightning_ddpopt.hooks import (
+        HierarchicalPowerSGDState,
+        PowerSGDConfig,
+        PowerSGDState,
+        hierarchical_powersgd_hook,
+        powersgd_hook,
+    )
+    from lightning_ddpopt.ledger import CommLedger
+    from lightning_ddpopt.topology import TierGroups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    tiers = TierGroups(Topology(rank=rank, nodes=((0, 1), (2, 3))))
+    # Rank 1 (one 16384-element matrix at 1 above 0.05): the error is measured at sync 6 and the rank doubles at sync 8.
+    # Local rank 0 owns the large matrix; local rank 1 the rest, none worth compressing at this rate: it compresses
+    # nothing and still takes part in the measurement.
+    config = PowerSGDConfig(rank=1, max_error=0.05, max_rank=4, start_iter=2, min_compression_rate=20)
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    data = torch.Generator().manual_seed(rank)
+    inputs = []
+    for step in range(len(POWERSGD_SCALES)):
+        batch = torch.randn(8, 256, generator=data) * (100.0 if rank == step % world_size else 1.0)
+        if step == POWERSGD_OVERFLOW_STEP and rank == 2:
+            batch[0, 0] = math.inf
+        inputs.append(batch)
+    scale = torch.ones(())
+
+    def node_mean_then_flat(state, bucket):
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer, group=tiers.intra)
+        buffer.div_(2)
+        return powersgd_hook(state, bucket)
+
+    def run(kind: str, steps: range, saved: dict | None = None) -> tuple[list, PowerSGDState, CommLedger]:
+        module = copy.deepcopy(initial)
+        ledger = CommLedger(error_every=1)
+        if kind == "tiers":
+            state: PowerSGDState = HierarchicalPowerSGDState(
+                config=config, tiers=tiers, ledger=ledger, loss_scale=lambda: scale, pipelined=True
+            )
+            model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01)
+            hook = hierarchical_powersgd_hook
+        else:
+            state = PowerSGDState(config=config, process_group=tiers.cross, ledger=ledger, loss_scale=lambda: scale)
+            model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01, process_group=tiers.cross)
+            hook = node_mean_then_flat
+        state.bind_module(module)
+        if saved is not None:
+            state.load_state_dict(saved)
+        model.register_comm_hook(state, ledger.record_hook(hook))
+        grads = []
+        for step in steps:
+            scale.fill_(POWERSGD_SCALES[step])
+            model.zero_grad()
+            (model(inputs[step]).pow(2).mean() * POWERSGD_SCALES[step]).backward()
+            ledger.close_step()
+            grads.append(torch.cat([p.grad.flatten() for p in module.parameters()]))
+            if saved is None and kind == "tiers" and step == POWERSGD_RESUME_AT - 1:
+                resume_from.append(copy.deepcopy(state.state_dict()))
+        state.state_dict()  # the last round committed
+        state.close()
+        return grads, state, ledger
+
+    resume_from: list[dict] = []
+    results = {}
+    for kind in ("tiers", "flat"):
+        grads, state, ledger = run(kind, range(len(POWERSGD_SCALES)))
+        results[kind] = {
+            "grads": grads,
+            "errors": dict(state.errors),
+            "q": dict(state.q_memories),
+            "skipped": state.skipped_rounds,
+            "rank_changes": [(step, old, new) for step, _, old, new in state.rank_changes],
+            "bytes": [(s.wire_bytes, s.intra_node_bytes) for s in ledger.steps],
+            "config": state.state_dict()["config"],
+            "owners": getattr(state, "owners", None),
+        }
+    grads, state, _ = run("tiers", range(POWERSGD_RESUME_AT, len(POWERSGD_SCALES)), saved=resume_from[0])
+    results["resumed"] = {"grads": grads, "errors": dict(state.errors), "q": dict(state.q_memories)}
+    results["numels"] = [p.numel() for p in initial.parameters()]
+    torch.save(results, f"{out}.{rank}")
+    tiers.close()
+    destroy_all_groups()
+
+
+def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path):
+    out = str(tmp_path / "powersgd")
+    mp.start_processes(_powersgd_tiers_worker, args=(4, _free_port(), out), nprocs=4, start_method="fork")
+    results = [torch.load(f"{out}.{rank}") for rank in range(4)]
+    steps = len(POWERSGD_SCALES)
+    for rank, r in enumerate(results):
+        tiers, flat = r["tiers"], r["flat"]
+        # Every rank, every step: the same bits as flat PowerSGD between the nodes given each node's mean (the
+        # matrices this rank owns compressed here, the others by their owners), and the same on every rank.
+        for step in range(steps):
+            a, b = tiers["grads"][step], flat["grads"][step]
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"rank {rank}, step {step}")
+            torch.testing.assert_close(a, results[0]["tiers"]["grads"][step], rtol=0, atol=0, equal_nan=True)
+        # The overflow reached every rank, and no rank committed that round; the rank doubled at the same sync.
+        assert not tiers["grads"][POWERSGD_OVERFLOW_STEP].isfinite().all()
+        assert tiers["skipped"] == flat["skipped"] == 1
+        assert tiers["rank_changes"] == flat["rank_changes"] == [(8, 1, 2)]
+        # Error feedback and Q memories for what this rank owns only, bit for bit the reference's.
+        owned = {name for name, owner in tiers["owners"].items() if owner == rank % 2}
+        assert set(tiers["errors"]) == set(tiers["q"]) == set(flat["errors"]) & owned
+        for name in tiers["errors"]:
+            torch.testing.assert_close(tiers["errors"][name], flat["errors"][name], rtol=0, atol=0)
+            torch.testing.assert_close(tiers["q"][name], flat["q"][name], rtol=0, atol=0)
+        assert tiers["config"]["tiers"] == "2 nodes x 2 ranks: [[0, 1], [2, 3]]" and flat["config"]["tiers"] is None
+        # Resumed from the state after step 5 (a fresh DDP model, its first buckets another layout): bit for bit.
+        resumed = r["resumed"]
+        for step, grad in enumerate(resumed["grads"], start=POWERSGD_RESUME_AT):
+            torch.testing.assert_close(grad, tiers["grads"][step], rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
+        for name in tiers["errors"]:
+            torch.testing.assert_close(resumed["errors"][name], tiers["errors"][name], rtol=0, atol=0)
+        # Inside the node the bucket twice (the node's sum, the owners' results); between nodes the factors and
+        # exact tensors of what this rank owns: a node's two ranks send what the reference sends, between them.
+        logical = 4 * sum(results[0]["numels"])
+        assert [intra for _, intra in tiers["bytes"]] == [2 * logical] * steps
+    for node in (results[:2], results[2:]):
+        for step in range(steps):
+            assert sum(r["tiers"]["bytes"][step][0] for r in node) == node[0]["flat"]["bytes"][step][0], step
+    # Local rank 0 owns the large matrix; local rank 1 the rest.
+    assert results[0]["tiers"]["owners"] == {"0.weight": 0, "0.bias": 1, "2.weight": 1, "2.bias": 1}
+    assert set(results[0]["tiers"]["errors"]) == {"0.weight"} and not results[1]["tiers"]["errors"]

@@ -74,8 +74,8 @@ class CommProfiler(Callback):
     ``ddpopt/comm/link_busy_ms``          time with at least one bucket in the hook's hands (compressed, in transfer
                                           or queued for it), per step; the lowest rank mean, as above
     ``ddpopt/comm/link_busy_share``       link_busy / step time: how much of the step the link is in use
-    ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression; with a hierarchical sync,
-                                          those that crossed nodes
+    ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression, mean over ranks; with a
+                                          hierarchical sync, those that crossed nodes
     ``ddpopt/comm/bytes_sent_intra_node`` with a hierarchical sync, the bytes a rank sent inside its node per step
     ``ddpopt/comm/bytes_uncompressed``    gradient bytes per step before compression
     ``ddpopt/comm/compression_ratio``     uncompressed / sent

@@ -5,6 +5,7 @@ from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
+from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, int8_spec, powersgd_spec
@@ -16,6 +17,7 @@ __all__ = [
     "HookChoice",
     "CommHookState",
     "HierarchicalInt8State",
+    "HierarchicalPowerSGDState",
     "HierarchicalState",
     "HookSpec",
     "Int8Config",
@@ -29,6 +31,7 @@ __all__ = [
     "get_hook_spec",
     "hierarchical_hook",
     "hierarchical_int8_hook",
+    "hierarchical_powersgd_hook",
     "int8_hook",
     "int8_spec",
     "powersgd_hook",

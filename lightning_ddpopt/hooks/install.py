@@ -24,6 +24,7 @@ from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choos
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
+from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
 from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
 from lightning_ddpopt.hooks.registry import (
@@ -41,13 +42,27 @@ from lightning_ddpopt.topology import TierGroups, Topology
 __all__ = ["DEFAULT_COMM_HOOK", "HIERARCHICAL_HOOKS", "HookInstaller", "validate_hierarchical"]
 
 DEFAULT_COMM_HOOK = "allreduce"
-#: The registry hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`, and
-#: :mod:`lightning_ddpopt.hooks.hierarchical_int8` for int8), and what crosses nodes.
+#: The registry hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`;
+#: :mod:`lightning_ddpopt.hooks.hierarchical_int8` for int8, :mod:`lightning_ddpopt.hooks.hierarchical_powersgd`
+#: for PowerSGD, whose factors cross in its ``matrix_dtype``), and the dtype that crosses nodes.
 HIERARCHICAL_HOOKS: dict[str, torch.dtype | None] = {
     "allreduce": None,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "int8": torch.int8,
+    "powersgd": torch.float32,
+    "powersgd_fp16": torch.float16,
+    "powersgd_bf16": torch.bfloat16,
+}
+#: What crosses nodes, in words, for the setup log line.
+_CROSSING = {
+    "allreduce": "the bucket's precision",
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "int8": "int8 blocks",
+    "powersgd": "PowerSGD's fp32 factors",
+    "powersgd_fp16": "PowerSGD's fp16 factors",
+    "powersgd_bf16": "PowerSGD's bf16 factors",
 }
 
 
@@ -86,6 +101,7 @@ class HookInstaller:
                 "ddp_comm_hook too, or use comm_hook="
             )
         self.auto = comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig)
+        self._batched = isinstance(comm_hook, PowerSGDConfig) and comm_hook.batched
         self._auto_config = comm_hook if isinstance(comm_hook, AutoConfig) else AutoConfig()
         self._comm_state_arg = comm_state
         self._ddp_hook, self._ddp_state, self._ddp_wrapper = ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper
@@ -128,7 +144,8 @@ class HookInstaller:
         if hook is not None and tiered:
             assert topology is not None and self._spec is not None and new_group is not None
             self._tiers = TierGroups(topology, new_group)
-            self.comm_state, hook = self._two_tier_state(model, ledger, loss_scale), self._two_tier_hook()
+            self.comm_state = self._two_tier_state(model, ledger, loss_scale, device)
+            hook = self._two_tier_hook()
         if hook is None:
             return
         if backend not in TESTED_BACKENDS:
@@ -146,15 +163,29 @@ class HookInstaller:
             )
 
     def _two_tier_state(
-        self, model: DistributedDataParallel, ledger: CommLedger, loss_scale: Callable[[], torch.Tensor | None]
+        self,
+        model: DistributedDataParallel,
+        ledger: CommLedger,
+        loss_scale: Callable[[], torch.Tensor | None],
+        device: torch.device,
     ) -> CommHookState:
-        """The two-tier hook's state on the tiers' groups (int8's with the config the flat state was built with)."""
+        """The two-tier hook's state on the tiers' groups (int8's, PowerSGD's with the flat state's config)."""
         assert self._spec is not None and self._tiers is not None
         state: CommHookState
         if self._spec.name == "int8":
             assert isinstance(self.comm_state, Int8State)
             state = HierarchicalInt8State(
                 config=self.comm_state.config, tiers=self._tiers, process_group=model.process_group, ledger=ledger
+            )
+            state.bind_module(model.module)
+        elif isinstance(self.comm_state, PowerSGDState):
+            on_cpu = device.type == "cpu"
+            state = HierarchicalPowerSGDState(
+                config=self.comm_state.config,
+                tiers=self._tiers,
+                ledger=ledger,
+                pipelined=on_cpu,  # its chains on a worker thread: the tiers' groups serve no other thread
+                cpu_kernels=_agreed_cpu_kernels(model) if on_cpu else None,
             )
             state.bind_module(model.module)
         else:
@@ -169,7 +200,13 @@ class HookInstaller:
 
     def _two_tier_hook(self) -> CommHook:
         assert self._spec is not None
-        hook: CommHook = hierarchical_int8_hook if self._spec.name == "int8" else hierarchical_hook
+        hook: CommHook
+        if self._spec.name == "int8":
+            hook = hierarchical_int8_hook
+        elif self._spec.name.startswith("powersgd"):
+            hook = hierarchical_powersgd_hook
+        else:
+            hook = hierarchical_hook
         return hook
 
     def _two_tiers(self, topology: Topology | None, model: DistributedDataParallel, backend: str) -> bool:
@@ -202,7 +239,10 @@ class HookInstaller:
                 f"{backend} yet (hierarchical=True uses it)"
             )
             return False
-        crossing = {"allreduce": "the bucket's precision", "fp16": "fp16", "bf16": "bf16", "int8": "int8 blocks"}[name]
+        if self._batched:
+            rank_zero_info(flat + "PowerSGDConfig(batched=True) has no two-tier form (batched=False has one)")
+            return False
+        crossing = _CROSSING[name]
         rank_zero_info(
             f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in its own "
             f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "
@@ -314,12 +354,7 @@ class HookInstaller:
         if isinstance(state, PowerSGDState):
             state.process_group = self._group = own_group()
             state.pipelined = True
-            # The decompression must give the same bits on every rank: computed the same way everywhere, the way
-            # the least able rank can ("blas" with more threads somewhere, else "blocked" without numba).
-            order: tuple[CPUKernels, ...] = ("numba", "blocked", "blas")
-            kernels = torch.tensor([order.index(local_cpu_kernels())])
-            dist.all_reduce(kernels, op=dist.ReduceOp.MAX, group=model.process_group)
-            state.cpu_kernels = order[int(kernels)]
+            state.cpu_kernels = _agreed_cpu_kernels(model)
         elif isinstance(state, Int8State):
             # int8's stages travel point to point, driven by worker threads: on a group nothing else uses meanwhile.
             state.exchange_group = self._group = own_group()
@@ -379,6 +414,18 @@ class HookInstaller:
             self._tiers = None
 
 
+def _agreed_cpu_kernels(model: DistributedDataParallel) -> CPUKernels:
+    """PowerSGD's CPU kernels that every rank can run (every rank calls it, on the model's group).
+
+    The decompression must give the same bits on every rank: computed the same way everywhere, the way the least
+    able rank can ("blas" with more threads somewhere, else "blocked" without numba).
+    """
+    order: tuple[CPUKernels, ...] = ("numba", "blocked", "blas")
+    kernels = torch.tensor([order.index(local_cpu_kernels())])
+    dist.all_reduce(kernels, op=dist.ReduceOp.MAX, group=model.process_group)
+    return order[int(kernels)]
+
+
 def validate_hierarchical(
     hierarchical: object, comm_hook: object, spec: HookSpec | None, ddp_comm_hook: Callable | None = None
 ) -> bool | Literal["auto"]:
@@ -410,6 +457,11 @@ def validate_hierarchical(
         raise ValueError(
             f"hierarchical=True needs a comm_hook with a hierarchical form ({forms} or an AutoConfig among them), "
             f"not comm_hook={comm_hook!r}"
+        )
+    if isinstance(comm_hook, PowerSGDConfig) and comm_hook.batched:
+        raise ValueError(
+            f"hierarchical=True with comm_hook={comm_hook!r}: batched PowerSGD makes one matrix of a whole bucket, "
+            "which has no two-tier form; pass batched=False or hierarchical='auto'"
         )
     return True
 

@@ -362,8 +362,8 @@ class PowerSGDState(ErrorFeedbackState):
             self._plan_regroup(list(self._regroup.groups))
 
     def config_dict(self) -> dict[str, object]:
-        """The PowerSGDConfig as saved."""
-        return asdict(self.config)
+        """The PowerSGDConfig as saved, and ``tiers: None`` (a flat sync: a two-tier one's state does not apply)."""
+        return {**asdict(self.config), "tiers": None}
 
     def mismatch(self, state: dict[str, object]) -> str | None:
         """Name the config fields in which ``state`` differs, leaving out the error bound (``max_error``, ``max_rank``).
@@ -498,15 +498,30 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         state: a :class:`PowerSGDState` (the strategy's ``comm_state``).
         bucket: the gradient bucket DDP hands the hook.
     """
+    return dispatch(state, bucket, _sync_bucket)
+
+
+def dispatch(
+    state: PowerSGDState,
+    bucket: dist.GradBucket,
+    sync: Callable[[PowerSGDState, dist.GradBucket], torch.futures.Future[torch.Tensor]],
+) -> torch.futures.Future[torch.Tensor]:
+    """Run ``sync`` for the bucket where the state runs its chains: its worker thread, its side stream or here.
+
+    Args:
+        state: the hook's state.
+        bucket: the gradient bucket DDP hands the hook.
+        sync: the bucket's whole chain (returns its future).
+    """
     if not state.pipelined or bucket.buffer().device.type != "cpu":
         # On CUDA on the state's side stream (lightning_ddpopt.hooks.streams); on a CPU here, on the backward thread.
-        return state._streams.run(bucket.buffer(), lambda: _sync_bucket(state, bucket))
+        return state._streams.run(bucket.buffer(), lambda: sync(state, bucket))
     if state._worker is None or not state._worker.alive():
         if state._worker is not None and state._worker.failed is not None:
             raise RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {state._worker.failed!r}")
         state._worker = Worker("ddpopt-powersgd")
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state._worker.submit(lambda: _forward(_sync_bucket, state, bucket, future))
+    state._worker.submit(lambda: _forward(sync, state, bucket, future))
     return future
 
 
@@ -599,6 +614,23 @@ def _compress_and_allreduce(
         # The gradients are views into the bucket's buffer: compress it as it lies.
         _compress_as_square(state, round_, bucket, buffer, names, gradients, in_place=True, fed_back=fed_back)
         return _completed(buffer)
+    compress_listed(state, round_, bucket, names, gradients)
+    return _completed(buffer)
+
+
+def compress_listed(
+    state: PowerSGDState, round_: SyncRound, bucket: dist.GradBucket, names: list[str], gradients: list[torch.Tensor]
+) -> None:
+    """Sync ``gradients`` (of ``names``), in place: matrices worth compressing as rank-r factors, the rest exactly.
+
+    Args:
+        state: the hook's state (its ``process_group`` is the group they are averaged over).
+        round_: the sync round open.
+        bucket: the bucket they are in (for the ledger).
+        names: their parameter names.
+        gradients: the gradients, views into the bucket's buffer.
+    """
+    config = state.config
     matrices, keys, others, other_names = [], [], [], []
     for name, gradient in zip(names, gradients, strict=True):
         matrix = gradient.view(gradient.shape[0], -1) if gradient.dim() > 1 else None
@@ -618,7 +650,6 @@ def _compress_and_allreduce(
         errors = low_rank_allreduce(state, round_, bucket, matrices, keys, add_feedback=config.error_feedback)
         if config.error_feedback:
             round_.errors.update(zip(keys, errors, strict=True))
-    return _completed(buffer)
 
 
 def _allreduce_exact(
