@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_ddpopt import OptimizedDDPStrategy
-from lightning_ddpopt.hooks import AutoConfig
+from lightning_ddpopt.hooks import AutoConfig, PowerSGDConfig
 from lightning_ddpopt.hooks.install import HIERARCHICAL_HOOKS
 from lightning_ddpopt.topology import Topology, discover
 from tests.helpers import user_environment
@@ -305,20 +305,20 @@ def _user_hook(state, bucket):
         ({"hierarchical": "yes"}, "hierarchical='yes' must be True, False or 'auto'"),
         ({"hierarchical": 1}, "hierarchical=1 must be True, False or 'auto'"),
         (
-            {"hierarchical": True, "comm_hook": "powersgd"},
-            "hierarchical=True needs a comm_hook with a hierarchical form ('allreduce', 'fp16', 'bf16', 'int8' or an "
-            "AutoConfig among them), not comm_hook='powersgd'",
+            {"hierarchical": True, "comm_hook": "batched_powersgd"},
+            "hierarchical=True needs a comm_hook with a hierarchical form ('allreduce', 'fp16', 'bf16', 'int8', "
+            "'powersgd', 'powersgd_fp16', 'powersgd_bf16', or 'auto'), not comm_hook='batched_powersgd'",
+        ),
+        (
+            {"hierarchical": True, "comm_hook": PowerSGDConfig(batched=True)},
+            "batched PowerSGD makes one matrix of a whole bucket, which has no two-tier form; pass batched=False or "
+            "hierarchical='auto'",
         ),
         ({"hierarchical": True, "comm_hook": None}, "not comm_hook=None"),
         (
-            {"hierarchical": True, "comm_hook": AutoConfig(candidates=("allreduce", "powersgd"))},
-            "'auto' may choose 'powersgd', which have no two-tier form; pass "
-            "comm_hook=AutoConfig(candidates=('allreduce', 'fp16')) or hierarchical='auto'",
-        ),
-        (
             {"hierarchical": True, "ddp_comm_hook": _user_hook},
             "hierarchical=True applies to the registry hooks with a two-tier form ('allreduce', 'fp16', 'bf16', "
-            "'int8'), not to ddp_comm_hook=",
+            "'int8', 'powersgd', 'powersgd_fp16', 'powersgd_bf16'), not to ddp_comm_hook=",
         ),
     ],
 )
@@ -326,8 +326,10 @@ def test_bad_hierarchical_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError) as raised:
         OptimizedDDPStrategy(**kwargs)
     assert message in str(raised.value)
-    # What is accepted: a hook with a two-tier form, or an AutoConfig that chooses among such hooks only.
-    OptimizedDDPStrategy(hierarchical=True, comm_hook=AutoConfig(candidates=("allreduce", "fp16")))
+    # What is accepted: a hook with a two-tier form, or "auto" (every hook it may choose has one).
+    OptimizedDDPStrategy(hierarchical=True, comm_hook=AutoConfig(candidates=("allreduce", "fp16", "int8", "powersgd")))
+    OptimizedDDPStrategy(hierarchical=True, comm_hook=PowerSGDConfig(matrix_dtype="bf16"))
+    OptimizedDDPStrategy(hierarchical=True, comm_hook="powersgd_fp16")
     OptimizedDDPStrategy(hierarchical=True, comm_hook="bf16")
     OptimizedDDPStrategy(hierarchical=True, comm_hook="int8")
     OptimizedDDPStrategy(hierarchical=True, comm_hook="auto")  # its default candidates all have a two-tier form

@@ -431,7 +431,7 @@ def validate_hierarchical(
 ) -> bool | Literal["auto"]:
     """Check ``hierarchical`` at construction: ``True``, ``False`` or ``"auto"``.
 
-    ``True`` needs a registry hook with a two-tier form, or an :class:`AutoConfig` that chooses among such hooks only.
+    ``True`` needs a registry hook with a two-tier form (batched PowerSGD has none), or ``"auto"``.
     """
     if hierarchical is not True and hierarchical is not False and hierarchical != "auto":
         raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto'")
@@ -444,18 +444,10 @@ def validate_hierarchical(
             f"ddp_comm_hook={ddp_comm_hook!r}, which syncs as it is written"
         )
     if isinstance(comm_hook, AutoConfig) or (isinstance(comm_hook, str) and comm_hook == AUTO_HOOK):
-        candidates = comm_hook.candidates if isinstance(comm_hook, AutoConfig) else AutoConfig().candidates
-        others = [name for name in candidates if name not in HIERARCHICAL_HOOKS]
-        if others:
-            raise ValueError(
-                f"hierarchical=True with comm_hook={comm_hook!r}: 'auto' may choose {', '.join(map(repr, others))}, "
-                f"which have no two-tier form; pass comm_hook=AutoConfig(candidates=('allreduce', 'fp16')) or "
-                "hierarchical='auto'"
-            )
-        return True
+        return True  # every hook "auto" may choose has a two-tier form
     if spec is None or spec.name not in HIERARCHICAL_HOOKS:
         raise ValueError(
-            f"hierarchical=True needs a comm_hook with a hierarchical form ({forms} or an AutoConfig among them), "
+            f"hierarchical=True needs a comm_hook with a hierarchical form ({forms}, or 'auto'), "
             f"not comm_hook={comm_hook!r}"
         )
     if isinstance(comm_hook, PowerSGDConfig) and comm_hook.batched:
