@@ -55,7 +55,15 @@ BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
 LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_int8_overlap")
 #: Two tiers against flat, for --ranks-per-host above 1 ("ours" is the default: hierarchical there).
-HIERARCHICAL = ("ours_flat", "allreduce_hier", "fp16_hier", "bf16_hier", "int8_hier")
+HIERARCHICAL = (
+    "ours_flat",
+    "allreduce_hier",
+    "fp16_hier",
+    "bf16_hier",
+    "int8_hier",
+    "powersgd_r4_hier",
+    "powersgd_hier",
+)
 DIGITS_VARIANTS = ("stock", "fp16", "powersgd_r4", "diloco16")
 #: A variant with this suffix runs with CommProfiler, StragglerDetector and AMPMonitor attached.
 CALLBACKS_SUFFIX = "+callbacks"
