@@ -194,7 +194,8 @@ def _plan(args: argparse.Namespace) -> int:
     if tiered:
         print(
             f"2-tier comm ms: hierarchical=True: fp32 inside each node at {args.intra_gbps:g} Gbit/s (--intra-gbps), "
-            "the payload\n  between nodes, 1/M of it per rank, the node's M ranks sharing its link"
+            "the payload\n  between nodes, 1/M of it per rank (PowerSGD: of the parameters), the node's M ranks "
+            "sharing its link"
         )
     compressing = [hook for hook in hooks if hook in CODEC_BYTES_PER_S]
     if compressing and codec_gb_per_s is None:

@@ -105,12 +105,13 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
             ``sync_every`` optimizer steps (see :mod:`lightning_ddpopt.localsgd`). ``comm_hook`` then applies
             during the warm-up only.
         hierarchical: on N nodes x M ranks, sync in two tiers (:mod:`lightning_ddpopt.hooks.hierarchical`,
-            :mod:`lightning_ddpopt.hooks.hierarchical_int8`): sum inside each node in the bucket's own precision, send
-            1/M of each bucket per rank between nodes in the hook's precision, gather inside the node. ``"auto"``
-            (default) does where the run spans several nodes with several ranks each, as many on every node, the hook
-            has a two-tier form (``allreduce``, ``fp16``, ``bf16``, ``int8``) and the backend is one the tests run
-            (gloo; NCCL keeps its own sync unless ``True``); ``True`` requires such a hook, or an ``AutoConfig`` among
-            them (a one-node run warns and syncs flat); ``False`` never. The nodes come from the launcher
+            :mod:`lightning_ddpopt.hooks.hierarchical_int8`, :mod:`lightning_ddpopt.hooks.hierarchical_powersgd`):
+            sum inside each node in the bucket's own precision, send 1/M of each bucket per rank (PowerSGD: of the
+            parameters) between nodes in the hook's precision, gather inside the node. ``"auto"`` (default) does
+            where the run spans several nodes with several ranks each, as many on every node, the hook has a two-tier
+            form (``allreduce``, ``fp16``, ``bf16``, ``int8``, PowerSGD unless batched) and the backend is one the
+            tests run (gloo; NCCL keeps its own sync unless ``True``); ``True`` requires such a hook, or ``"auto"``
+            (a one-node run warns and syncs flat); ``False`` never. The nodes come from the launcher
             (``NODE_RANK``/``LOCAL_RANK``, SLURM's), checked against the host names at setup
             (:mod:`lightning_ddpopt.topology`; with ``"auto"`` a mismatch warns and the sync stays flat, with ``True``
             it raises); the choice and why are logged on rank 0.

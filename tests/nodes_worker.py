@@ -81,6 +81,7 @@ class Probe(pl.Callback):
             "hook": strategy.comm_hook_name,
             "numels": [p.numel() for p in pl_module.parameters()],
             "shapes": [tuple(p.shape) for p in pl_module.parameters()],
+            "owners": getattr(strategy.comm_state, "owners", None),  # two-tier PowerSGD's parameter owners
             # DDP's buckets as they stand (rebuilt after the first step): the parameters' indices in each.
             "buckets": _bucket_members(strategy, pl_module),
             "steps": [

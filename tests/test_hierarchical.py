@@ -168,7 +168,7 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
         checked = 0
         for r in ranks:
             assert len(r["steps"]) == {"resume_full": 8, "resume_half": 4}.get(name, 8), name
-            for logical, wire, intra, buckets in r["steps"]:
+            for step, (logical, wire, intra, buckets) in enumerate(r["steps"]):
                 assert logical == sum(buckets) == r["params"].numel() * 4
                 if hook == "int8" and hierarchical:
                     # Steps in DDP's final buckets (the first steps of a fit have others, before DDP rebuilds them).
@@ -181,8 +181,15 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
                 if hook == "int8":
                     continue  # the flat int8 hook's bytes: tests/test_int8.py
                 if hook == "powersgd":
-                    # Inside the node the bucket twice; between nodes the owners' part: checked per node below.
-                    assert intra == 2 * logical, name
+                    # Inside the node the all-to-all to the owners and the owners' payloads (DDP's final buckets);
+                    # between nodes the owners' part: checked per node below.
+                    final = [sum(4 * r["numels"][i] for i in bucket) for bucket in r["buckets"]]
+                    if sorted(buckets) == sorted(final):
+                        compressing = HOOKS[hook] if step >= HOOKS[hook].start_iter else None
+                        assert intra == _powersgd_intra_bytes(
+                            r["owners"], r["shapes"], r["buckets"], compressing, HOOKS[hook].rank
+                        ), name
+                        checked += 1
                     continue
                 itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
                 numels = [-(-b // 4 // ranks_per_node) for b in buckets]
@@ -191,7 +198,7 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
                     assert intra == sum(n * ranks_per_node * 4 for n in numels), name
                 else:
                     assert wire == logical * itemsize // 4 and intra == 0, name
-        if hook == "int8" and hierarchical:
+        if hook in ("int8", "powersgd") and hierarchical:
             assert checked >= world * (len(ranks[0]["steps"]) - 2), (name, checked)
         if hook == "powersgd":
             # Each parameter crosses from its owner alone: a node's ranks send, between them, what flat PowerSGD
@@ -592,9 +599,12 @@ def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str) -> N
                 resume_from.append(copy.deepcopy(state.state_dict()))
         state.state_dict()  # the last round committed
         state.close()
+        index = {id(p): i for i, p in enumerate(module.parameters())}
+        members.append([[index[id(p)] for p in b.parameters()] for b in model.reducer._get_zeros_like_grad_buckets()])
         return grads, state, ledger
 
     resume_from: list[dict] = []
+    members: list[list[list[int]]] = []  # DDP's buckets at the end of each run: the parameters' indices in each
     results = {}
     for kind in ("tiers", "flat"):
         grads, state, ledger = run(kind, range(len(POWERSGD_SCALES)))
@@ -610,10 +620,30 @@ def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str) -> N
         }
     grads, state, _ = run("tiers", range(POWERSGD_RESUME_AT, len(POWERSGD_SCALES)), saved=resume_from[0])
     results["resumed"] = {"grads": grads, "errors": dict(state.errors), "q": dict(state.q_memories)}
-    results["numels"] = [p.numel() for p in initial.parameters()]
+    results["shapes"] = [tuple(p.shape) for p in initial.parameters()]
+    results["buckets"] = members[0]
     torch.save(results, f"{out}.{rank}")
     tiers.close()
     destroy_all_groups()
+
+
+def _powersgd_intra_bytes(
+    owners: dict[str, int], shapes: list[tuple], buckets: list[list[int]], config: PowerSGDConfig | None, rank: int
+) -> int:
+    """Two-tier PowerSGD's intra-node bytes per step: per bucket, M x the widest owner's elements (the all-to-all)
+    and the widest owner's payload (P and Q of each compressed matrix at ``rank``, the values of the rest; ``config``
+    ``None``: before ``start_iter``, every value)."""
+    names, per_node = list(owners), max(owners.values()) + 1
+    total = 0
+    for bucket in buckets:
+        elements, payload = [0] * per_node, [0] * per_node
+        for index in bucket:
+            shape, owner = shapes[index], owners[names[index]]
+            elements[owner] += math.prod(shape)
+            compressed = config is not None and len(shape) == 2 and config.compresses(shape[0], shape[1], rank)
+            payload[owner] += (shape[0] + shape[1]) * min(rank, *shape) if compressed else math.prod(shape)
+        total += 4 * (per_node * max(elements) + max(payload))
+    return total
 
 
 def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path):
@@ -646,13 +676,20 @@ def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path):
             torch.testing.assert_close(grad, tiers["grads"][step], rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
         for name in tiers["errors"]:
             torch.testing.assert_close(resumed["errors"][name], tiers["errors"][name], rtol=0, atol=0)
-        # Inside the node the bucket twice (the node's sum, the owners' results); between nodes the factors and
-        # exact tensors of what this rank owns: a node's two ranks send what the reference sends, between them.
-        logical = 4 * sum(results[0]["numels"])
-        assert [intra for _, intra in tiers["bytes"]] == [2 * logical] * steps
+        # Inside the node the all-to-all to the owners (the widest owner's share, to each rank) and the gather of
+        # the widest payload (factors and exact values); between nodes the factors and exact tensors of what this
+        # rank owns: a node's two ranks send what the reference sends, between them.
+        owners, config = tiers["owners"], PowerSGDConfig(rank=1, min_compression_rate=20)
+        expected = [
+            _powersgd_intra_bytes(
+                owners, r["shapes"], r["buckets"], config if step >= 2 else None, 2 if step >= 8 else 1
+            )
+            for step in range(steps)  # compressing from sync 2, the rank doubled at sync 8
+        ]
+        assert [intra for _, intra in tiers["bytes"]][1:] == expected[1:]  # from the first rebuild of DDP's buckets
     for node in (results[:2], results[2:]):
         for step in range(steps):
             assert sum(r["tiers"]["bytes"][step][0] for r in node) == node[0]["flat"]["bytes"][step][0], step
-    # Local rank 0 owns the large matrix; local rank 1 the rest.
+    # Local rank 0 owns the large matrix; local rank 1 the rest; the payloads gathered are factors, not gradients.
     assert results[0]["tiers"]["owners"] == {"0.weight": 0, "0.bias": 1, "2.weight": 1, "2.bias": 1}
     assert set(results[0]["tiers"]["errors"]) == {"0.weight"} and not results[1]["tiers"]["errors"]

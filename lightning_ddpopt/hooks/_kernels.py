@@ -27,6 +27,7 @@ import torch
 __all__ = [
     "add_and_project",
     "available",
+    "decompress",
     "dequantize_parameter",
     "error_and_decompress",
     "fits",
@@ -84,6 +85,12 @@ def error_and_decompress(
     _compiled()[2](m.numpy(), _input(p), _input(local_q.t()), _input(q.t()), error.numpy())
 
 
+def decompress(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``M = P Q^T``, the same bits as :func:`error_and_decompress`'s (another rank's copy of a matrix it owns)."""
+    assert fits(m)
+    _compiled()[4](m.numpy(), _input(p), _input(q.t()))
+
+
 def orthogonalize(p: torch.Tensor, epsilon: float) -> None:
     """Gram-Schmidt on the columns of ``p`` (rows x r, see fits), in place, with ``epsilon`` added to each norm.
 
@@ -113,6 +120,7 @@ def _compiled() -> tuple[Callable[..., None], ...]:
         _compile(_transposed_product_loop),
         _compile(_error_and_decompress_loop),
         _compile(_orthogonalize_loop),
+        _compile(_decompress_loop),
     )
 
 
@@ -180,6 +188,20 @@ def _error_and_decompress_loop(m: Any, p: Any, local_qt: Any, qt: Any, error: An
             pk, basis = p[i, k], local_qt[k]
             for j in range(row.shape[0]):
                 err[j] -= pk * basis[j]
+        pk, basis = p[i, 0], qt[0]
+        for j in range(row.shape[0]):
+            row[j] = pk * basis[j]
+        for k in range(1, rank):
+            pk, basis = p[i, k], qt[k]
+            for j in range(row.shape[0]):
+                row[j] += pk * basis[j]
+
+
+def _decompress_loop(m: Any, p: Any, qt: Any) -> None:
+    """Per row i of M: ``M[i] = P[i] Q^T``, in :func:`_error_and_decompress_loop`'s order."""
+    rank = p.shape[1]
+    for i in range(m.shape[0]):
+        row = m[i]
         pk, basis = p[i, 0], qt[0]
         for j in range(row.shape[0]):
             row[j] = pk * basis[j]

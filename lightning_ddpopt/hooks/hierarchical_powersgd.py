@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.deferred import DeferredRead
+from lightning_ddpopt.hooks.lowrank import decompress
 from lightning_ddpopt.hooks.powersgd import (
     _RANK_DECISION_LAG,
     PowerSGDState,
@@ -161,32 +162,134 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
     assert tiers is not None
     buffer = bucket.buffer()
     names, gradients = state.names_in(bucket), bucket.gradients()
-    state.record_wire_bytes(bucket, 2 * buffer.numel() * buffer.element_size(), intra_node=True)
+    owners = [state.owners[name] for name in names]
+    mine = [index for index, owner in enumerate(owners) if owner == state.local_rank]
+    compressing = state.iteration >= state.config.start_iter
+    if compressing and bucket.index() == 0:
+        state.adapt_rank()
+    layout = _payload_layout(state, gradients, owners, compressing)
     state.record_wire_bytes(bucket, 0)  # between nodes: what it owns, if anything, is added as it is sent
-    state.wait(dist.all_reduce(buffer, group=tiers.intra, async_op=True))
-    buffer.div_(state.ranks_per_node)
-    mine = [state.owners[name] == state.local_rank for name in names]
-    own_names = [name for name, own in zip(names, mine, strict=True) if own]
-    own_gradients = [gradient for gradient, own in zip(gradients, mine, strict=True) if own]
-    round_ = None
-    if state.iteration >= state.config.start_iter:
-        if bucket.index() == 0:
-            state.adapt_rank()
-        round_ = state._open_round()
-        if own_names:
-            compress_listed(state, round_, bucket, own_names, own_gradients)
-    elif own_gradients:
+    sent_inside = _node_mean(state, gradients, owners, mine) + max(layout.sizes)  # the all-to-all, then the gather
+    state.record_wire_bytes(bucket, sent_inside * buffer.element_size(), intra_node=True)
+    own_names, own_gradients = [names[i] for i in mine], [gradients[i] for i in mine]
+    factors: list[tuple[torch.Tensor, torch.Tensor]] = []
+    round_ = state._open_round() if compressing else None
+    if round_ is not None and mine:
+        compress_listed(state, round_, bucket, own_names, own_gradients, factors)
+    elif mine:
         flat = torch.cat([gradient.reshape(-1) for gradient in own_gradients])
         _allreduce_mean_inplace(state, bucket, flat)
         _write_back(flat, own_gradients)
-    for gradient, own in zip(gradients, mine, strict=True):
-        if not own:
-            gradient.zero_()
-    state.wait(dist.all_reduce(buffer, group=tiers.intra, async_op=True))
+    gathered = _gather_results(state, layout, buffer, [gradients[i] for i in mine], factors)
     if round_ is not None:
-        round_.check([buffer])  # every owner's results: the same verdict on every rank of the world
+        round_.check([gathered])  # every owner's factors and exact values: one verdict on every rank of the world
+    for owner, chunk in enumerate(gathered.unbind(0)):
+        if owner != state.local_rank:
+            _unpack(state, layout, owner, chunk, gradients)
     if bucket.is_last():
         state.send_probe(buffer.device)
         state._close_round()
     state.add_seconds(time.perf_counter() - start)
     return _completed(buffer)
+
+
+class _Layout:
+    """Where each owner's results lie in its gathered payload: per parameter of the bucket, its offset and shapes.
+
+    A compressed matrix's payload is its P (rows x r) then its Q (cols x r); any other gradient's its values. Every
+    rank computes every owner's layout alike (from the owners, the shapes and the rank in use).
+    """
+
+    def __init__(self) -> None:
+        #: Per parameter: (owner, offset in its owner's payload, P's shape and Q's shape, or None: exact).
+        self.entries: list[tuple[int, int, tuple[tuple[int, int], tuple[int, int]] | None]] = []
+        self.sizes: list[int] = []
+
+
+def _payload_layout(
+    state: HierarchicalPowerSGDState, gradients: list[torch.Tensor], owners: list[int], compressing: bool
+) -> _Layout:
+    layout = _Layout()
+    layout.sizes = [0] * state.ranks_per_node
+    for gradient, owner in zip(gradients, owners, strict=True):
+        rows, cols = gradient.shape[0] if gradient.dim() else 1, gradient[0].numel() if gradient.dim() else 1
+        shapes = None
+        if compressing and gradient.dim() > 1 and state.config.compresses(rows, cols, state.rank):
+            rank = min(rows, cols, state.rank)
+            shapes = ((rows, rank), (cols, rank))
+        layout.entries.append((owner, layout.sizes[owner], shapes))
+        layout.sizes[owner] += (rows + cols) * shapes[0][1] if shapes is not None else gradient.numel()
+    return layout
+
+
+def _node_mean(
+    state: HierarchicalPowerSGDState, gradients: list[torch.Tensor], owners: list[int], mine: list[int]
+) -> int:
+    """Each owner receives its gradients from the node's ranks (one all-to-all) and keeps their mean in place.
+
+    The sum runs in local-rank order. Returns the elements this rank put into the all-to-all.
+    """
+    assert state.tiers is not None
+    per_node = state.ranks_per_node
+    sizes = [0] * per_node
+    for gradient, owner in zip(gradients, owners, strict=True):
+        sizes[owner] += gradient.numel()
+    width = max(sizes)
+    send = gradients[0].new_empty(per_node, width)
+    filled = [0] * per_node
+    for gradient, owner in zip(gradients, owners, strict=True):
+        send[owner, filled[owner] : filled[owner] + gradient.numel()].copy_(gradient.reshape(-1))
+        filled[owner] += gradient.numel()
+    received = torch.empty_like(send)
+    state.wait(dist.all_to_all_single(received, send, group=state.tiers.intra, async_op=True))
+    mean = received[0, : sizes[state.local_rank]].clone()
+    for rank in range(1, per_node):
+        mean.add_(received[rank, : sizes[state.local_rank]])
+    _write_back(mean.div_(per_node), [gradients[i] for i in mine])
+    return send.numel()
+
+
+def _gather_results(
+    state: HierarchicalPowerSGDState,
+    layout: _Layout,
+    buffer: torch.Tensor,
+    own_gradients: list[torch.Tensor],
+    factors: list[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Every owner's payload (its factors and exact values), gathered inside the node: ``ranks_per_node`` x width.
+
+    Each payload is zero-padded to the widest: the padding is checked for finite values with the rest.
+    """
+    assert state.tiers is not None
+    payload = buffer.new_zeros(max(layout.sizes))
+    pending = iter(factors)
+    own = iter(own_gradients)
+    for owner, offset, shapes in layout.entries:
+        if owner != state.local_rank:
+            continue
+        gradient = next(own)
+        if shapes is None:
+            payload[offset : offset + gradient.numel()].copy_(gradient.reshape(-1))
+            continue
+        p, q = next(pending)
+        payload[offset : offset + p.numel()].copy_(p.reshape(-1))
+        payload[offset + p.numel() : offset + p.numel() + q.numel()].copy_(q.reshape(-1))
+    gathered = payload.new_empty(state.ranks_per_node * payload.numel())  # flat: as gloo takes it
+    state.wait(dist.all_gather_into_tensor(gathered, payload, group=state.tiers.intra_gather, async_op=True))
+    return gathered.view(state.ranks_per_node, payload.numel())
+
+
+def _unpack(
+    state: HierarchicalPowerSGDState, layout: _Layout, owner: int, chunk: torch.Tensor, gradients: list[torch.Tensor]
+) -> None:
+    """Write ``owner``'s results into its gradients: exact values as they are, matrices decompressed as it did."""
+    for (entry_owner, offset, shapes), gradient in zip(layout.entries, gradients, strict=True):
+        if entry_owner != owner:
+            continue
+        if shapes is None:
+            gradient.copy_(chunk[offset : offset + gradient.numel()].view_as(gradient))
+            continue
+        (rows, rank), (cols, _) = shapes
+        p = chunk[offset : offset + rows * rank].view(rows, rank)
+        q = chunk[offset + rows * rank : offset + (rows + cols) * rank].view(cols, rank)
+        decompress(state, gradient.view(rows, cols), p, q)

@@ -24,7 +24,7 @@ from lightning_ddpopt.hooks.feedback import SyncRound, fed_back_sq
 if TYPE_CHECKING:
     from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
 
-__all__ = ["MATRIX_DTYPES", "low_rank_allreduce", "random_q"]
+__all__ = ["MATRIX_DTYPES", "decompress", "low_rank_allreduce", "random_q"]
 
 MATRIX_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Values of M per row block of the one-thread error-and-decompression pass: 32768 fp32 values, 128 KiB.
@@ -39,6 +39,7 @@ def low_rank_allreduce(
     keys: list[str],
     add_feedback: bool,
     fed_back: torch.Tensor | None = None,
+    factors: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """Replace each matrix M with the rank-r approximation P Q^T of its mean over ranks.
 
@@ -47,7 +48,8 @@ def low_rank_allreduce(
     with the local Q), empty when error feedback is off. New Q memories go to ``round_``; when a
     reduced P is not finite, the matrices come back as NaN on every rank. On a measured round
     (:attr:`~lightning_ddpopt.hooks.base.CommHookState.measuring`) the compression error goes to the ledger;
-    ``fed_back``: the squared norm of error feedback the caller added to the matrices already.
+    ``fed_back``: the squared norm of error feedback the caller added to the matrices already. ``factors``: receives
+    each matrix's reduced ``(P, Q)`` (P orthogonalised, NaN where the round's P was not finite), in order.
     """
     config = state.config
     wire_dtype = MATRIX_DTYPES[config.matrix_dtype]
@@ -92,6 +94,8 @@ def low_rank_allreduce(
     ]
     qs = _allreduce_matrices(state, bucket, local_qs, wire_dtype)
     round_.check(qs)
+    if factors is not None:
+        factors.extend(zip(ps, qs, strict=True))
     errors = []
     for m, p, q, local_q, key in zip(matrices, ps, qs, local_qs, keys, strict=True):
         if config.error_feedback:
@@ -128,6 +132,29 @@ def random_q(
     q = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     _orthogonalize(q, config.orthogonalization_epsilon, loops)
     return q
+
+
+def decompress(state: PowerSGDState, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``M = P Q^T`` as :func:`low_rank_allreduce` computes it with ``state``'s settings: the same bits.
+
+    For a rank that holds the reduced factors of a matrix another rank compressed (two-tier PowerSGD's owners).
+
+    Args:
+        state: the hook's state (error feedback and CPU kernels decide how the owner decompressed).
+        m: the matrix to write (rows x cols).
+        p: its reduced, orthogonalised P (rows x r).
+        q: its reduced Q (cols x r).
+    """
+    if not state.config.error_feedback:
+        torch.matmul(p, q.t(), out=m)
+    elif state.kernels() == "numba" and _kernels.fits(m, p):
+        _kernels.decompress(m, p, q)
+    elif m.is_cuda or state.kernels() == "blas":
+        torch.matmul(p, q.t(), out=m)
+    else:
+        rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
+        for start in range(0, m.shape[0], rows):
+            torch.mm(p[start : start + rows], q.t(), out=m[start : start + rows])
 
 
 def _error_and_decompress(

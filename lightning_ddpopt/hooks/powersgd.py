@@ -619,7 +619,12 @@ def _compress_and_allreduce(
 
 
 def compress_listed(
-    state: PowerSGDState, round_: SyncRound, bucket: dist.GradBucket, names: list[str], gradients: list[torch.Tensor]
+    state: PowerSGDState,
+    round_: SyncRound,
+    bucket: dist.GradBucket,
+    names: list[str],
+    gradients: list[torch.Tensor],
+    factors: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
     """Sync ``gradients`` (of ``names``), in place: matrices worth compressing as rank-r factors, the rest exactly.
 
@@ -629,6 +634,7 @@ def compress_listed(
         bucket: the bucket they are in (for the ledger).
         names: their parameter names.
         gradients: the gradients, views into the bucket's buffer.
+        factors: receives the reduced ``(P, Q)`` of each compressed matrix, in ``names`` order.
     """
     config = state.config
     matrices, keys, others, other_names = [], [], [], []
@@ -647,7 +653,9 @@ def compress_listed(
             state.add_error_feedback(round_, other_names, others)
         _allreduce_exact(state, round_, bucket, other_names, others)
     if matrices:
-        errors = low_rank_allreduce(state, round_, bucket, matrices, keys, add_feedback=config.error_feedback)
+        errors = low_rank_allreduce(
+            state, round_, bucket, matrices, keys, add_feedback=config.error_feedback, factors=factors
+        )
         if config.error_feedback:
             round_.errors.update(zip(keys, errors, strict=True))
 
