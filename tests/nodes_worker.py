@@ -32,7 +32,8 @@ FITS: dict[str, tuple[str, bool | str]] = {
     "flat_fp16": ("fp16", False),
     "int8": ("int8", "auto"),
     "flat_int8": ("int8", False),
-    "powersgd": ("powersgd", "auto"),
+    "powersgd": ("powersgd", True),  # "auto" keeps PowerSGD flat on gloo
+    "flat_powersgd": ("powersgd", "auto"),
 }
 #: The fits this run makes (all of FITS by default), and whether the callbacks' fits follow them: "callbacks" with
 #: TIERED_HOOK, "callbacks_<hook>" with that hook.
@@ -41,6 +42,8 @@ CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join([*FITS, "callbacks"])).spli
 TIERED_HOOK = os.environ.get("DDPOPT_TEST_TIERED_HOOK", "fp16")
 #: What the strategy is given for a hook name, where that is not the name itself: PowerSGD compressing from sync 2.
 HOOKS: dict[str, Any] = {"powersgd": PowerSGDConfig(rank=2, start_iter=2)}
+#: The ``hierarchical`` of the resumed and callbacks' fits with a hook, where not "auto".
+TIERED: dict[str, bool | str] = {"powersgd": True}
 #: The rank that sleeps in each training step of the callbacks' fit: local rank 1 of node 1.
 #: With DDPOPT_TEST_RANK_ZERO set, rank 0 is the slow rank and the overflowing one.
 RANK_ZERO = bool(os.environ.get("DDPOPT_TEST_RANK_ZERO"))
@@ -154,12 +157,13 @@ def main(out: Path) -> None:
         if name in CHOSEN:
             last = fit(out, name, hook, hierarchical)
     if "resume" in CHOSEN:  # two tiers through a checkpoint: the resumed run ends as the uninterrupted one
-        fit(out, "resume_full", TIERED_HOOK, "auto", resume="save")
-        last = fit(out, "resume_half", TIERED_HOOK, "auto", resume="load")
+        fit(out, "resume_full", TIERED_HOOK, TIERED.get(TIERED_HOOK, "auto"), resume="save")
+        last = fit(out, "resume_half", TIERED_HOOK, TIERED.get(TIERED_HOOK, "auto"), resume="load")
     for name in CHOSEN:
         if name.startswith("callbacks"):
             measured = [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
-            last = fit(out, name, callbacks_hook(name), "auto", callbacks=measured)
+            hook = callbacks_hook(name)
+            last = fit(out, name, hook, TIERED.get(hook, "auto"), callbacks=measured)
     (out / f"done_rank{last.global_rank}").write_text("ok")
 
 

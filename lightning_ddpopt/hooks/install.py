@@ -101,7 +101,6 @@ class HookInstaller:
                 "ddp_comm_hook too, or use comm_hook="
             )
         self.auto = comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig)
-        self._batched = isinstance(comm_hook, PowerSGDConfig) and comm_hook.batched
         self._auto_config = comm_hook if isinstance(comm_hook, AutoConfig) else AutoConfig()
         self._comm_state_arg = comm_state
         self._ddp_hook, self._ddp_state, self._ddp_wrapper = ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper
@@ -239,8 +238,12 @@ class HookInstaller:
                 f"{backend} yet (hierarchical=True uses it)"
             )
             return False
-        if self._batched:
-            rank_zero_info(flat + "PowerSGDConfig(batched=True) has no two-tier form (batched=False has one)")
+        if self.hierarchical == "auto" and name.startswith("powersgd"):
+            rank_zero_info(
+                flat + "PowerSGD sends only its factors between the ranks; its two-tier form moves each node's fp32 "
+                "gradients inside the node to split the compression work, which over gloo costs more than it saves "
+                "(hierarchical=True uses it)"
+            )
             return False
         crossing = _CROSSING[name]
         rank_zero_info(
