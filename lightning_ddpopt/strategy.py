@@ -108,11 +108,11 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
             :mod:`lightning_ddpopt.hooks.hierarchical_int8`, :mod:`lightning_ddpopt.hooks.hierarchical_powersgd`):
             sum inside each node in the bucket's own precision, send 1/M of each bucket per rank (PowerSGD: of the
             parameters) between nodes in the hook's precision, gather inside the node. ``"auto"`` (default) does
-            where the run spans several nodes with several ranks each, as many on every node, the hook has a two-tier
-            form (``allreduce``, ``fp16``, ``bf16``, ``int8``, PowerSGD unless batched) and the backend is one the
-            tests run (gloo; NCCL keeps its own sync unless ``True``); ``True`` requires such a hook, or ``"auto"``
-            (a one-node run warns and syncs flat); ``False`` never. The nodes come from the launcher
-            (``NODE_RANK``/``LOCAL_RANK``, SLURM's), checked against the host names at setup
+            where the run spans several nodes with several ranks each, as many on every node, the hook is
+            ``allreduce``, ``fp16``, ``bf16`` or ``int8`` and the backend is one the tests run (gloo; NCCL keeps its
+            own sync unless ``True``); ``True`` requires a hook with a two-tier form (those, or PowerSGD unless
+            batched), or ``"auto"`` (a one-node run warns and syncs flat); ``False`` never. The nodes come from the
+            launcher (``NODE_RANK``/``LOCAL_RANK``, SLURM's), checked against the host names at setup
             (:mod:`lightning_ddpopt.topology`; with ``"auto"`` a mismatch warns and the sync stays flat, with ``True``
             it raises); the choice and why are logged on rank 0.
         **kwargs: forwarded to ``DistributedDataParallel``.

@@ -1,7 +1,8 @@
 """Fits on emulated nodes: ``python -m tests.nodes_worker OUT_DIR``, started once per "node" by
 tests/test_hierarchical.py with ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set as a cluster launcher sets them;
 Lightning starts the node's other ranks (``RANKS_PER_NODE`` in all). Every rank writes what it saw of each fit to
-``OUT_DIR/<fit>_rank<r>.pt``.
+``OUT_DIR/<fit>_rank<r>.pt``. ``python -m tests.nodes_worker OUT_DIR fabric``: a Fabric loop instead, each node's
+ranks spawned by Fabric (``OUT_DIR/rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -167,5 +168,19 @@ def main(out: Path) -> None:
     (out / f"done_rank{last.global_rank}").write_text("ok")
 
 
+def fabric_main(out: Path) -> None:
+    """A Fabric loop (tests/test_fabric.py's) on this node, its ranks started by Fabric's ``spawn`` launcher: two-tier
+    int8 under fp16 AMP, rank 1's loss overflowing at step 3, every measuring callback through the Monitor."""
+    from tests.test_fabric import Run, launch
+
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(str(out), hook="int8", fp16=True, overflow_step=3, start_method="spawn")
+    for record in launch(run, devices=RANKS_PER_NODE, num_nodes=NUM_NODES):
+        (out / f"done_rank{record['rank'][0]}").write_text("ok")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[2:] == ["fabric"]:
+        fabric_main(Path(sys.argv[1]))
+    else:
+        main(Path(sys.argv[1]))

@@ -139,13 +139,17 @@ def _work(fabric: Fabric, run: Run) -> None:
             "autotune_tried": len(strategy.autotuner.scores) if strategy.autotuner is not None else 0,
             "forward_module_is_ddp": model._forward_module is strategy.model,
             "optimizer_steps": strategy.optimizer_steps,
+            "state": type(strategy.comm_state).__name__,
+            "intra": [s.intra_node_bytes for s in ledger.steps],
+            "rank": (fabric.global_rank, fabric.node_rank, fabric.local_rank, fabric.world_size),
         },
         Path(run.out) / f"rank{rank}.pt",
     )
 
 
-def launch(run: Run, devices: int = 2, **strategy_kwargs: Any) -> list[dict[str, Any]]:
-    """Run ``run`` on ``devices`` CPU processes; every rank's results."""
+def launch(run: Run, devices: int = 2, num_nodes: int = 1, **strategy_kwargs: Any) -> list[dict[str, Any]]:
+    """Run ``run`` on ``devices`` CPU processes (of this node, with ``num_nodes``: the other nodes' ranks are started
+    by their own call, with their ``NODE_RANK``); every rank's results (this node's, with several)."""
     Path(run.out).mkdir(parents=True, exist_ok=True)
     strategy = OptimizedDDPStrategy(
         comm_hook=run.hook,
@@ -156,9 +160,12 @@ def launch(run: Run, devices: int = 2, **strategy_kwargs: Any) -> list[dict[str,
     )
     plugins = [fp16_mixed_precision("cpu", init_scale=2.0**10)] if run.fp16 else None
     logger = CSVLogger(run.out, name="logs")
-    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, plugins=plugins, loggers=logger)
+    fabric = Fabric(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, plugins=plugins, loggers=logger
+    )
     fabric.launch(_work, run)
-    return [torch.load(Path(run.out) / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+    first = devices * fabric.node_rank
+    return [torch.load(Path(run.out) / f"rank{r}.pt", weights_only=False) for r in range(first, first + devices)]
 
 
 def reference_params(steps: int, accumulate: int, world_size: int = 2) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ The ranks start as on a cluster: the test starts one process per "node" with ``N
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -46,6 +47,7 @@ def _run_nodes(
     tiered_hook: str = "fp16",
     rank_zero: bool = False,
     timeout: float = 400,
+    fabric: bool = False,
 ) -> str:
     out.mkdir(parents=True, exist_ok=True)
     port = str(_free_port())
@@ -58,7 +60,7 @@ def _run_nodes(
         if rank_zero:  # rank 0 is the slow rank and the overflowing one
             env.update(DDPOPT_TEST_RANK_ZERO="1")
         with open(out / f"output{node}.txt", "w") as output:
-            command = [sys.executable, "-m", "tests.nodes_worker", str(out)]
+            command = [sys.executable, "-m", "tests.nodes_worker", str(out), *(["fabric"] if fabric else [])]
             processes.append(
                 subprocess.Popen(
                     command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
@@ -549,11 +551,13 @@ POWERSGD_OVERFLOW_STEP = 4
 POWERSGD_RESUME_AT = 5
 
 
-def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str) -> None:
+def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str, loops: bool) -> None:
     """Raw DDP on 2 nodes x 2 ranks: two-tier PowerSGD, the same resumed from its state mid-way, and the reference,
-    flat PowerSGD over the ranks of one local rank given the node's mean; every step's gradient and the state."""
+    flat PowerSGD over the ranks of one local rank given the node's mean; every step's gradient and the state.
+    Without ``loops``, torch's kernels in row blocks instead of numba's loops."""
     import copy
 
+    import lightning_ddpopt.hooks._kernels as kernels
     from lightning_ddpopt._groups import destroy_all_groups
     from lightning_ddpopt.hooks import (
         HierarchicalPowerSGDState,
@@ -565,6 +569,8 @@ def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str) -> N
     from lightning_ddpopt.ledger import CommLedger
     from lightning_ddpopt.topology import TierGroups
 
+    if not loops:
+        kernels.available = lambda: False  # this forked process takes the torch path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -665,9 +671,12 @@ def _powersgd_intra_bytes(
     return total
 
 
-def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path):
+@pytest.mark.parametrize("loops", [True, False], ids=["numba", "torch"])
+def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path, loops):
+    if loops:
+        pytest.importorskip("numba")
     out = str(tmp_path / "powersgd")
-    mp.start_processes(_powersgd_tiers_worker, args=(4, _free_port(), out), nprocs=4, start_method="fork")
+    mp.start_processes(_powersgd_tiers_worker, args=(4, _free_port(), out, loops), nprocs=4, start_method="fork")
     results = [torch.load(f"{out}.{rank}") for rank in range(4)]
     steps = len(POWERSGD_SCALES)
     for rank, r in enumerate(results):
@@ -712,3 +721,27 @@ def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path):
     # Local rank 0 owns the large matrix; local rank 1 the rest; the payloads gathered are factors, not gradients.
     assert results[0]["tiers"]["owners"] == {"0.weight": 0, "0.bias": 1, "2.weight": 1, "2.bias": 1}
     assert set(results[0]["tiers"]["errors"]) == {"0.weight"} and not results[1]["tiers"]["errors"]
+
+
+def test_fabric_on_two_nodes_syncs_in_two_tiers_with_its_ranks_spawned(tmp_path):
+    # Each node's process starts Fabric with NODE_RANK set; Fabric's spawn launcher starts the node's two ranks.
+    _run_nodes(tmp_path, 2, 2, [], fabric=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(4)]
+    assert [r["rank"] for r in ranks] == [(0, 0, 0, 4), (1, 0, 1, 4), (2, 1, 0, 4), (3, 1, 1, 4)]
+    for r in ranks:
+        # "auto": int8 in two tiers; every rank ends with the same parameters, bit for bit.
+        assert (r["hook"], r["state"]) == ("int8", "HierarchicalInt8State")
+        for mine, first in zip(r["params"], ranks[0]["params"], strict=True):
+            assert torch.equal(mine, first)
+        # One sync per step of two micro-batches (no_backward_sync), both tiers counted every step.
+        assert [s["sync_rounds"] for s in r["steps"]] == [1] * 8
+        assert all(0 < s["wire"] < s["logical"] / 4 for s in r["steps"]) and all(b > 0 for b in r["intra"])
+        # Rank 1's overflow at step 3 reached every rank through both tiers: each GradScaler found it in the synced
+        # gradients, skipped that step and halved its scale once.
+        assert r["scale"] == 2.0**9
+    metrics = ranks[0]["metrics"]
+    last = ranks[0]["steps"][-4:]
+    assert metrics["ddpopt/comm/bytes_sent_intra_node"] == pytest.approx(sum(ranks[0]["intra"][-4:]) / 4)
+    assert metrics["ddpopt/comm/bytes_sent"] == pytest.approx(sum(s["wire"] for s in last) / 4)
+    report = json.loads(Path(ranks[0]["report"]).read_text())
+    assert [f["area"] for f in report["findings"]] == ["network", "compression", "amp", "accumulation", "stragglers"]

@@ -1,35 +1,37 @@
-"""Two-tier PowerSGD for N nodes x M ranks: the node's mean inside a node, low-rank factors of 1/M of it between nodes.
+"""Two-tier PowerSGD for N nodes x M ranks: each parameter's node mean compressed between nodes by one owner.
 
 No ``from __future__ import annotations`` here: DDP compares the hook's annotations with the real types.
 
-Each bucket's sync, on every rank (the groups are :class:`lightning_ddpopt.topology.TierGroups`'):
+Every parameter has one owner among the local ranks: parameters in model order, each to the local rank that owns
+the fewest elements so far. The owners follow from the model alone, never from DDP's buckets, so the state (kept by
+the owner only) survives DDP's bucket rebuild after the first step and a resume bit for bit. Each bucket's sync, on
+every rank (the groups are :class:`lightning_ddpopt.topology.TierGroups`'):
 
-1. **inside the node**: the bucket is all-reduced over the node's M ranks in its own precision and divided by M,
-   the node's mean;
-2. **between the nodes**: every parameter has one owner among the local ranks, and each rank syncs the gradients it
-   owns over the N ranks of its local rank, one per node (:attr:`~lightning_ddpopt.topology.TierGroups.cross`),
-   exactly as flat PowerSGD syncs a bucket over N ranks (:mod:`lightning_ddpopt.hooks.powersgd`): the matrices worth
-   compressing as rank-r factors P and Q with error feedback and warm start, the rest exactly; so the mean of the N
-   node means is every rank's mean;
-3. **inside the node**: each rank zeroes the gradients it does not own and the bucket is all-reduced again: every
-   value is its owner's plus zeros, exact, so every rank ends with the same bucket, bit for bit.
+1. **inside the node**: each rank sends every owner its gradients (one fp32 ``all_to_all``) and sums what it
+   received for its own in local-rank order, divided by M: the node's mean of the parameters it owns;
+2. **between the nodes**: each rank syncs the parameters it owns over the N ranks of its local rank, one per node
+   (:attr:`~lightning_ddpopt.topology.TierGroups.cross`), exactly as flat PowerSGD syncs a bucket over N ranks
+   (:mod:`lightning_ddpopt.hooks.powersgd`): the matrices worth compressing as rank-r factors P and Q with error
+   feedback and warm start, the rest exactly; so the mean of the N node means is every rank's mean;
+3. **inside the node**: the owners' payloads (each compressed matrix's reduced P and Q, the other gradients' reduced
+   values) are all-gathered, and every rank writes the others' parameters: exact values as they are, matrices
+   decompressed as their owner did (:func:`~lightning_ddpopt.hooks.lowrank.decompress`, the same computation), so
+   every rank ends with the same bucket, bit for bit.
 
-Only the owners' factors cross nodes, M rings of one rank per node in parallel on each node's link; each rank
-compresses, and keeps error feedback and Q memories for, about 1/M of the model. A parameter's owner follows from
-the model alone (parameters in model order, each to the local rank that owns the fewest elements so far), never
-from DDP's buckets, so the state survives DDP's bucket rebuild after the first step and a resume bit for bit. The
-saved config records every node's ranks (``tiers``): a resume on another layout starts the state afresh.
+Flat PowerSGD already sends only its factors: what crosses the nodes is the same; each rank computes the power
+iteration, and keeps error feedback and Q memories, for about 1/M of the model, and moves the fp32 gradients inside
+the node (about ``(M-1)/M`` of the bucket per rank). That pays where the node's link is much faster than the
+compression (NVLink), not between CPU processes over gloo: ``hierarchical="auto"`` keeps PowerSGD flat.
 
-One verdict for the world: a round is committed only if every rank's gathered buckets are finite (the gathered
-bucket holds every owner's results, so a non-finite factor anywhere is seen by every rank), and ``max_error``'s
-measurement is summed over the cross-node group, then inside the node: every rank raises the rank at the same
-sync. ``batched=True`` has no two-tier form (it makes one matrix of a whole bucket, which has no single owner).
+One verdict for the world: a round is committed only if every gathered payload is finite (the gathered payloads
+are the same on every rank, and a non-finite P is handed back as NaN), and ``max_error``'s measurement is summed
+over the cross-node group, then inside the node: every rank raises the rank at the same sync. ``batched=True`` has
+no two-tier form (it makes one matrix of a whole bucket, which has no single owner).
 
 Each bucket's chain runs on one thread, as the flat hook's: on a CPU the state's worker thread beside the backward
-pass, bucket after bucket in DDP's order (the intra-node exchanges are loopback or shared memory, small beside the
-power iteration); on CUDA in the hook call on the state's side stream. The ledger counts the factors and exact
-tensors sent between nodes as the hook's wire bytes, and the two intra-node all-reduces of the bucket as its
-intra-node bytes.
+pass, bucket after bucket in DDP's order; on CUDA in the hook call on the state's side stream. The ledger counts
+the factors and exact values sent between nodes as the hook's wire bytes, and the all-to-all's padded input (M x
+the widest owner's share of the bucket) and the gathered payload's (the widest owner's) as its intra-node bytes.
 """
 
 import time
