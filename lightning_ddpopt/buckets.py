@@ -1,14 +1,17 @@
 """Bucket planning: an explicit cap, the "auto" heuristic, measured autotuning, and DDP's bucket layout.
 
-:class:`BucketController` is the strategy's one owner of DDP's buckets: it plans the cap at setup (or reuses a
-checkpoint's autotuned one), runs ``"autotune"``'s search during the first optimizer steps (rewrapping the model
-with each candidate cap), and logs the plan and, once DDP has settled it, the layout DDP built.
+:class:`BucketController` is the strategy's one owner of DDP's buckets: it plans the cap at setup (measuring the
+latency "auto" needs from :data:`AUTO_MEASURED_FROM_RANKS` ranks on, or reusing a checkpoint's measured cap), runs
+``"autotune"``'s search during the first optimizer steps (rewrapping the model with each candidate cap), and logs the
+plan and, once DDP has settled it, the layout DDP built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +32,7 @@ __all__ = [
     "BucketPlan",
     "auto_bucket_cap_mb",
     "autotune_candidates",
+    "measure_latency",
     "choose_cap",
     "gradient_bytes",
     "plan_buckets",
@@ -48,6 +52,15 @@ AUTO_LINK_BYTES_PER_S = 1.25e9
 AUTO_LINK_LATENCY_S = 50e-6
 #: The largest share of a bucket's ring-allreduce time that "auto" lets latency take.
 AUTO_MAX_LATENCY_SHARE = 0.1
+#: From this many ranks "auto" measures the latency of an all-reduce at setup instead of assuming a ring of
+#: ``2 (n - 1)`` hops of :data:`AUTO_LINK_LATENCY_S` (a floor of 8.3 MiB at 8 ranks, 37 MiB at 32: fabrics whose
+#: collectives are trees or hierarchical do not grow so). Below it the assumed floor is small (under 8.3 MiB) and
+#: the cap the same in every run, which keeps DDP's buckets, so sums, alike between runs.
+AUTO_MEASURED_FROM_RANKS = 8
+#: The bounds of a measured latency: one all-reduce of 4 bytes, in seconds.
+AUTO_LATENCY_BOUNDS_S = (5e-6, 5e-3)
+#: All-reduces timed (after three untimed) for the measured latency.
+LATENCY_PROBES = 20
 
 
 def validate_bucket_cap_mb(value: object) -> BucketCap:
@@ -74,8 +87,8 @@ def gradient_bytes(parameters: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
 
 
-def auto_bucket_cap_mb(grad_bytes: int, world_size: int) -> float:
-    """The "auto" bucket cap in MiB, from the gradient bytes and the world size.
+def auto_bucket_cap_mb(grad_bytes: int, world_size: int, latency_s: float | None = None) -> float:
+    """The "auto" bucket cap in MiB, from the gradient bytes, the world size and, if measured, the latency.
 
     Rules, in order:
 
@@ -84,17 +97,54 @@ def auto_bucket_cap_mb(grad_bytes: int, world_size: int) -> float:
        which cannot overlap at all.
     2. Never below the size at which a ring allreduce's latency term, ``2 (n - 1)`` messages of
        :data:`AUTO_LINK_LATENCY_S`, is more than :data:`AUTO_MAX_LATENCY_SHARE` of the bucket's bandwidth time on
-       a 10 GbE-class link: ``S >= 2 (n-1) latency bandwidth / share`` (1.2 MiB at n = 2, 8.3 MiB at n = 8).
+       a 10 GbE-class link: ``S >= 2 (n-1) latency bandwidth / share`` (1.2 MiB at n = 2, 8.3 MiB at n = 8). With
+       ``latency_s`` (one small all-reduce's measured time, :func:`measure_latency`) that time replaces the ring's
+       ``2 (n-1)`` latencies: ``S >= latency_s bandwidth / share``.
     3. Never above :data:`AUTO_MAX_CAP_MB`, nor above the gradients themselves.
 
     With one process there is nothing to all-reduce; the cap is torch's default of 25 MiB.
+
+    Args:
+        grad_bytes: the bytes of the gradients DDP all-reduces.
+        world_size: the ranks.
+        latency_s: a measured all-reduce latency, or ``None`` for the ring model's.
     """
     if world_size <= 1 or grad_bytes <= 0:
         return 25.0
     target = grad_bytes / AUTO_TARGET_BUCKETS
-    latency_floor = 2 * (world_size - 1) * AUTO_LINK_LATENCY_S * AUTO_LINK_BYTES_PER_S / AUTO_MAX_LATENCY_SHARE
+    latency = 2 * (world_size - 1) * AUTO_LINK_LATENCY_S if latency_s is None else latency_s
+    latency_floor = latency * AUTO_LINK_BYTES_PER_S / AUTO_MAX_LATENCY_SHARE
     cap = min(max(target, latency_floor), AUTO_MAX_CAP_MB * MIB, grad_bytes)
     return round(cap / MIB, 3)
+
+
+def measure_latency(device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """The time of one all-reduce of 4 bytes on ``group``, agreed by every rank (every rank calls it, together).
+
+    The median of :data:`LATENCY_PROBES` timed all-reduces (after three untimed), the slowest rank's, rounded to a
+    power of two microseconds (so that a run measures the same as the last one unless the fabric differs by more
+    than about 40%) and held within :data:`AUTO_LATENCY_BOUNDS_S`.
+
+    Args:
+        device: where the all-reduced tensor lives (the backend's device).
+        group: the group to time (``None``: the default group).
+    """
+    probe = torch.zeros(1, device=device)
+    times = []
+    for index in range(3 + LATENCY_PROBES):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.all_reduce(probe, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index >= 3:
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    rounded = 2.0 ** round(math.log2(max(float(slowest), 1e-9) / 1e-6)) * 1e-6
+    low, high = AUTO_LATENCY_BOUNDS_S
+    return min(max(rounded, low), high)
 
 
 @dataclass(frozen=True)
@@ -115,11 +165,21 @@ class BucketPlan:
     predicted_bucket_bytes: tuple[int, ...]
 
 
-def plan_buckets(module: torch.nn.Module, requested: BucketCap, world_size: int) -> BucketPlan:
-    """Choose the cap for ``module`` and predict DDP's layout with the assignment function DDP itself uses."""
+def plan_buckets(
+    module: torch.nn.Module, requested: BucketCap, world_size: int, latency_s: float | None = None
+) -> BucketPlan:
+    """Choose the cap for ``module`` and predict DDP's layout with the assignment function DDP itself uses.
+
+    Args:
+        module: the module DDP wraps.
+        requested: the ``bucket_cap_mb`` asked for.
+        world_size: the ranks.
+        latency_s: "auto"'s measured latency (:func:`auto_bucket_cap_mb`), ``None`` for the ring model's.
+    """
     params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
     grad_bytes = gradient_bytes(params)
-    cap_mb = auto_bucket_cap_mb(grad_bytes, world_size) if requested in ("auto", "autotune") else float(requested)
+    auto = requested in ("auto", "autotune")
+    cap_mb = auto_bucket_cap_mb(grad_bytes, world_size, latency_s) if auto else float(requested)
     predicted: tuple[int, ...] = ()
     if params:
         cap_bytes = int(cap_mb * MIB)
@@ -243,18 +303,47 @@ class BucketController:
         self._device = torch.device("cpu")
         self._backend = ""
         self._hook_name: str | None = None
+        #: "auto"'s measured all-reduce latency (from AUTO_MEASURED_FROM_RANKS ranks), ``None`` when not measured.
+        self.latency_s: float | None = None
 
     def cap_for(self, module: torch.nn.Module, world_size: int, device: torch.device, reused: float | None) -> float:
-        """Plan the cap DDP wraps ``module`` with; ``reused``: a checkpoint's autotuned cap that still applies."""
+        """Plan the cap DDP wraps ``module`` with; ``reused``: a checkpoint's measured cap that still applies.
+
+        Every rank calls it together: "auto" measures the latency it needs from :data:`AUTO_MEASURED_FROM_RANKS`
+        ranks on (:func:`measure_latency`).
+
+        Args:
+            module: the module DDP wraps.
+            world_size: the ranks.
+            device: the backend's device.
+            reused: the cap ``"autotune"`` chose or ``"auto"`` measured, from a checkpoint of this world size.
+        """
         self._world_size, self._device = world_size, device
         if reused is not None:
-            self.plan = dataclasses.replace(plan_buckets(module, reused, world_size), requested="autotune")
-            rank_zero_info(f"ddpopt: bucket_cap_mb='autotune' reuses the checkpoint's cap of {reused:g} MiB")
+            self.plan = dataclasses.replace(plan_buckets(module, reused, world_size), requested=self.requested)
+            rank_zero_info(f"ddpopt: bucket_cap_mb={self.requested!r} reuses the checkpoint's cap of {reused:g} MiB")
+            return self.plan.cap_mb
+        if self.requested == "auto" and world_size >= AUTO_MEASURED_FROM_RANKS:
+            self.latency_s = measure_latency(device)
+            self.plan = plan_buckets(module, self.requested, world_size, self.latency_s)
+            rank_zero_info(self.latency_note())
         else:
             self.plan = plan_buckets(module, self.requested, world_size)
-            if self.requested == "autotune" and world_size > 1:
-                self.autotuner = BucketAutotuner(autotune_candidates(module, world_size))
+        if self.requested == "autotune" and world_size > 1:
+            self.autotuner = BucketAutotuner(autotune_candidates(module, world_size))
         return self.plan.cap_mb
+
+    def latency_note(self) -> str:
+        """What "auto" measured and the floor it gives, for the setup log line."""
+        assert self.latency_s is not None and self.plan is not None
+        low, high = AUTO_LATENCY_BOUNDS_S
+        floor = self.latency_s * AUTO_LINK_BYTES_PER_S / AUTO_MAX_LATENCY_SHARE
+        return (
+            f"ddpopt: bucket_cap_mb='auto': an all-reduce of 4 bytes over {self._world_size} ranks takes "
+            f"{self.latency_s * 1e6:g} us (the slowest rank's median of {LATENCY_PROBES}, to a power of two, within "
+            f"{low * 1e6:g} us..{high * 1e3:g} ms); buckets of at least {format_bytes(floor)} keep it under "
+            f"{AUTO_MAX_LATENCY_SHARE:.0%} of a bucket's time at 10 Gbit/s: cap {self.plan.cap_mb:g} MiB"
+        )
 
     def log_plan(self, backend: str, hook_name: str | None) -> None:
         """Log the plan on rank 0 (once the hook is known)."""
@@ -328,13 +417,18 @@ class BucketController:
         note = "" if recorded else " (predicted: no hook reported the buckets DDP built)"
         say(f"ddpopt: {self._describe(self.layout)} on {self._backend}, bucket sizes [{sizes}]{note}")
 
-    def autotuned_cap(self) -> float | None:
-        """The cap ``bucket_cap_mb="autotune"`` settled on (measured now or reused), ``None`` while it searches."""
-        if self.requested != "autotune" or self.plan is None:
+    def measured_cap(self) -> float | None:
+        """The cap a checkpoint keeps: ``"autotune"``'s once it settled, ``"auto"``'s when it measured the latency.
+
+        ``None`` otherwise (an explicit cap, "auto" from the model alone, "autotune" still searching).
+        """
+        if self.plan is None:
             return None
-        if self.autotuner is not None and not self.autotuner.done:
-            return None
-        return self.plan.cap_mb
+        if self.requested == "autotune":
+            return None if self.autotuner is not None and not self.autotuner.done else self.plan.cap_mb
+        if self.requested == "auto" and self._world_size >= AUTO_MEASURED_FROM_RANKS:
+            return self.plan.cap_mb  # measured now, or reused
+        return None
 
     def _describe(self, sizes: tuple[int, ...], cap_note: str = "") -> str:
         assert self.plan is not None

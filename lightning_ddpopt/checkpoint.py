@@ -53,7 +53,8 @@ class SavedRun:
         comm_hook: the registry name (or qualified name) of the hook that ran, ``None`` for DDP's built-in one.
         hook_states: every rank's hook state, by global rank; empty for stateless hooks.
         hook_choice: what ``comm_hook="auto"`` chose, ``None`` when it was not used.
-        bucket_cap_mb: the cap ``bucket_cap_mb="autotune"`` chose, ``None`` when it was not used or not finished.
+        bucket_cap_mb: the cap ``bucket_cap_mb="autotune"`` chose or ``"auto"`` measured (from
+            :data:`~lightning_ddpopt.buckets.AUTO_MEASURED_FROM_RANKS` ranks), ``None`` when neither did.
         local_sgd: the local SGD outer loop (counters, anchor, outer momentum; the same on every rank), ``None``
             without local SGD.
         local_sgd_ranks: with local SGD, every rank's inner optimizer states (``{"optimizer_states": [...]}``),
@@ -105,7 +106,7 @@ class SavedRun:
             return None
         note = self.decision_note(world_size)
         if note is not None:
-            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb='autotune'"
+            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb"
             rank_zero_info(f"ddpopt: {what} measures again: {note}")
             return None
         return getattr(self, name)

@@ -19,7 +19,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
-from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPlan, validate_bucket_cap_mb
+from lightning_ddpopt.buckets import (
+    AUTO_MEASURED_FROM_RANKS,
+    BucketAutotuner,
+    BucketController,
+    BucketPlan,
+    validate_bucket_cap_mb,
+)
 from lightning_ddpopt.checkpoint import RankStates, SavedRun
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
@@ -128,8 +134,11 @@ class StrategyCore:
         self.ledger = CommLedger(timeline=timeline_for(device))
 
     def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:
-        """DDP's ``bucket_cap_mb`` for ``module``: as planned, or a checkpoint's autotuned cap that still applies."""
-        reused = self.reused_decision("bucket_cap_mb") if self.buckets.requested == "autotune" else None
+        """DDP's ``bucket_cap_mb`` for ``module``: as planned, or a checkpoint's measured cap that still applies."""
+        measured = self.buckets.requested == "autotune" or (
+            self.buckets.requested == "auto" and self.world_size >= AUTO_MEASURED_FROM_RANKS
+        )
+        reused = self.reused_decision("bucket_cap_mb") if measured else None
         return self.buckets.cap_for(module, self.world_size, device, reused)
 
     def install(
@@ -291,7 +300,7 @@ class StrategyCore:
             comm_hook=self.hooks.comm_hook_name,
             hook_states=states,
             hook_choice=self.hooks.hook_choice if self.hooks.auto else None,
-            bucket_cap_mb=self.buckets.autotuned_cap(),
+            bucket_cap_mb=self.buckets.measured_cap(),
             local_sgd=loop.state_dict() if loop is not None else None,
             local_sgd_ranks=local_states,
             grad_scaler=grad_scaler,

@@ -102,9 +102,9 @@ def hierarchical_seconds(
 ) -> float:
     """Two-tier sync time on N nodes x M ranks (``nodes``, ``per_node``), its tiers one after the other.
 
-    Inside each node a reduce-scatter of the fp32 bucket and an all-gather of ``gather_bytes`` (the fp32 bucket by
-    default; int8's gathers its int8 payload; PowerSGD's two all-reduces of the fp32 bucket count as a gather of
-    three), ``(M-1)/M`` of each over the intra-node link; between nodes M
+    Inside each node a reduce-scatter of the fp32 bucket (PowerSGD's all-to-all to the owners moves as much) and an
+    all-gather of ``gather_bytes`` (the fp32 bucket by default; int8 gathers its int8 payload, PowerSGD its factors),
+    ``(M-1)/M`` of each over the intra-node link; between nodes M
     all-reduces of 1/M of the payload each, which share the node's link: ``2 (N-1)/N x S`` over it, and ``2 (N-1)``
     latencies. The CPU path pipelines its tiers across buckets and all-reduces inside the node (gloo): give
     ``intra`` the bandwidth its inner tier reaches.
@@ -250,9 +250,8 @@ def estimate_hooks(
         sent = ring_bytes_per_rank(nbytes, world_size)
         tiered = None
         if nodes is not None and nodes[0] > 1 and nodes[1] > 1 and hook in HIERARCHICAL_PLAN_HOOKS:
-            # int8 gathers its quantised shards inside the node; PowerSGD all-reduces the fp32 bucket twice there (the
-            # node's sum, then the owners' results), and its owners' factors cross the nodes.
-            gather = {"int8": nbytes, "powersgd": 3 * bytes_fp32}.get(hook)
+            # int8 gathers its quantised shards inside the node, PowerSGD its owners' factors: their payload.
+            gather = nbytes if hook in ("int8", "powersgd") else None
             tiered = hierarchical_seconds(bytes_fp32, nbytes, nodes[0], nodes[1], link, nodes[2], gather)
         estimates.append(HookEstimate(hook, nbytes, sent, throughput, codec, comm, no_overlap, overlap, tiered))
     return estimates

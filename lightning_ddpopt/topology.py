@@ -74,6 +74,13 @@ class Topology:
         """Whether a hierarchical sync has two tiers here: several nodes, each with several ranks, all alike."""
         return self.num_nodes > 1 and self.uniform and self.ranks_per_node > 1
 
+    def layout(self) -> str:
+        """Every node's ranks, as a two-tier hook's saved config records them: ``2 nodes x 2 ranks: [[0, 1], [2, 3]]``.
+
+        A state saved on another layout does not apply (each rank's state covers what it owned there).
+        """
+        return f"{self.describe()}: {[list(node) for node in self.nodes]}"
+
     def describe(self) -> str:
         """In words, for the setup log line: ``2 nodes x 2 ranks`` or ``3 nodes with 2, 2, 1 ranks``."""
         if self.uniform:

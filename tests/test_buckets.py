@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
+from lightning_ddpopt import buckets
 from lightning_ddpopt.buckets import (
+    AUTO_LATENCY_BOUNDS_S,
     BucketAutotuner,
+    BucketController,
     auto_bucket_cap_mb,
     autotune_candidates,
     choose_cap,
     gradient_bytes,
     plan_buckets,
 )
-from lightning_ddpopt.units import MIB
+from lightning_ddpopt.units import MIB, format_bytes
 
 
 def test_auto_targets_eight_buckets_between_the_latency_floor_and_the_ceiling():
@@ -31,6 +38,60 @@ def test_auto_targets_eight_buckets_between_the_latency_floor_and_the_ceiling():
     # Never above the gradients themselves; one process needs no buckets of its own size.
     assert auto_bucket_cap_mb(MIB // 2, 8) == 0.5
     assert auto_bucket_cap_mb(400 * MIB, 1) == 25.0
+
+
+def test_a_measured_latency_replaces_the_ring_model_in_the_floor():
+    # 32 ranks: the ring model's floor is 62 x 50 us x 1.25 GB/s / 0.1 = 38.75e6 bytes, all of a 4 MiB model.
+    assert auto_bucket_cap_mb(4 * MIB, 32) == 4.0
+    # An all-reduce measured at 64 us (a tree, not 62 hops): floor 64 us x 1.25 GB/s / 0.1 = 0.8e6 bytes.
+    assert auto_bucket_cap_mb(4 * MIB, 32, latency_s=64e-6) == round(0.8e6 / MIB, 3)
+    # Above the floor the target of 8 buckets holds whatever the latency.
+    assert auto_bucket_cap_mb(400 * MIB, 32, latency_s=64e-6) == 50.0
+
+
+def _latency_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    module = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    measured = BucketController("auto")
+    cap = measured.cap_for(module, 2, torch.device("cpu"), reused=None)
+    reused = BucketController("auto")
+    again = reused.cap_for(module, 2, torch.device("cpu"), reused=cap)  # a checkpoint's cap: nothing measured
+    torch.save(
+        {
+            "cap": cap,
+            "latency": measured.latency_s,
+            "note": measured.latency_note(),
+            "saved": measured.measured_cap(),
+            "reused": (again, reused.latency_s, reused.measured_cap()),
+        },
+        f"{out}.{rank}",
+    )
+    dist.destroy_process_group()
+
+
+def test_auto_measures_the_latency_at_scale_the_same_on_every_rank(tmp_path, monkeypatch):
+    # From AUTO_MEASURED_FROM_RANKS ranks (lowered to 2 here, for the forked ranks) "auto" times an all-reduce.
+    monkeypatch.setattr(buckets, "AUTO_MEASURED_FROM_RANKS", 2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "latency")
+    mp.start_processes(_latency_worker, args=(port, out), nprocs=2, start_method="fork")
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    assert ranks[0] == ranks[1]  # agreed: the slowest rank's median, so the same buckets everywhere
+    latency, cap = ranks[0]["latency"], ranks[0]["cap"]
+    low, high = AUTO_LATENCY_BOUNDS_S
+    assert low <= latency <= high and math.log2(latency / 1e-6).is_integer()  # a power of two microseconds
+    assert cap == auto_bucket_cap_mb(2 * (256 * 256 + 256) * 4, 2, latency)
+    assert ranks[0]["saved"] == cap  # kept in checkpoints, reused by a resume on as many ranks
+    assert ranks[0]["reused"] == (cap, None, cap)
+    floor = latency * 1.25e9 / 0.1
+    assert ranks[0]["note"] == (
+        f"ddpopt: bucket_cap_mb='auto': an all-reduce of 4 bytes over 2 ranks takes {latency * 1e6:g} us (the "
+        f"slowest rank's median of 20, to a power of two, within 5 us..5 ms); buckets of at least "
+        f"{format_bytes(floor)} keep it under 10% of a bucket's time at 10 Gbit/s: cap {cap:g} MiB"
+    )
 
 
 def test_plan_predicts_layout_in_reverse_definition_order():

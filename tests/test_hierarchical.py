@@ -25,7 +25,6 @@ import torch.multiprocessing as mp
 
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import AutoConfig, PowerSGDConfig
-from lightning_ddpopt.hooks.install import HIERARCHICAL_HOOKS
 from lightning_ddpopt.topology import Topology, discover
 from tests.helpers import user_environment
 from tests.nodes_worker import FITS, HOOKS, SLOW_MS, TIERED
@@ -139,7 +138,7 @@ def _choice_line(nodes: int, ranks_per_node: int, hook: str, hierarchical: bool 
         (2, 2, [*FITS, "resume", "callbacks"], "int8", False),
         # rank 0 slow and overflowing
         (3, 2, ["fp16", "int8", "callbacks", "callbacks_powersgd"], "fp16", True),
-        (2, 4, ["int8"], "fp16", False),  # 8 ranks: a smoke run
+        (2, 4, ["int8", "powersgd"], "fp16", False),  # 8 ranks: a smoke run (PowerSGD: 4 owners per node)
         (2, 2, ["resume"], "powersgd", False),  # two-tier PowerSGD through Lightning's checkpoint
     ],
     ids=["2x2", "3x2", "2x4", "2x2-powersgd-resume"],
@@ -210,7 +209,7 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
                         ), name
                         checked += 1
                     continue
-                itemsize = 4 if HIERARCHICAL_HOOKS[hook] is None else 2
+                itemsize = 4 if hook == "allreduce" else 2
                 numels = [-(-b // 4 // ranks_per_node) for b in buckets]
                 if hierarchical:  # fp16: and each shard's fp32 peak, for the scale the nodes agree on
                     assert wire == sum(numels) * itemsize + (4 * len(buckets) if hook == "fp16" else 0), name

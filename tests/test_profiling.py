@@ -397,10 +397,10 @@ def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
     int8 = 100e6 * (1 + 4 / 1024)
     inside = (payload + int8) / 2 / (256e9 / 8) * 2 * 7 / 8 + 2 * 7 * 5e-6
     assert tiered["int8"] == pytest.approx(inside + int8 / (10e9 / 8) + 2 * 50e-6)
-    # PowerSGD: the fp32 bucket all-reduced twice inside the node (the node's sum, the owners' results); between
+    # PowerSGD: the fp32 gradients to their owners inside the node, the owners' factors gathered there; between
     # nodes the owners' factors, 2 x 4096 x 4 fp32 elements per 4096 x 4096 matrix.
     factors = payload * 2 * 4 / 4096
-    inside = 2 * payload / (256e9 / 8) * 2 * 7 / 8 + 2 * 7 * 5e-6
+    inside = (payload + factors) / 2 / (256e9 / 8) * 2 * 7 / 8 + 2 * 7 * 5e-6
     assert tiered["powersgd"] == pytest.approx(inside + factors / (10e9 / 8) + 2 * 50e-6)
 
 

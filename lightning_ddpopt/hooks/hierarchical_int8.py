@@ -118,8 +118,7 @@ class HierarchicalInt8State(Int8State):
     def config_dict(self) -> dict[str, object]:
         """The Int8Config and the tiers (every node's ranks), as saved: errors of another layout do not apply."""
         assert self.tiers is not None
-        topology = self.tiers.topology
-        return {**asdict(self.config), "tiers": f"{topology.describe()}: {[list(node) for node in topology.nodes]}"}
+        return {**asdict(self.config), "tiers": self.tiers.topology.layout()}
 
     def close(self) -> bool:
         """Stop the stages' threads (see :meth:`~lightning_ddpopt.hooks.hierarchical.TierStages.close`)."""

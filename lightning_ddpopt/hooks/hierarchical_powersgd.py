@@ -4,23 +4,26 @@ No ``from __future__ import annotations`` here: DDP compares the hook's annotati
 
 Every parameter has one owner among the local ranks: parameters in model order, each to the local rank that owns
 the fewest elements so far. The owners follow from the model alone, never from DDP's buckets, so the state (kept by
-the owner only) survives DDP's bucket rebuild after the first step and a resume bit for bit. Each bucket's sync, on
+the owner only) survives DDP's bucket rebuild after the first step and a resume bit for bit. The saved config records
+every node's ranks (``tiers``): on another layout the whole state starts afresh (the step count, the rank reached and
+the Q memories too, which only the owners hold), with a warning. Each bucket's sync, on
 every rank (the groups are :class:`lightning_ddpopt.topology.TierGroups`'):
 
-1. **inside the node**: each rank sends every owner its gradients (one fp32 ``all_to_all``) and sums what it
-   received for its own in local-rank order, divided by M: the node's mean of the parameters it owns;
+1. **inside the node**: each rank sends every owner its gradients (one ``all_to_all`` in the bucket's dtype) and sums
+   what it received for its own in fp32, in local-rank order, divided by M: the node's mean of the parameters it
+   owns;
 2. **between the nodes**: each rank syncs the parameters it owns over the N ranks of its local rank, one per node
    (:attr:`~lightning_ddpopt.topology.TierGroups.cross`), exactly as flat PowerSGD syncs a bucket over N ranks
    (:mod:`lightning_ddpopt.hooks.powersgd`): the matrices worth compressing as rank-r factors P and Q with error
    feedback and warm start, the rest exactly; so the mean of the N node means is every rank's mean;
 3. **inside the node**: the owners' payloads (each compressed matrix's reduced P and Q, the other gradients' reduced
-   values) are all-gathered, and every rank writes the others' parameters: exact values as they are, matrices
-   decompressed as their owner did (:func:`~lightning_ddpopt.hooks.lowrank.decompress`, the same computation), so
-   every rank ends with the same bucket, bit for bit.
+   values) are all-gathered; every rank writes the others' exact values as they are, and every rank, the owner too,
+   decompresses every matrix from the gathered bytes (:func:`~lightning_ddpopt.hooks.lowrank.decompress`): the same
+   computation on the same memory everywhere, so every rank ends with the same bucket, bit for bit.
 
 Flat PowerSGD already sends only its factors: what crosses the nodes is the same; each rank computes the power
-iteration, and keeps error feedback and Q memories, for about 1/M of the model, and moves the fp32 gradients inside
-the node (about ``(M-1)/M`` of the bucket per rank). That pays where the node's link is much faster than the
+iteration, and keeps error feedback and Q memories, for about 1/M of the model, and moves the gradients inside the
+node (about ``(M-1)/M`` of the bucket per rank). That pays where the node's link is much faster than the
 compression (NVLink), not between CPU processes over gloo: ``hierarchical="auto"`` keeps PowerSGD flat.
 
 One verdict for the world: a round is committed only if every gathered payload is finite (the gathered payloads
@@ -42,15 +45,16 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.deferred import DeferredRead
+from lightning_ddpopt.hooks.int8_codec import all_gather_async
 from lightning_ddpopt.hooks.lowrank import decompress
 from lightning_ddpopt.hooks.powersgd import (
-    _RANK_DECISION_LAG,
+    RANK_DECISION_LAG,
     PowerSGDState,
-    _allreduce_mean_inplace,
-    _completed,
-    _write_back,
+    allreduce_mean_inplace,
+    completed,
     compress_listed,
     dispatch,
+    write_back,
 )
 from lightning_ddpopt.topology import TierGroups
 
@@ -122,8 +126,7 @@ class HierarchicalPowerSGDState(PowerSGDState):
     def config_dict(self) -> dict[str, object]:
         """The PowerSGDConfig and the tiers (every node's ranks), as saved: state of another layout does not apply."""
         assert self.tiers is not None
-        topology = self.tiers.topology
-        return {**asdict(self.config), "tiers": f"{topology.describe()}: {[list(node) for node in topology.nodes]}"}
+        return {**asdict(self.config), "tiers": self.tiers.topology.layout()}
 
     def send_probe(self, device: torch.device | None = None) -> None:
         """At the round's last bucket: sum the round's measurement over the cross-node group, then the node.
@@ -140,7 +143,7 @@ class HierarchicalPowerSGDState(PowerSGDState):
         total = sums[0].clone() if sums else torch.zeros(2, dtype=torch.float64, device=device)
         self.wait(dist.all_reduce(total, group=self.tiers.cross, async_op=True))
         work = dist.all_reduce(total, group=self.tiers.intra, async_op=True)
-        self._probe = (DeferredRead(total, work), self.iteration + _RANK_DECISION_LAG)
+        self._probe = (DeferredRead(total, work), self.iteration + RANK_DECISION_LAG)
 
 
 def hierarchical_powersgd_hook(
@@ -180,19 +183,18 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
         compress_listed(state, round_, bucket, own_names, own_gradients, factors)
     elif mine:
         flat = torch.cat([gradient.reshape(-1) for gradient in own_gradients])
-        _allreduce_mean_inplace(state, bucket, flat)
-        _write_back(flat, own_gradients)
+        allreduce_mean_inplace(state, bucket, flat)
+        write_back(flat, own_gradients)
     gathered = _gather_results(state, layout, buffer, [gradients[i] for i in mine], factors)
     if round_ is not None:
         round_.check([gathered])  # every owner's factors and exact values: one verdict on every rank of the world
-    for owner, chunk in enumerate(gathered.unbind(0)):
-        if owner != state.local_rank:
-            _unpack(state, layout, owner, chunk, gradients)
+    for owner, chunk in enumerate(gathered.unbind(0)):  # this rank's own matrices too: see _unpack
+        _unpack(state, layout, owner, chunk, gradients, exact=owner != state.local_rank)
     if bucket.is_last():
         state.send_probe(buffer.device)
         state._close_round()
     state.add_seconds(time.perf_counter() - start)
-    return _completed(buffer)
+    return completed(buffer)
 
 
 class _Layout:
@@ -229,7 +231,7 @@ def _node_mean(
 ) -> int:
     """Each owner receives its gradients from the node's ranks (one all-to-all) and keeps their mean in place.
 
-    The sum runs in local-rank order. Returns the elements this rank put into the all-to-all.
+    The sum runs in fp32, in local-rank order. Returns the elements this rank put into the all-to-all.
     """
     assert state.tiers is not None
     per_node = state.ranks_per_node
@@ -244,10 +246,10 @@ def _node_mean(
         filled[owner] += gradient.numel()
     received = torch.empty_like(send)
     state.wait(dist.all_to_all_single(received, send, group=state.tiers.intra, async_op=True))
-    mean = received[0, : sizes[state.local_rank]].clone()
+    mean = received[0, : sizes[state.local_rank]].to(torch.float32, copy=True)  # summed in fp32 whatever the bucket
     for rank in range(1, per_node):
         mean.add_(received[rank, : sizes[state.local_rank]])
-    _write_back(mean.div_(per_node), [gradients[i] for i in mine])
+    write_back(mean.div_(per_node), [gradients[i] for i in mine])
     return send.numel()
 
 
@@ -277,19 +279,30 @@ def _gather_results(
         payload[offset : offset + p.numel()].copy_(p.reshape(-1))
         payload[offset + p.numel() : offset + p.numel() + q.numel()].copy_(q.reshape(-1))
     gathered = payload.new_empty(state.ranks_per_node * payload.numel())  # flat: as gloo takes it
-    state.wait(dist.all_gather_into_tensor(gathered, payload, group=state.tiers.intra_gather, async_op=True))
+    state.wait(all_gather_async(gathered, payload, state.tiers.intra_gather))
     return gathered.view(state.ranks_per_node, payload.numel())
 
 
 def _unpack(
-    state: HierarchicalPowerSGDState, layout: _Layout, owner: int, chunk: torch.Tensor, gradients: list[torch.Tensor]
+    state: HierarchicalPowerSGDState,
+    layout: _Layout,
+    owner: int,
+    chunk: torch.Tensor,
+    gradients: list[torch.Tensor],
+    exact: bool,
 ) -> None:
-    """Write ``owner``'s results into its gradients: exact values as they are, matrices decompressed as it did."""
+    """Write ``owner``'s results into its gradients: its matrices decompressed, and with ``exact`` its exact values.
+
+    Every rank, the owner too, decompresses every matrix from the gathered payload, which is the same bytes at the
+    same place on every rank: the same computation on the same memory, so the same bits, whatever the kernels
+    (BLAS may round differently on differently aligned inputs). The owner's exact values are already in place.
+    """
     for (entry_owner, offset, shapes), gradient in zip(layout.entries, gradients, strict=True):
         if entry_owner != owner:
             continue
         if shapes is None:
-            gradient.copy_(chunk[offset : offset + gradient.numel()].view_as(gradient))
+            if exact:
+                gradient.copy_(chunk[offset : offset + gradient.numel()].view_as(gradient))
             continue
         (rows, rank), (cols, _) = shapes
         p = chunk[offset : offset + rows * rank].view(rows, rank)

@@ -42,18 +42,11 @@ from lightning_ddpopt.topology import TierGroups, Topology
 __all__ = ["DEFAULT_COMM_HOOK", "HIERARCHICAL_HOOKS", "HookInstaller", "validate_hierarchical"]
 
 DEFAULT_COMM_HOOK = "allreduce"
-#: The registry hooks with a two-tier form (:mod:`lightning_ddpopt.hooks.hierarchical`;
-#: :mod:`lightning_ddpopt.hooks.hierarchical_int8` for int8, :mod:`lightning_ddpopt.hooks.hierarchical_powersgd`
-#: for PowerSGD, whose factors cross in its ``matrix_dtype``), and the dtype that crosses nodes.
-HIERARCHICAL_HOOKS: dict[str, torch.dtype | None] = {
-    "allreduce": None,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "int8": torch.int8,
-    "powersgd": torch.float32,
-    "powersgd_fp16": torch.float16,
-    "powersgd_bf16": torch.bfloat16,
-}
+#: The registry hooks with a two-tier form: :mod:`lightning_ddpopt.hooks.hierarchical`'s (the dtype they cast to
+#: between nodes in ``_CAST``), :mod:`lightning_ddpopt.hooks.hierarchical_int8`'s and
+#: :mod:`lightning_ddpopt.hooks.hierarchical_powersgd`'s.
+HIERARCHICAL_HOOKS = ("allreduce", "fp16", "bf16", "int8", "powersgd", "powersgd_fp16", "powersgd_bf16")
+_CAST: dict[str, torch.dtype | None] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: What crosses nodes, in words, for the setup log line.
 _CROSSING = {
     "allreduce": "the bucket's precision",
@@ -101,6 +94,7 @@ class HookInstaller:
                 "ddp_comm_hook too, or use comm_hook="
             )
         self.auto = comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig)
+        self._matrix_dtype = comm_hook.matrix_dtype if isinstance(comm_hook, PowerSGDConfig) else None
         self._auto_config = comm_hook if isinstance(comm_hook, AutoConfig) else AutoConfig()
         self._comm_state_arg = comm_state
         self._ddp_hook, self._ddp_state, self._ddp_wrapper = ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper
@@ -190,7 +184,7 @@ class HookInstaller:
         else:
             state = HierarchicalState(
                 tiers=self._tiers,
-                dtype=HIERARCHICAL_HOOKS[self._spec.name],
+                dtype=_CAST[self._spec.name],
                 process_group=model.process_group,
                 ledger=ledger,
             )
@@ -198,14 +192,12 @@ class HookInstaller:
         return state
 
     def _two_tier_hook(self) -> CommHook:
-        assert self._spec is not None
-        hook: CommHook
-        if self._spec.name == "int8":
+        """The hook of the two-tier state :meth:`_two_tier_state` built."""
+        hook: CommHook = hierarchical_hook
+        if isinstance(self.comm_state, HierarchicalInt8State):
             hook = hierarchical_int8_hook
-        elif self._spec.name.startswith("powersgd"):
+        elif isinstance(self.comm_state, HierarchicalPowerSGDState):
             hook = hierarchical_powersgd_hook
-        else:
-            hook = hierarchical_hook
         return hook
 
     def _two_tiers(self, topology: Topology | None, model: DistributedDataParallel, backend: str) -> bool:
@@ -246,6 +238,8 @@ class HookInstaller:
             )
             return False
         crossing = _CROSSING[name]
+        if self._matrix_dtype is not None:  # a PowerSGDConfig's, whatever the registry name says
+            crossing = f"PowerSGD's {self._matrix_dtype} factors"
         rank_zero_info(
             f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in its own "
             f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "

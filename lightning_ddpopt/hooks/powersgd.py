@@ -86,7 +86,7 @@ ERROR_BOUNDS = {"adaptive": 0.6, "other": 0.9}
 #: Syncs between two measurements of the compression error that may raise the rank (``PowerSGDConfig.max_error``).
 RANK_WINDOW = 5
 #: A measurement's verdict is applied this many syncs later: on a GPU its value has reached the host by then.
-_RANK_DECISION_LAG = 2
+RANK_DECISION_LAG = 2
 
 MatrixDtype = Literal["fp32", "fp16", "bf16"]
 #: How the CPU computes the passes over M: numba's fused loops or BLAS in row blocks (one thread), whole-matrix BLAS.
@@ -303,7 +303,7 @@ class PowerSGDState(ErrorFeedbackState):
             return
         total = sums[0].clone()
         work = dist.all_reduce(total, group=self.process_group, async_op=True)
-        self._probe = (DeferredRead(total, work), self.iteration + _RANK_DECISION_LAG)
+        self._probe = (DeferredRead(total, work), self.iteration + RANK_DECISION_LAG)
 
     def adapt_rank(self) -> None:
         """At a round's first bucket: apply a measurement's verdict when its round has come (the same on every rank).
@@ -567,8 +567,8 @@ def _sync_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures
     start = time.perf_counter()
     buffer = bucket.buffer()
     if state.iteration < state.config.start_iter:
-        _allreduce_mean_inplace(state, bucket, buffer)
-        future = _completed(buffer)
+        allreduce_mean_inplace(state, bucket, buffer)
+        future = completed(buffer)
     else:
         if bucket.index() == 0:
             state.adapt_rank()
@@ -580,9 +580,15 @@ def _sync_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures
     return future
 
 
-def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    # On CUDA the future must know its device: it then records an event on the current stream, and whoever waits
-    # on it (DDP, the ledger's timing callback) is ordered after the kernels above, not merely after their launch.
+def completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future already holding ``buffer``, as a hook returns it once the bucket's chain has run.
+
+    On CUDA the future knows its device: it then records an event on the current stream, and whoever waits on it
+    (DDP, the ledger's timing callback) is ordered after the kernels above, not merely after their launch.
+
+    Args:
+        buffer: the bucket's synced buffer.
+    """
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=_devices(buffer))
     future.set_result(buffer)
     return future
@@ -592,7 +598,14 @@ def _devices(tensor: torch.Tensor) -> list[int | str | torch.device] | None:
     return [tensor.device] if tensor.is_cuda else None
 
 
-def _allreduce_mean_inplace(state: PowerSGDState, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
+def allreduce_mean_inplace(state: PowerSGDState, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
+    """Replace ``tensor`` with its mean over the state's group, exactly (fp32 on the wire), recording its bytes.
+
+    Args:
+        state: the hook's state (its ``process_group`` and ``world_size``).
+        bucket: the bucket it belongs to (for the ledger).
+        tensor: what to average, in place.
+    """
     tensor.div_(state.world_size)
     state.record_wire_bytes(bucket, tensor.numel() * tensor.element_size())
     state.wait(dist.all_reduce(tensor, group=state.process_group, async_op=True))
@@ -613,9 +626,9 @@ def _compress_and_allreduce(
             return _regrouped_batched(state, round_, bucket, buffer, names, gradients)
         # The gradients are views into the bucket's buffer: compress it as it lies.
         _compress_as_square(state, round_, bucket, buffer, names, gradients, in_place=True, fed_back=fed_back)
-        return _completed(buffer)
+        return completed(buffer)
     compress_listed(state, round_, bucket, names, gradients)
-    return _completed(buffer)
+    return completed(buffer)
 
 
 def compress_listed(
@@ -665,14 +678,19 @@ def _allreduce_exact(
 ) -> None:
     """Mean-allreduce ``tensors`` uncompressed (one flat collective) and note whether the result is finite."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    _allreduce_mean_inplace(state, bucket, flat)
+    allreduce_mean_inplace(state, bucket, flat)
     round_.check([flat])
     round_.sent_exactly.update(names)
-    _write_back(flat, tensors)
+    write_back(flat, tensors)
 
 
-def _write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy ``flat``'s consecutive slices into ``tensors`` (the tensors it was concatenated from)."""
+def write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``flat``'s consecutive slices into ``tensors`` (the tensors it was concatenated from).
+
+    Args:
+        flat: the values, end to end.
+        tensors: where they go, in order.
+    """
     offset = 0
     for tensor in tensors:
         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -737,7 +755,7 @@ def _compress_as_square(
     numel = flat.numel()
     side = _square_side(numel)
     if not state.config.compresses(side, side, state.rank):
-        _allreduce_mean_inplace(state, bucket, flat)
+        allreduce_mean_inplace(state, bucket, flat)
         round_.check([flat])
         round_.sent_exactly.update(names)
     else:
@@ -750,7 +768,7 @@ def _compress_as_square(
             flat.copy_(square[:numel])
         _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
     if not in_place:
-        _write_back(flat, gradients)
+        write_back(flat, gradients)
 
 
 def _stage_batched_errors(
