@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import AutoConfig, PowerSGDConfig
+from lightning_ddpopt.hooks.compression import FP16_WARN_FROM_RANKS, flat_fp16_note
 from lightning_ddpopt.topology import Topology, discover
 from tests.helpers import user_environment
 from tests.nodes_worker import FITS, HOOKS, SLOW_MS, TIERED
@@ -540,8 +541,15 @@ def test_fp16_between_nodes_does_not_underflow_at_a_large_world_size(tmp_path):
     assert relative.max().item() < 2 * 2**-11, relative.max().item()
     assert bool((tiers != 0).all())  # nothing vanished, down to 1e-8
     # The flat fp16 hook divides by the world size before the cast: at 256 ranks everything under about 1e-5
-    # crosses as a subnormal or zero.
+    # crosses as a subnormal or zero, and under half of that as zero, as its setup warning says.
     assert bool((flat[exact.abs() < 1e-8] == 0).all()) and not bool((flat == 0).all())
+    vanishing = 2**-25 * 256  # a gradient under it is under half of fp16's smallest value once divided by 256
+    magnitudes = 10.0 ** torch.linspace(-8, 2, 4001)  # each value's gradient on rank 0; rank r's is (1 + r / 10) x
+    assert bool((flat[1.3 * magnitudes < vanishing] == 0).all())  # on every rank: zero
+    assert bool((flat[magnitudes > 1.01 * vanishing] != 0).all())  # on none: it arrives
+    note = flat_fp16_note(256)
+    assert note is not None and f"gradients under about {vanishing:.0e} cross as zero" in note
+    assert flat_fp16_note(FP16_WARN_FROM_RANKS - 1) is None
 
 
 #: Two-tier PowerSGD's raw-DDP steps: loss scales (a GradScaler's growth and backoff), the overflowing step.

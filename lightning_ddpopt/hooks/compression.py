@@ -10,10 +10,39 @@ import torch.distributed as dist
 
 from lightning_ddpopt.hooks.base import CommHookState, squared_norm
 
-__all__ = ["FP16_MAX", "allreduce_mean_hook", "bf16_allreduce_hook", "fp16_allreduce_hook", "fp16_scale", "peak"]
+__all__ = [
+    "FP16_MAX",
+    "FP16_WARN_FROM_RANKS",
+    "allreduce_mean_hook",
+    "bf16_allreduce_hook",
+    "flat_fp16_note",
+    "fp16_allreduce_hook",
+    "fp16_scale",
+    "peak",
+]
 
 #: fp16's largest finite value.
 FP16_MAX = 65504.0
+#: fp16's smallest positive (subnormal) value: half of it and less round to zero.
+FP16_TINY = 2.0**-24
+#: From this many ranks the flat fp16 hook warns at setup that dividing before the cast loses small gradients.
+FP16_WARN_FROM_RANKS = 64
+
+
+def flat_fp16_note(world_size: int) -> str | None:
+    """The setup warning of the flat fp16 hook on ``world_size`` ranks (from :data:`FP16_WARN_FROM_RANKS`), else None.
+
+    Args:
+        world_size: the ranks the hook averages over.
+    """
+    if world_size < FP16_WARN_FROM_RANKS:
+        return None
+    return (
+        f"ddpopt: comm_hook='fp16' syncs flat over {world_size} ranks and divides each gradient by {world_size} "
+        f"before the cast to fp16, as torch's hook does: gradients under about {FP16_TINY / 2 * world_size:.0e} cross "
+        "as zero. bf16 keeps fp32's range; on several nodes of several ranks the two-tier fp16 agrees on a scale "
+        "instead (hierarchical=True)"
+    )
 
 
 def peak(values: torch.Tensor) -> torch.Tensor:

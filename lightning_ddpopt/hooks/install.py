@@ -22,6 +22,7 @@ from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.compression import flat_fp16_note
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
 from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
@@ -134,6 +135,9 @@ class HookInstaller:
         hook = self._build(model, backend, ledger, device, loss_scale, own_group, beside_backward=not tiered)
         if hook is not None and self._spec is None:
             self._two_tiers(topology, model, backend)  # says why a user's hook stays flat
+        note = flat_fp16_note(world_size) if self._spec is not None and self._spec.name == "fp16" else None
+        if hook is not None and not tiered and note is not None:
+            rank_zero_warn(note)
         if hook is not None and tiered:
             assert topology is not None and self._spec is not None and new_group is not None
             self._tiers = TierGroups(topology, new_group)
