@@ -75,8 +75,15 @@ class SavedRun:
     optimizer_steps: int | None = None
 
     def to_checkpoint(self) -> dict[str, Any]:
-        """Plain types only, so that ``torch.load(weights_only=True)`` reads it."""
-        return dataclasses.asdict(self)
+        """Plain types only, so that ``torch.load(weights_only=True)`` reads it; the states' tensors as they are.
+
+        Not ``dataclasses.asdict``: it deep-copies every tensor of every rank's state, on rank 0, which would then
+        hold them twice while the checkpoint is written.
+        """
+        entry = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        if self.hook_choice is not None:
+            entry["hook_choice"] = dataclasses.asdict(self.hook_choice)  # a few numbers and words
+        return entry
 
     @classmethod
     def from_checkpoint(cls, entry: dict[str, Any]) -> SavedRun:

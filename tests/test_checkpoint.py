@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d
 
 from lightning_ddpopt._groups import destroy_all_groups
-from lightning_ddpopt.checkpoint import RankStates
+from lightning_ddpopt.checkpoint import RankStates, SavedRun
+from lightning_ddpopt.hooks.auto import HookChoice
 
 
 def _state(rank: int) -> dict[str, object]:
@@ -57,3 +58,24 @@ def test_states_travel_to_rank_0_on_the_cpu_one_rank_at_a_time(tmp_path):
     assert [device for _, device in result["received"]] == ["cpu", "cpu"]
     for (size, _), expected in zip(result["received"], pickled[1:], strict=True):
         assert 0.9 * expected < size < 1.1 * expected
+
+
+def test_the_entry_holds_the_states_tensors_themselves_and_reads_back_plainly(tmp_path):
+    # Rank 0 holds every rank's state while it writes the file: a deep copy would double that.
+    errors = [{"weight": torch.randn(4, 3)} for _ in range(2)]
+    saved = SavedRun(
+        world_size=2,
+        comm_hook="int8",
+        hook_states=[{"iteration": 5, "errors": rank_errors} for rank_errors in errors],
+        hook_choice=HookChoice("int8", {"allreduce": 0.2, "int8": 0.1}, "fastest"),
+        bucket_cap_mb=1.5,
+    )
+    entry = saved.to_checkpoint()
+    assert all(entry["hook_states"][r]["errors"]["weight"] is errors[r]["weight"] for r in range(2))
+    assert entry["hook_choice"] == {"name": "int8", "estimates_s": {"allreduce": 0.2, "int8": 0.1}, "reason": "fastest"}
+    torch.save({"ddpopt": entry}, tmp_path / "entry.pt")
+    loaded = torch.load(tmp_path / "entry.pt", weights_only=True)["ddpopt"]  # plain types only
+    restored = SavedRun.from_checkpoint(loaded)
+    assert restored.hook_choice == saved.hook_choice and restored.bucket_cap_mb == 1.5
+    for r in range(2):
+        assert torch.equal(restored.hook_states[r]["errors"]["weight"], errors[r]["weight"])

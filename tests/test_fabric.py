@@ -41,6 +41,9 @@ class Run:
     save_at: int | None = None  # fabric.save after this many steps
     resume_from: str | None = None
     load_before_setup: bool = False
+    weights_file: bool = (
+        False  # at the end fabric.save(path, model.state_dict()), then twice fabric.load_raw(path, model)
+    )
     slow: tuple[int, str, float] | None = None  # (rank, "data" | "compute" | "validation", seconds) per batch
     validate: bool = False  # a validation forward (eval mode, no gradients) after every step
     bucket_cap_mb: Any = "auto"
@@ -83,6 +86,7 @@ def _work(fabric: Fabric, run: Run) -> None:
         if run.resume_from:
             # Read whole, without a state to restore into: the package's entry is not handed out, nor applied.
             assert "ddpopt" not in fabric.load(run.resume_from)
+
         strategy = fabric.strategy
         assert isinstance(strategy, OptimizedDDPStrategy)
         monitor = Monitor(fabric, _callbacks(run.callbacks)) if run.callbacks else None
@@ -112,6 +116,10 @@ def _work(fabric: Fabric, run: Run) -> None:
                     time.sleep(run.slow[2])  # rank 0's own work after validation, e.g. writing a sample
             if run.save_at == step:
                 fabric.save(Path(run.out) / "checkpoint.ckpt", {**state, "step": step})
+        if run.weights_file:  # a checkpoint of the weights alone, loaded back into the model: the same weights
+            fabric.save(Path(run.out) / "weights.ckpt", model.state_dict())
+            for _ in range(2):
+                fabric.load_raw(Path(run.out) / "weights.ckpt", model)
         report = monitor.finish() if monitor is not None else None
         if monitor is None:
             strategy.finish()
@@ -295,7 +303,10 @@ def test_a_loop_that_syncs_every_micro_batch_is_warned_once(tmp_path):
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param({"hook": PowerSGDConfig(), "fp16": True, "overflow_step": 3}, id="powersgd-fp16-overflow"),
+        pytest.param(
+            {"hook": PowerSGDConfig(), "fp16": True, "overflow_step": 3, "weights_file": True},
+            id="powersgd-fp16-overflow",
+        ),
         pytest.param({"hook": "int8", "load_before_setup": True}, id="int8-loaded-before-setup"),
         # auto's measured choice comes back with the checkpoint loaded before setup: no measuring again.
         pytest.param({"hook": "auto", "load_before_setup": True}, id="auto-loaded-before-setup"),
@@ -315,6 +326,15 @@ def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
             assert torch.equal(a, b)
         assert got["scale"] == want["scale"]
         assert not [w for w in got["warnings"] if w.startswith("ddpopt:") and "fresh" in w]
+        # A checkpoint of the weights alone holds our entry too: fabric.load_raw(path, model) loads the weights
+        # (strictly) and says once, on rank 0, what it does not restore.
+        partial = [w for w in got["warnings"] if w.startswith("ddpopt: fabric.load_raw(path, model)")]
+        expected = (
+            "ddpopt: fabric.load_raw(path, model) restores the weights alone: this checkpoint's comm-hook state, "
+            "local SGD's outer loop, GradScaler and step count are restored by fabric.load(path, {'model': model, "
+            "'optimizer': optimizer})"
+        )
+        assert partial == ([expected] if case.get("weights_file") and got is resumed[0] else [])
     assert_ranks_identical(whole)
     saved = torch.load(checkpoint, weights_only=True)["ddpopt"]
     assert saved["world_size"] == 2

@@ -163,6 +163,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         self.optimizer_steps = 0
         #: Checkpoints loaded with a step count (a Monitor restarts its callbacks' step counting after one).
         self.resumes = 0
+        self._warned_partial_load = False  # fabric.load(path, module) leaves our state behind: said once
         #: Forwards outside training (validation) so far: a Monitor's break between batches.
         self.breaks = 0
         self.model: DistributedDataParallel | None = None
@@ -287,6 +288,29 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         if entry is not None:
             state = {**state, CHECKPOINT_KEY: entry}
         super().save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a module's weights, without our entry: said once not to be restored.
+
+        A checkpoint of the weights alone (``fabric.save(path, model.state_dict())``, read back with
+        ``fabric.load_raw(path, model)``) holds our entry too: it is taken out, so the weights load, strictly or not.
+
+        Args:
+            module: the module to load into.
+            state_dict: its weights (a whole checkpoint, for ``fabric.load_raw``).
+            strict: whether every key must match.
+        """
+        if CHECKPOINT_KEY in state_dict:
+            state_dict = {key: value for key, value in state_dict.items() if key != CHECKPOINT_KEY}
+            if not self._warned_partial_load:
+                self._warned_partial_load = True
+                rank_zero_warn(
+                    "ddpopt: fabric.load_raw(path, model) restores the weights alone: this checkpoint's comm-hook "
+                    "state, local SGD's outer loop, GradScaler and step count are restored by fabric.load(path, "
+                    "{'model': model, 'optimizer': optimizer})"
+                )
+        super().load_module_state_dict(module, state_dict, strict)
 
     @override
     def load_checkpoint(
