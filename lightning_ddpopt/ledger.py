@@ -40,6 +40,9 @@ class BucketRecord:
             the hook does not report them (a user-supplied hook). With a hierarchical hook: what crossed nodes.
         intra_node_bytes: with a hierarchical hook, the bytes this rank put into collectives inside its node (the
             bucket in its own precision); 0 otherwise.
+        intra_node_s: with a hierarchical hook on a CPU, host seconds of its stages inside the node (their
+            collectives, waits and copies); 0 otherwise.
+        cross_node_s: likewise, host seconds of its stage between the nodes.
         start_s: when DDP handed the bucket to the hook (on a GPU: when the bucket's gradients were computed).
         end_s: when the hook's result was ready (on a GPU: when its collectives had finished on the device).
         transfer_hidden: the bytes travelled while the ranks trained on (local SGD's overlapped sync): ``start_s`` to
@@ -59,6 +62,8 @@ class BucketRecord:
     start_s: float
     end_s: float
     intra_node_bytes: int = 0
+    intra_node_s: float = 0.0
+    cross_node_s: float = 0.0
     transfer_hidden: bool = False
     compression: tuple[float, float, float] | None = None
     drift: tuple[float, float] | None = None
@@ -78,6 +83,9 @@ class StepRecord:
         wire_bytes: bytes sent after compression over all rounds; ``None`` when a hook did not report them. With a
             hierarchical hook, the bytes that crossed nodes.
         intra_node_bytes: with a hierarchical hook, the bytes sent inside the node over all rounds; 0 otherwise.
+        intra_node_s: with a hierarchical hook on a CPU, host seconds of its stages inside the node, summed over the
+            buckets (stages of different buckets run at once: a sum of work, not a span); 0 otherwise.
+        cross_node_s: likewise, host seconds of its stage between the nodes.
         sync_time_s: summed over rounds, first bucket handed to the hook until the last bucket's future completed: the
             sync's span, which overlaps the backward pass (DDP hands a bucket over as soon as its gradients are
             computed, while the backward pass goes on with the rest).
@@ -115,6 +123,8 @@ class StepRecord:
     sync_time_s: float
     bucket_bytes: tuple[int, ...]
     intra_node_bytes: int = 0
+    intra_node_s: float = 0.0
+    cross_node_s: float = 0.0
     exposed_time_s: float = 0.0
     busy_time_s: float = 0.0
     micro_batches: int = 0
@@ -169,6 +179,8 @@ class _OpenBucket:
         "logical_bytes",
         "wire_bytes",
         "intra_node_bytes",
+        "intra_node_s",
+        "cross_node_s",
         "start",
         "end",
         "hidden",
@@ -182,6 +194,8 @@ class _OpenBucket:
         self.logical_bytes = logical_bytes
         self.wire_bytes: int | None = None
         self.intra_node_bytes = 0
+        self.intra_node_s = 0.0
+        self.cross_node_s = 0.0
         self.start = start
         self.end: Mark | None = None
         self.hidden = False
@@ -210,6 +224,8 @@ class _OpenBucket:
             start,
             end,
             intra_node_bytes=self.intra_node_bytes,
+            intra_node_s=self.intra_node_s,
+            cross_node_s=self.cross_node_s,
             transfer_hidden=self.hidden,
             compression=compression,
             drift=drift,
@@ -323,6 +339,24 @@ class CommLedger:
                         entry.wire_bytes = (entry.wire_bytes or 0) + nbytes
                     return
         raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
+
+    def add_tier_seconds(self, bucket_index: int, seconds: float, intra_node: bool) -> None:
+        """Add host seconds a hierarchical hook's stage spent on bucket ``bucket_index`` of the current round.
+
+        Args:
+            bucket_index: the bucket's index in this round.
+            seconds: the stage's host seconds (its collectives, waits and copies).
+            intra_node: a stage inside the node; else the one between the nodes.
+        """
+        with self._lock:
+            for entry in self._rounds[-1] if self._rounds else ():
+                if entry.index == bucket_index:
+                    if intra_node:
+                        entry.intra_node_s += seconds
+                    else:
+                        entry.cross_node_s += seconds
+                    return
+        raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_tier_seconds called outside a hook")
 
     @property
     def measuring(self) -> bool:
@@ -482,6 +516,8 @@ class CommLedger:
             logical_bytes=sum(b.logical_bytes for b in buckets),
             wire_bytes=wire,
             intra_node_bytes=sum(b.intra_node_bytes for b in buckets),
+            intra_node_s=sum(b.intra_node_s for b in buckets),
+            cross_node_s=sum(b.cross_node_s for b in buckets),
             sync_time_s=sum(max(b.end_s for b in r) - min(b.start_s for b in r) for r in frozen),
             exposed_time_s=sum(_exposed_seconds(r) for r in frozen),
             busy_time_s=sum(_busy_seconds(r) for r in frozen),

@@ -91,6 +91,7 @@ class Probe(pl.Callback):
             "steps": [
                 (s.logical_bytes, s.wire_bytes, s.intra_node_bytes, s.bucket_bytes) for s in strategy.ledger.steps
             ],
+            "tier_seconds": [(s.intra_node_s, s.cross_node_s) for s in strategy.ledger.steps],
         }
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, StragglerDetector):

@@ -270,6 +270,11 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
         wire = sum(r["steps"][-1][1] for r in fits[name]) / world
         intra = sum(r["steps"][-1][2] for r in fits[name]) / world
         assert (comm["bytes_sent"], comm["bytes_sent_intra_node"]) == pytest.approx((wire, intra)), name
+        # Host time per tier, per step: the interval's mean (its 4 steps, alike) over the ranks, as the ledger has it.
+        for tier, column in (("intra_node_ms", 0), ("cross_node_ms", 1)):
+            per_rank = [sum(s[column] for s in r["tier_seconds"][-4:]) / 4 for r in fits[name]]
+            assert comm[tier] == pytest.approx(sum(per_rank) / world * 1e3), (name, tier)
+            assert all(seconds > 0 for r in fits[name] for s in r["tier_seconds"] for seconds in s), (name, tier)
         # Its bus bandwidth is the node link's: M rings between the nodes (one rank per node each) share it.
         assert comm["busbw_gbps"] == pytest.approx(comm["algbw_gbps"] * 2 * (nodes - 1) / nodes * ranks_per_node)
 

@@ -37,6 +37,8 @@ _INTERVAL_FIELDS = (
     "busy_time",
     "bytes_sent",
     "bytes_sent_intra_node",
+    "intra_node_time",
+    "cross_node_time",
     "bytes_uncompressed",
     "sync_rounds",
     "transfer_hidden",
@@ -77,6 +79,10 @@ class CommProfiler(Callback):
     ``ddpopt/comm/bytes_sent``            bytes a rank sent per step, after compression, mean over ranks; with a
                                           hierarchical sync, those that crossed nodes
     ``ddpopt/comm/bytes_sent_intra_node`` with a hierarchical sync, the bytes a rank sent inside its node per step
+    ``ddpopt/comm/intra_node_ms``         with a hierarchical sync on CPUs, host time of its stages inside the node
+                                          per step, summed over the buckets (they overlap each other and the
+                                          backward pass: work, not a span), mean over ranks
+    ``ddpopt/comm/cross_node_ms``         likewise, of its stage between the nodes
     ``ddpopt/comm/bytes_uncompressed``    gradient bytes per step before compression
     ``ddpopt/comm/compression_ratio``     uncompressed / sent
     ``ddpopt/comm/algbw_gbps``            bytes sent / busy time (``link_busy``), GB/s: the bandwidth the sync
@@ -287,6 +293,8 @@ class CommProfiler(Callback):
             if record.wire_bytes is not None:
                 self._interval["bytes_sent"].append(float(record.wire_bytes))
             self._interval["bytes_sent_intra_node"].append(float(record.intra_node_bytes))
+            self._interval["intra_node_time"].append(record.intra_node_s)
+            self._interval["cross_node_time"].append(record.cross_node_s)
             for name in _QUALITY_FIELDS:
                 value = getattr(record, name)
                 if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
@@ -340,6 +348,7 @@ class CommProfiler(Callback):
             "sync time percentiles (ms)": ["sync_time_p50_ms", "sync_time_p95_ms", "sync_time_p99_ms"],
             "share of the step": ["comm_share", "exposed_share", "link_busy_share"],
             "bytes per step": ["bytes_sent", "bytes_sent_intra_node", "bytes_uncompressed"],
+            "two tiers' host time per step (ms)": ["intra_node_ms", "cross_node_ms"],
             "compression ratio": ["compression_ratio"],
             "bandwidth (GB/s)": ["algbw_gbps", "busbw_gbps"],
             "jitter (coefficient of variation)": ["step_time_cv", "sync_time_cv"],
@@ -426,6 +435,9 @@ class CommProfiler(Callback):
                 out["link_busy_share"] = busy / step
             if mean("bytes_sent_intra_node") > 0:
                 out["bytes_sent_intra_node"] = mean("bytes_sent_intra_node")
+            if mean("intra_node_time") > 0 or mean("cross_node_time") > 0:
+                out["intra_node_ms"] = mean("intra_node_time") * 1e3
+                out["cross_node_ms"] = mean("cross_node_time") * 1e3
             sent = mean("bytes_sent")
             if not math.isnan(sent):
                 out["bytes_sent"] = sent

@@ -54,6 +54,17 @@ class CommHookState:
         if self.ledger is not None:
             self.ledger.add_wire_bytes(bucket.index(), nbytes, intra_node=intra_node)
 
+    def record_tier_seconds(self, bucket_index: int, seconds: float, intra_node: bool) -> None:
+        """Tell the ledger the host seconds a hierarchical hook's stage spent on a bucket.
+
+        Args:
+            bucket_index: the bucket's index.
+            seconds: the stage's host seconds.
+            intra_node: a stage inside the node; else the one between the nodes.
+        """
+        if self.ledger is not None:
+            self.ledger.add_tier_seconds(bucket_index, seconds, intra_node)
+
     @property
     def measuring(self) -> bool:
         """Whether this sync round's compression error is measured (the ledger samples rounds: ``error_every``)."""

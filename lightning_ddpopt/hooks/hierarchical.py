@@ -118,8 +118,17 @@ class TierStages:
         if self.failed is not None:
             raise RuntimeError(f"the hierarchical sync stopped after an earlier bucket failed: {self.failed!r}")
 
-    def run(self, state: CommHookState, sync: TierSync) -> torch.futures.Future[torch.Tensor]:
-        """Hand ``sync`` to the first stage; its future completes after the last stage (or fails with a stage)."""
+    def run(self, state: CommHookState, sync: TierSync, index: int) -> torch.futures.Future[torch.Tensor]:
+        """Hand ``sync`` to the first stage; its future completes after the last stage (or fails with a stage).
+
+        Each stage's host seconds go to the ledger for bucket ``index``: inside the node (the first and the last
+        stage) or between the nodes.
+
+        Args:
+            state: the hook's state (its ledger and host seconds).
+            sync: the bucket's three stages.
+            index: the bucket's index.
+        """
         self.check()
         if not self._threads or not all(thread.alive() for thread in self._threads):
             self._threads = [Worker(f"{self.prefix}-{name}") for name in ("inside", "between", "gather")]
@@ -136,6 +145,7 @@ class TierStages:
                 start = time.perf_counter()
                 try:
                     work()
+                    state.record_tier_seconds(index, time.perf_counter() - start, intra_node=stage is not between)
                 except Exception as error:  # DDP waits on the future: never leave it pending
                     self.failed = error
                     sync.abandon()
@@ -202,7 +212,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     sync = _BucketSync(state, bucket, shard_numel)
     if buffer.is_cuda:
         return state._streams.run(buffer, lambda: run_all(sync))
-    return state.stages.run(state, sync)
+    return state.stages.run(state, sync, bucket.index())
 
 
 class _BucketSync:

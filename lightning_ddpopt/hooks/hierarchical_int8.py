@@ -222,7 +222,7 @@ def hierarchical_int8_hook(state: HierarchicalInt8State, bucket: dist.GradBucket
         # The buckets finish on the stages' threads: the round is judged once DDP has waited for every bucket, when
         # the next round opens or the state is saved.
         state._close_round(seal_now=False)
-    return state.stages.run(state, sync)
+    return state.stages.run(state, sync, bucket.index())
 
 
 class _Int8TierSync:

@@ -176,6 +176,7 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
     state.record_wire_bytes(bucket, 0)  # between nodes: what it owns, if anything, is added as it is sent
     sent_inside = _node_mean(state, gradients, owners, mine) + max(layout.sizes)  # the all-to-all, then the gather
     state.record_wire_bytes(bucket, sent_inside * buffer.element_size(), intra_node=True)
+    between = time.perf_counter()
     own_names, own_gradients = [names[i] for i in mine], [gradients[i] for i in mine]
     factors: list[tuple[torch.Tensor, torch.Tensor]] = []
     round_ = state._open_round() if compressing else None
@@ -185,11 +186,15 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
         flat = torch.cat([gradient.reshape(-1) for gradient in own_gradients])
         allreduce_mean_inplace(state, bucket, flat)
         write_back(flat, own_gradients)
+    inside = time.perf_counter()
     gathered = _gather_results(state, layout, buffer, [gradients[i] for i in mine], factors)
     if round_ is not None:
         round_.check([gathered])  # every owner's factors and exact values: one verdict on every rank of the world
     for owner, chunk in enumerate(gathered.unbind(0)):  # this rank's own matrices too: see _unpack
         _unpack(state, layout, owner, chunk, gradients, exact=owner != state.local_rank)
+    if not buffer.is_cuda:  # host seconds: on CUDA they would be launch times
+        state.record_tier_seconds(bucket.index(), between - start + time.perf_counter() - inside, intra_node=True)
+        state.record_tier_seconds(bucket.index(), inside - between, intra_node=False)
     if bucket.is_last():
         state.send_probe(buffer.device)
         state._close_round()
