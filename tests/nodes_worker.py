@@ -23,6 +23,8 @@ from lightning_ddpopt.hooks import PowerSGDConfig
 from tests.helpers import WIDTH, OverflowModel, regression_data
 
 RANKS_PER_NODE = int(os.environ.get("DDPOPT_TEST_RANKS_PER_NODE", "2"))
+#: "cpu" (gloo), or "gpu" (NCCL: each node's process sees its own GPUs through CUDA_VISIBLE_DEVICES).
+ACCELERATOR = os.environ.get("DDPOPT_TEST_ACCELERATOR", "cpu")
 NUM_NODES = int(os.environ.get("DDPOPT_TEST_NODES", "2"))
 #: The fits, in order: name -> (comm_hook, hierarchical). The first is the flat fp32 reference.
 FITS: dict[str, tuple[str, bool | str]] = {
@@ -35,6 +37,9 @@ FITS: dict[str, tuple[str, bool | str]] = {
     "flat_int8": ("int8", False),
     "powersgd": ("powersgd", True),  # "auto" keeps PowerSGD flat on gloo
     "flat_powersgd": ("powersgd", "auto"),
+    # On NCCL "auto" keeps NCCL's own sync: True asks for the two tiers.
+    "int8_tiers": ("int8", True),
+    "fp16_tiers": ("fp16", True),
 }
 #: The fits this run makes (all of FITS by default), and whether the callbacks' fits follow them: "callbacks" with
 #: TIERED_HOOK, "callbacks_<hook>" with that hook.
@@ -127,7 +132,7 @@ def fit(
         saving = ModelCheckpoint(dirpath=out / "resume", filename="{epoch}", save_top_k=-1)
         callbacks = [saving] if resume == "save" else []
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=RANKS_PER_NODE,
         num_nodes=NUM_NODES,
         strategy=OptimizedDDPStrategy(comm_hook=HOOKS.get(hook, hook), hierarchical=hierarchical, bucket_cap_mb=0.5),

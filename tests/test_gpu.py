@@ -184,3 +184,19 @@ def test_a_checkpoint_gathers_hook_state_without_gpu_memory_on_nccl(tmp_path):
     assert all(torch.load(tmp_path / f"extra{rank}.pt") < 1024 * 1024 for rank in (0, 1))
     saved = torch.load(tmp_path / "saved.ckpt", weights_only=True, map_location="cpu")["ddpopt"]
     assert len(saved["hook_states"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs for 2 nodes x 2 ranks on NCCL")
+def test_two_tier_hooks_on_nccl(tmp_path):
+    # 2 emulated nodes of 2 GPUs each (CUDA_VISIBLE_DEVICES per node), every two-tier hook with hierarchical=True.
+    from tests.test_hierarchical import _records, _run_nodes
+
+    fits = ["allreduce", "bf16", "fp16_tiers", "int8_tiers", "powersgd"]
+    _run_nodes(tmp_path, 2, 2, fits, gpus=True)
+    states = {"int8_tiers": "HierarchicalInt8State", "powersgd": "HierarchicalPowerSGDState"}
+    for name in fits:
+        ranks = _records(tmp_path, name, 4)
+        assert {r["state"] for r in ranks} == {states.get(name, "HierarchicalState")}, name
+        for r in ranks[1:]:  # every rank ends with the same parameters, bit for bit
+            torch.testing.assert_close(r["params"], ranks[0]["params"], rtol=0, atol=0, msg=name)
+        assert all(intra > 0 for r in ranks for _, _, intra, _ in r["steps"]), name
