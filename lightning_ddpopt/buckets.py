@@ -122,8 +122,9 @@ def measure_latency(device: torch.device, group: dist.ProcessGroup | None = None
     """The time of one all-reduce of 4 bytes on ``group``, agreed by every rank (every rank calls it, together).
 
     The median of :data:`LATENCY_PROBES` timed all-reduces (after three untimed), the slowest rank's, rounded to a
-    power of two microseconds (so that a run measures the same as the last one unless the fabric differs by more
-    than about 40%) and held within :data:`AUTO_LATENCY_BOUNDS_S`.
+    power of two microseconds (runs on one fabric mostly measure alike, though a value near a rounding boundary can
+    go either way: a checkpoint keeps the value, for a resume) and held within :data:`AUTO_LATENCY_BOUNDS_S`. On
+    NCCL a message this small takes its low-latency path, which a large bucket does not.
 
     Args:
         device: where the all-reduced tensor lives (the backend's device).
@@ -306,42 +307,68 @@ class BucketController:
         #: "auto"'s measured all-reduce latency (from AUTO_MEASURED_FROM_RANKS ranks), ``None`` when not measured.
         self.latency_s: float | None = None
 
-    def cap_for(self, module: torch.nn.Module, world_size: int, device: torch.device, reused: float | None) -> float:
-        """Plan the cap DDP wraps ``module`` with; ``reused``: a checkpoint's measured cap that still applies.
+    def measures(self, world_size: int) -> bool:
+        """Whether "auto" measures the latency on ``world_size`` ranks (from :data:`AUTO_MEASURED_FROM_RANKS`).
 
-        Every rank calls it together: "auto" measures the latency it needs from :data:`AUTO_MEASURED_FROM_RANKS`
-        ranks on (:func:`measure_latency`).
+        Args:
+            world_size: the ranks.
+        """
+        return self.requested == "auto" and world_size >= AUTO_MEASURED_FROM_RANKS
+
+    def cap_for(
+        self,
+        module: torch.nn.Module,
+        world_size: int,
+        device: torch.device,
+        reused: float | None,
+        reused_latency_s: float | None = None,
+    ) -> float:
+        """Plan the cap DDP wraps ``module`` with, from what a checkpoint measured where it still applies.
+
+        Every rank calls it together: "auto" measures the latency it needs where :meth:`measures` says so
+        (:func:`measure_latency`), unless a checkpoint of this world size holds it.
 
         Args:
             module: the module DDP wraps.
             world_size: the ranks.
             device: the backend's device.
-            reused: the cap ``"autotune"`` chose or ``"auto"`` measured, from a checkpoint of this world size.
+            reused: the cap ``"autotune"`` chose, from a checkpoint of this world size.
+            reused_latency_s: the latency ``"auto"`` measured, from a checkpoint of this world size: the cap follows
+                from it and this model.
         """
         self._world_size, self._device = world_size, device
         if reused is not None:
             self.plan = dataclasses.replace(plan_buckets(module, reused, world_size), requested=self.requested)
             rank_zero_info(f"ddpopt: bucket_cap_mb={self.requested!r} reuses the checkpoint's cap of {reused:g} MiB")
             return self.plan.cap_mb
-        if self.requested == "auto" and world_size >= AUTO_MEASURED_FROM_RANKS:
-            self.latency_s = measure_latency(device)
+        if self.measures(world_size):
+            self.latency_s = reused_latency_s if reused_latency_s is not None else measure_latency(device)
             self.plan = plan_buckets(module, self.requested, world_size, self.latency_s)
-            rank_zero_info(self.latency_note())
+            rank_zero_info(self.latency_note(reused=reused_latency_s is not None))
         else:
             self.plan = plan_buckets(module, self.requested, world_size)
         if self.requested == "autotune" and world_size > 1:
             self.autotuner = BucketAutotuner(autotune_candidates(module, world_size))
         return self.plan.cap_mb
 
-    def latency_note(self) -> str:
-        """What "auto" measured and the floor it gives, for the setup log line."""
+    def latency_note(self, reused: bool = False) -> str:
+        """What "auto" measured (``reused``: a checkpoint had measured) and the floor it gives, for the log line.
+
+        Args:
+            reused: the latency came from a checkpoint.
+        """
         assert self.latency_s is not None and self.plan is not None
         low, high = AUTO_LATENCY_BOUNDS_S
         floor = self.latency_s * AUTO_LINK_BYTES_PER_S / AUTO_MAX_LATENCY_SHARE
+        source = (
+            "(the checkpoint's measurement)"
+            if reused
+            else f"(the slowest rank's median of {LATENCY_PROBES}, to a power of two, within {low * 1e6:g} us.."
+            f"{high * 1e3:g} ms)"
+        )
         return (
             f"ddpopt: bucket_cap_mb='auto': an all-reduce of 4 bytes over {self._world_size} ranks takes "
-            f"{self.latency_s * 1e6:g} us (the slowest rank's median of {LATENCY_PROBES}, to a power of two, within "
-            f"{low * 1e6:g} us..{high * 1e3:g} ms); buckets of at least {format_bytes(floor)} keep it under "
+            f"{self.latency_s * 1e6:g} us {source}; buckets of at least {format_bytes(floor)} keep it under "
             f"{AUTO_MAX_LATENCY_SHARE:.0%} of a bucket's time at 10 Gbit/s: cap {self.plan.cap_mb:g} MiB"
         )
 
@@ -417,18 +444,13 @@ class BucketController:
         note = "" if recorded else " (predicted: no hook reported the buckets DDP built)"
         say(f"ddpopt: {self._describe(self.layout)} on {self._backend}, bucket sizes [{sizes}]{note}")
 
-    def measured_cap(self) -> float | None:
-        """The cap a checkpoint keeps: ``"autotune"``'s once it settled, ``"auto"``'s when it measured the latency.
-
-        ``None`` otherwise (an explicit cap, "auto" from the model alone, "autotune" still searching).
-        """
-        if self.plan is None:
+    def autotuned_cap(self) -> float | None:
+        """The cap ``bucket_cap_mb="autotune"`` settled on (measured now or reused), ``None`` while it searches."""
+        if self.requested != "autotune" or self.plan is None:
             return None
-        if self.requested == "autotune":
-            return None if self.autotuner is not None and not self.autotuner.done else self.plan.cap_mb
-        if self.requested == "auto" and self._world_size >= AUTO_MEASURED_FROM_RANKS:
-            return self.plan.cap_mb  # measured now, or reused
-        return None
+        if self.autotuner is not None and not self.autotuner.done:
+            return None
+        return self.plan.cap_mb
 
     def _describe(self, sizes: tuple[int, ...], cap_note: str = "") -> str:
         assert self.plan is not None

@@ -7,7 +7,8 @@ What ``checkpoint["ddpopt"]`` holds:
   through a GPU: moved to the CPU first, then sent to rank 0 one rank after another over a gloo group (the default
   group if it serves CPU tensors, else one of our own), so rank 0 holds one rank's pickled state at a time besides
   the states it writes.
-* ``hook_choice`` and ``bucket_cap_mb``: what ``comm_hook="auto"`` and ``bucket_cap_mb="autotune"`` measured and
+* ``hook_choice``, ``bucket_cap_mb`` and ``bucket_latency_s``: what ``comm_hook="auto"``, ``bucket_cap_mb="autotune"``
+  and ``bucket_cap_mb="auto"`` (from 8 ranks) measured and
   chose, so that a resume on the same world size reuses them instead of re-measuring (which could switch hooks
   and drop their state).
 
@@ -53,8 +54,9 @@ class SavedRun:
         comm_hook: the registry name (or qualified name) of the hook that ran, ``None`` for DDP's built-in one.
         hook_states: every rank's hook state, by global rank; empty for stateless hooks.
         hook_choice: what ``comm_hook="auto"`` chose, ``None`` when it was not used.
-        bucket_cap_mb: the cap ``bucket_cap_mb="autotune"`` chose or ``"auto"`` measured (from
-            :data:`~lightning_ddpopt.buckets.AUTO_MEASURED_FROM_RANKS` ranks), ``None`` when neither did.
+        bucket_cap_mb: the cap ``bucket_cap_mb="autotune"`` chose, ``None`` when it was not used or not finished.
+        bucket_latency_s: the all-reduce latency ``bucket_cap_mb="auto"`` measured (from
+            :data:`~lightning_ddpopt.buckets.AUTO_MEASURED_FROM_RANKS` ranks), ``None`` when it measured none.
         local_sgd: the local SGD outer loop (counters, anchor, outer momentum; the same on every rank), ``None``
             without local SGD.
         local_sgd_ranks: with local SGD, every rank's inner optimizer states (``{"optimizer_states": [...]}``),
@@ -69,6 +71,7 @@ class SavedRun:
     hook_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     hook_choice: HookChoice | None = None
     bucket_cap_mb: float | None = None
+    bucket_latency_s: float | None = None
     local_sgd: dict[str, Any] | None = None
     local_sgd_ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     grad_scaler: dict[str, Any] | None = None
@@ -95,6 +98,7 @@ class SavedRun:
             hook_states=list(entry.get("hook_states") or []),
             hook_choice=HookChoice(**choice) if choice else None,
             bucket_cap_mb=entry.get("bucket_cap_mb"),
+            bucket_latency_s=entry.get("bucket_latency_s"),
             local_sgd=entry.get("local_sgd"),
             local_sgd_ranks=list(entry.get("local_sgd_ranks") or []),
             grad_scaler=entry.get("grad_scaler"),
@@ -107,13 +111,17 @@ class SavedRun:
             return f"the checkpoint was saved with world size {self.world_size} and this run has {world_size}"
         return None
 
-    def reused(self, name: Literal["hook_choice", "bucket_cap_mb"], world_size: int) -> Any:
+    def reused(self, name: Literal["hook_choice", "bucket_cap_mb", "bucket_latency_s"], world_size: int) -> Any:
         """The measured decision ``name`` if a run on ``world_size`` ranks may reuse it; says why when it may not."""
         if getattr(self, name) is None:
             return None
         note = self.decision_note(world_size)
         if note is not None:
-            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb"
+            what = {
+                "hook_choice": "comm_hook='auto'",
+                "bucket_cap_mb": "bucket_cap_mb='autotune'",
+                "bucket_latency_s": "bucket_cap_mb='auto'",
+            }[name]
             rank_zero_info(f"ddpopt: {what} measures again: {note}")
             return None
         return getattr(self, name)

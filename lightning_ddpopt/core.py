@@ -19,13 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
-from lightning_ddpopt.buckets import (
-    AUTO_MEASURED_FROM_RANKS,
-    BucketAutotuner,
-    BucketController,
-    BucketPlan,
-    validate_bucket_cap_mb,
-)
+from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPlan, validate_bucket_cap_mb
 from lightning_ddpopt.checkpoint import RankStates, SavedRun
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
@@ -135,11 +129,10 @@ class StrategyCore:
 
     def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:
         """DDP's ``bucket_cap_mb`` for ``module``: as planned, or a checkpoint's measured cap that still applies."""
-        measured = self.buckets.requested == "autotune" or (
-            self.buckets.requested == "auto" and self.world_size >= AUTO_MEASURED_FROM_RANKS
-        )
-        reused = self.reused_decision("bucket_cap_mb") if measured else None
-        return self.buckets.cap_for(module, self.world_size, device, reused)
+        buckets = self.buckets
+        reused = self.reused_decision("bucket_cap_mb") if buckets.requested == "autotune" else None
+        latency = self.reused_decision("bucket_latency_s") if buckets.measures(self.world_size) else None
+        return buckets.cap_for(module, self.world_size, device, reused, latency)
 
     def install(
         self,
@@ -202,6 +195,13 @@ class StrategyCore:
         tuner = self.buckets.autotuner
         if saved.bucket_cap_mb is not None and tuner is not None and tuner.best != saved.bucket_cap_mb:
             late.append(f"bucket_cap_mb='autotune' measures again instead of reusing {saved.bucket_cap_mb:g} MiB")
+        measured = self.buckets.latency_s
+        if saved.bucket_latency_s is not None and measured is not None and measured != saved.bucket_latency_s:
+            saved_us = saved.bucket_latency_s * 1e6
+            late.append(
+                f"bucket_cap_mb='auto' measured {measured * 1e6:g} us instead of reusing {saved_us:g} us (the buckets "
+                "may differ)"
+            )
         if late:
             rank_zero_warn(
                 f"ddpopt: the checkpoint was loaded after the model was set up: {'; '.join(late)}. Load it before "
@@ -300,7 +300,8 @@ class StrategyCore:
             comm_hook=self.hooks.comm_hook_name,
             hook_states=states,
             hook_choice=self.hooks.hook_choice if self.hooks.auto else None,
-            bucket_cap_mb=self.buckets.measured_cap(),
+            bucket_cap_mb=self.buckets.autotuned_cap(),
+            bucket_latency_s=self.buckets.latency_s,
             local_sgd=loop.state_dict() if loop is not None else None,
             local_sgd_ranks=local_states,
             grad_scaler=grad_scaler,
@@ -327,7 +328,7 @@ class StrategyCore:
             self.core_binding.release()
             self.core_binding = None
 
-    def reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb"]) -> Any:
+    def reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb", "bucket_latency_s"]) -> Any:
         """A checkpoint's measured decision that this run may reuse, or ``None``."""
         return self._saved.reused(name, self.world_size) if self._saved is not None else None
 

@@ -116,10 +116,17 @@ def _work(fabric: Fabric, run: Run) -> None:
                     time.sleep(run.slow[2])  # rank 0's own work after validation, e.g. writing a sample
             if run.save_at == step:
                 fabric.save(Path(run.out) / "checkpoint.ckpt", {**state, "step": step})
-        if run.weights_file:  # a checkpoint of the weights alone, loaded back into the model: the same weights
-            fabric.save(Path(run.out) / "weights.ckpt", model.state_dict())
-            for _ in range(2):
-                fabric.load_raw(Path(run.out) / "weights.ckpt", model)
+        if run.weights_file:  # checkpoints of the weights alone, loaded back into the disturbed model
+            weights, earlier = Path(run.out) / "weights.ckpt", Path(run.out) / "earlier.ckpt"
+            fabric.save(weights, model.state_dict())  # nothing of ours in it
+            if rank == 0:  # as an earlier release saved it: with our entry
+                torch.save({**torch.load(weights), "ddpopt": {"world_size": 2}}, earlier)
+            fabric.barrier()
+            for path in (weights, earlier, earlier):
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.add_(1.0)
+                fabric.load_raw(path, model)
         report = monitor.finish() if monitor is not None else None
         if monitor is None:
             strategy.finish()
@@ -326,8 +333,9 @@ def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
             assert torch.equal(a, b)
         assert got["scale"] == want["scale"]
         assert not [w for w in got["warnings"] if w.startswith("ddpopt:") and "fresh" in w]
-        # A checkpoint of the weights alone holds our entry too: fabric.load_raw(path, model) loads the weights
-        # (strictly) and says once, on rank 0, what it does not restore.
+        # A checkpoint of the weights alone holds no entry of ours; one from an earlier release does: load_raw
+        # loads the weights (strictly; the parameters above are the uninterrupted run's) and says once, on rank 0,
+        # what it does not restore.
         partial = [w for w in got["warnings"] if w.startswith("ddpopt: fabric.load_raw(path, model)")]
         expected = (
             "ddpopt: fabric.load_raw(path, model) restores the weights alone: this checkpoint's comm-hook state, "
@@ -336,6 +344,8 @@ def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
         )
         assert partial == ([expected] if case.get("weights_file") and got is resumed[0] else [])
     assert_ranks_identical(whole)
+    if case.get("weights_file"):
+        assert "ddpopt" not in torch.load(tmp_path / "resumed" / "weights.ckpt", weights_only=True)
     saved = torch.load(checkpoint, weights_only=True)["ddpopt"]
     assert saved["world_size"] == 2
     if "fp16" in case:

@@ -278,6 +278,10 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         """
         if CHECKPOINT_KEY in state:
             raise ValueError(f"the checkpoint state has a key {CHECKPOINT_KEY!r}, which OptimizedDDPStrategy uses")
+        if state and all(isinstance(value, torch.Tensor) for value in state.values()):
+            # The weights alone (fabric.save(path, model.state_dict())): a file to load into a module, as it is.
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
         optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
         scaler = self._scaler()
         entry = self._core.checkpoint_entry(
@@ -293,8 +297,9 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load a module's weights, without our entry: said once not to be restored.
 
-        A checkpoint of the weights alone (``fabric.save(path, model.state_dict())``, read back with
-        ``fabric.load_raw(path, model)``) holds our entry too: it is taken out, so the weights load, strictly or not.
+        A checkpoint of the weights alone read back with ``fabric.load_raw(path, model)`` holds no entry of ours
+        (:meth:`save_checkpoint` adds none to a state of tensors alone), except one saved by an earlier release: the
+        entry is taken out, so the weights load, strictly or not.
 
         Args:
             module: the module to load into.

@@ -25,23 +25,28 @@ __all__ = [
 FP16_MAX = 65504.0
 #: fp16's smallest positive (subnormal) value: half of it and less round to zero.
 FP16_TINY = 2.0**-24
+#: fp16's smallest normal value: below it values keep fewer significant bits.
+FP16_SMALLEST_NORMAL = 2.0**-14
 #: From this many ranks the flat fp16 hook warns at setup that dividing before the cast loses small gradients.
 FP16_WARN_FROM_RANKS = 64
 
 
-def flat_fp16_note(world_size: int) -> str | None:
+def flat_fp16_note(world_size: int, chosen_by_auto: bool = False) -> str | None:
     """The setup warning of the flat fp16 hook on ``world_size`` ranks (from :data:`FP16_WARN_FROM_RANKS`), else None.
 
     Args:
         world_size: the ranks the hook averages over.
+        chosen_by_auto: ``comm_hook="auto"`` chose fp16 (the message says so).
     """
     if world_size < FP16_WARN_FROM_RANKS:
         return None
+    hook = "comm_hook='auto' chose 'fp16', which" if chosen_by_auto else "comm_hook='fp16'"
     return (
-        f"ddpopt: comm_hook='fp16' syncs flat over {world_size} ranks and divides each gradient by {world_size} "
-        f"before the cast to fp16, as torch's hook does: gradients under about {FP16_TINY / 2 * world_size:.0e} cross "
-        "as zero. bf16 keeps fp32's range; on several nodes of several ranks the two-tier fp16 agrees on a scale "
-        "instead (hierarchical=True)"
+        f"ddpopt: {hook} syncs flat over {world_size} ranks and divides each gradient by {world_size} before fp16 "
+        f"sums it (torch's hook divides after the cast, alike): gradients under about "
+        f"{FP16_SMALLEST_NORMAL * world_size:.0e} lose precision and under about {FP16_TINY / 2 * world_size:.0e} "
+        "cross as zero. bf16 keeps fp32's range; on several nodes of several ranks the two-tier fp16 agrees on a "
+        "scale instead (hierarchical=True)"
     )
 
 
@@ -56,7 +61,8 @@ def fp16_scale(peak: torch.Tensor, summands: int) -> torch.Tensor:
     ``peak`` is the largest magnitude over every rank that sums (the same 0-dim fp32 tensor on each): scaled values
     then sum to at most half of :data:`FP16_MAX` (the half: a cast may round a value up), so the fp16 sum cannot
     overflow, and values down to ``2^-25`` of the peak stay normal whatever the world size (dividing by the world
-    size before the cast, as torch's fp16 hook does, loses every value under ``6e-8 x world size``). Powers of two
+    size around the cast, as the flat hook and torch's do, makes every value under ``6e-5 x world size`` subnormal
+    and every value under ``3e-8 x world size`` zero). Powers of two
     scale exactly. The exponent stays within +-100 (a zero peak gives ``2^100``, an infinite one ``2^-100``: the inf
     stays, and the step is skipped as it would be); a NaN peak gives 1. No host sync: everything stays on the device.
     """

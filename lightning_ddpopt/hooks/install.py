@@ -135,7 +135,8 @@ class HookInstaller:
         hook = self._build(model, backend, ledger, device, loss_scale, own_group, beside_backward=not tiered)
         if hook is not None and self._spec is None:
             self._two_tiers(topology, model, backend)  # says why a user's hook stays flat
-        note = flat_fp16_note(world_size) if self._spec is not None and self._spec.name == "fp16" else None
+        fp16 = self._spec is not None and self._spec.name == "fp16"
+        note = flat_fp16_note(world_size, chosen_by_auto=self.auto) if fp16 else None
         if hook is not None and not tiered and note is not None:
             rank_zero_warn(note)
         if hook is not None and tiered:
