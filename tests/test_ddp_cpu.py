@@ -8,7 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.affinity import available_cores, cpu_layout, plan_core_sets
 from lightning_ddpopt.buckets import autotune_candidates, plan_buckets
-from tests.helpers import WIDTH, StackModel, fit_ddp, stack_gradient_bytes, uninterrupted_and_resumed
+from tests.helpers import WIDTH, StackModel, WarningsProbe, fit_ddp, stack_gradient_bytes, uninterrupted_and_resumed
 
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 
@@ -98,3 +98,16 @@ def test_autotune_settles_on_a_cap_and_applies_it(tmp_path):
         assert record["bucket_plan"]["requested"] == "autotune"
         assert all(step["sync_rounds"] == 1 for step in record["steps"])
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+def test_the_flat_fp16_hook_says_what_it_loses_at_scale(tmp_path, monkeypatch):
+    # From FP16_WARN_FROM_RANKS ranks (lowered to 2 here; the forked ranks inherit it) the flat fp16 hook warns once.
+    from lightning_ddpopt.hooks import compression
+
+    monkeypatch.setattr(compression, "FP16_WARN_FROM_RANKS", 2)
+    out = tmp_path / "warnings.pt"
+    strategy = OptimizedDDPStrategy(comm_hook="fp16", start_method="fork")
+    fit_ddp(tmp_path, strategy, callbacks=[WarningsProbe(str(out))], max_steps=1)
+    warned = [w for w in torch.load(out) if "before fp16 sums it" in w]
+    assert warned == [compression.flat_fp16_note(2)]
+    assert warned[0].startswith("ddpopt: comm_hook='fp16' syncs flat over 2 ranks and divides each gradient by 2")
