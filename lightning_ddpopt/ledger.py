@@ -331,14 +331,18 @@ class CommLedger:
             intra_node: the bytes went to ranks of this rank's node only (a hierarchical hook's inner tier).
         """
         with self._lock:
-            for entry in self._rounds[-1] if self._rounds else ():
-                if entry.index == bucket_index:
-                    if intra_node:
-                        entry.intra_node_bytes += nbytes
-                    else:
-                        entry.wire_bytes = (entry.wire_bytes or 0) + nbytes
-                    return
-        raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_wire_bytes called outside a hook")
+            entry = self._open_entry(bucket_index, "add_wire_bytes")
+            if intra_node:
+                entry.intra_node_bytes += nbytes
+            else:
+                entry.wire_bytes = (entry.wire_bytes or 0) + nbytes
+
+    def _open_entry(self, bucket_index: int, caller: str) -> _OpenBucket:
+        """Bucket ``bucket_index`` of the current round (hold the lock); a hook's report outside a hook raises."""
+        for entry in self._rounds[-1] if self._rounds else ():
+            if entry.index == bucket_index:
+                return entry
+        raise RuntimeError(f"no open bucket {bucket_index} in the ledger: {caller} called outside a hook")
 
     def add_tier_seconds(self, bucket_index: int, seconds: float, intra_node: bool) -> None:
         """Add host seconds a hierarchical hook's stage spent on bucket ``bucket_index`` of the current round.
@@ -349,14 +353,11 @@ class CommLedger:
             intra_node: a stage inside the node; else the one between the nodes.
         """
         with self._lock:
-            for entry in self._rounds[-1] if self._rounds else ():
-                if entry.index == bucket_index:
-                    if intra_node:
-                        entry.intra_node_s += seconds
-                    else:
-                        entry.cross_node_s += seconds
-                    return
-        raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_tier_seconds called outside a hook")
+            entry = self._open_entry(bucket_index, "add_tier_seconds")
+            if intra_node:
+                entry.intra_node_s += seconds
+            else:
+                entry.cross_node_s += seconds
 
     @property
     def measuring(self) -> bool:

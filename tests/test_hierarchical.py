@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import AutoConfig, PowerSGDConfig
 from lightning_ddpopt.hooks.compression import FP16_WARN_FROM_RANKS, flat_fp16_note
-from lightning_ddpopt.topology import Topology, discover
+from lightning_ddpopt.topology import TierGroups, Topology, discover
 from tests.helpers import user_environment
 from tests.nodes_worker import FITS, HOOKS, SLOW_MS, TIERED
 
@@ -374,21 +374,27 @@ def test_bad_hierarchical_arguments_fail_at_construction(kwargs, message):
     OptimizedDDPStrategy(hierarchical=True, comm_hook="auto")  # its default candidates all have a two-tier form
 
 
-def _int8_tiers_worker(rank: int, world_size: int, port: int, out: str, loops: bool, cap_mb: float) -> None:
-    """Six steps of a raw DDP model through the two-tier int8 hook on 2 nodes x 2 ranks (a GradScaler's growth and
-    backoff, one step whose gradient overflows on rank 2), saving every step's gradient and the errors."""
+def _forked_2x2(rank: int, world_size: int, port: int, loops: bool) -> TierGroups:
+    """A forked rank of 2 nodes x 2 ranks on gloo, one torch thread, and its tiers' groups; without ``loops`` the
+    torch path instead of numba's loops."""
     import lightning_ddpopt.hooks._kernels as kernels
-    from lightning_ddpopt._groups import destroy_all_groups
-    from lightning_ddpopt.hooks import HierarchicalInt8State, Int8Config, hierarchical_int8_hook
-    from lightning_ddpopt.ledger import CommLedger
-    from lightning_ddpopt.topology import TierGroups
 
     if not loops:
         kernels.available = lambda: False  # this forked process takes the torch path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    tiers = TierGroups(Topology(rank=rank, nodes=((0, 1), (2, 3))))
+    return TierGroups(Topology(rank=rank, nodes=((0, 1), (2, 3))))
+
+
+def _int8_tiers_worker(rank: int, world_size: int, port: int, out: str, loops: bool, cap_mb: float) -> None:
+    """Six steps of a raw DDP model through the two-tier int8 hook on 2 nodes x 2 ranks (a GradScaler's growth and
+    backoff, one step whose gradient overflows on rank 2), saving every step's gradient and the errors."""
+    from lightning_ddpopt._groups import destroy_all_groups
+    from lightning_ddpopt.hooks import HierarchicalInt8State, Int8Config, hierarchical_int8_hook
+    from lightning_ddpopt.ledger import CommLedger
+
+    tiers = _forked_2x2(rank, world_size, port, loops)
     torch.manual_seed(0)
     # Odd sizes: no parameter fills whole blocks; the cap sets how DDP groups them into buckets.
     module = torch.nn.Sequential(
@@ -506,12 +512,8 @@ def _fp16_tiers_worker(rank: int, world_size: int, port: int, out: str, factor: 
     hook and the flat one, each state told a world size ``factor`` times the real one (the mean over that many)."""
     from lightning_ddpopt._groups import destroy_all_groups
     from lightning_ddpopt.hooks import CommHookState, HierarchicalState, fp16_allreduce_hook, hierarchical_hook
-    from lightning_ddpopt.topology import TierGroups
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    tiers = TierGroups(Topology(rank=rank, nodes=((0, 1), (2, 3))))
+    tiers = _forked_2x2(rank, world_size, port, loops=True)
     magnitudes = 10.0 ** torch.linspace(-8, 2, 4001)
     signs = torch.where(torch.arange(4001) % 3 == 0, -1.0, 1.0)
     coefficients = magnitudes * signs * (1 + rank / 10)  # every rank's gradient a little different
@@ -577,7 +579,6 @@ def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str, loop
     Without ``loops``, torch's kernels in row blocks instead of numba's loops."""
     import copy
 
-    import lightning_ddpopt.hooks._kernels as kernels
     from lightning_ddpopt._groups import destroy_all_groups
     from lightning_ddpopt.hooks import (
         HierarchicalPowerSGDState,
@@ -587,14 +588,8 @@ def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str, loop
         powersgd_hook,
     )
     from lightning_ddpopt.ledger import CommLedger
-    from lightning_ddpopt.topology import TierGroups
 
-    if not loops:
-        kernels.available = lambda: False  # this forked process takes the torch path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    tiers = TierGroups(Topology(rank=rank, nodes=((0, 1), (2, 3))))
+    tiers = _forked_2x2(rank, world_size, port, loops)
     # Rank 1 (one 16384-element matrix at 1 above 0.05): the error is measured at sync 6 and the rank doubles at sync 8.
     # Local rank 0 owns the large matrix; local rank 1 the rest, none worth compressing at this rate: it compresses
     # nothing and still takes part in the measurement.
