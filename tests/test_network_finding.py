@@ -223,7 +223,11 @@ def test_a_busy_backward_over_loopback_is_not_a_network_problem(tmp_path):
     assert comm["exposed_time_min_rank_ms"] < 0.25 * comm["sync_time_ms"]
     assert comm["link_busy_ms"] < 0.5 * comm["sync_time_ms"]
     assert network["status"] == "ok", network
-    assert "the step is compute-bound" in network["evidence"]
+    assert "the backward pass hides" in network["evidence"]
+    # Compute-bound, unless a rank came late to the sync (on this loaded 2-core machine it can, by a few ms): then
+    # the finding says the others waited for it and does not call the step compute-bound.
+    waited = "the other ranks wait" in network["evidence"]
+    assert ("the step is compute-bound" in network["evidence"]) is not waited, network["evidence"]
     series = report["series"]["0"]
     assert len(series["exposed_time_ms"]) == len(series["sync_time_ms"]) == 8
     assert all(e <= s for e, s in zip(series["exposed_time_ms"], series["sync_time_ms"], strict=True))
