@@ -270,7 +270,8 @@ def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_n
         slow_rank = 0 if rank_zero else ranks_per_node + 1
         last = fits[name][0]["stragglers"]["last"]
         assert (last["slowest_rank"], last["phase"], last["is_straggler"]) == (slow_rank, "compute", True), last
-        assert last["excess_ms"] > 0.7 * SLOW_MS
+        # Most of its sleep, not all: up to 6 ranks share 2 cores, and the others' compute stretches while it sleeps.
+        assert last["excess_ms"] > 0.5 * SLOW_MS, last
         comm = fits[name][0]["comm"]
         # Means over the ranks (two-tier PowerSGD's ranks send different shares) of the interval's steps (alike).
         wire = sum(r["steps"][-1][1] for r in fits[name]) / world
