@@ -116,13 +116,15 @@ class StrategyCore:
             device=device,
         )
         self.topology = None
-        if world_size > 1 and self.hooks.hierarchical is not False:
+        by_node = self.local_sgd is not None and self.local_sgd.config.replica in ("auto", "node")
+        if world_size > 1 and (self.hooks.hierarchical is not False or by_node):
             # A collective, checked against the host names: on every rank, before anything uses the nodes. Every rank
             # gathers the same claims, so every rank decides alike.
             try:
                 self.topology = discover(node_rank, local_rank)
             except ValueError as error:
-                if self.hooks.hierarchical is True:
+                node_replicas = self.local_sgd is not None and self.local_sgd.config.replica == "node"
+                if self.hooks.hierarchical is True or node_replicas:
                     raise
                 rank_zero_warn(f"ddpopt: {error}. The sync stays flat (hierarchical='auto').")
         self.ledger = CommLedger(timeline=timeline_for(device))
@@ -146,6 +148,10 @@ class StrategyCore:
     ) -> None:
         """Register the hook on the freshly wrapped ``model``, start local SGD over it, restore what waited for them."""
         assert self.ledger is not None, "start() first"
+        # The replicas' groups first: the hook syncs inside an island (every rank makes groups in one order).
+        island = None
+        if self.local_sgd is not None:
+            island = self.local_sgd.plan(self.topology, self.world_size, self.rank, new_group)
         self.hooks.install(
             model,
             backend=backend,
@@ -157,6 +163,7 @@ class StrategyCore:
             reused_choice=self.reused_decision("hook_choice") if self.hooks.choosing else None,
             topology=self.topology,
             new_group=new_group,
+            island=island,
         )
         if self.hooks.registered is not None:
             self._restore_hook_state()
@@ -221,7 +228,7 @@ class StrategyCore:
             or len(saved.local_sgd_ranks) != self.world_size
         ):
             return None
-        return saved.local_sgd_ranks[self.rank]["optimizer_states"]
+        return LocalSGDDriver.saved_rank_state(saved.local_sgd_ranks, self.rank)
 
     def before_micro_batch(self, model: torch.nn.Module | None, samples: int | None, first_of_epoch: bool) -> None:
         """Count a training micro-batch in the ledger; local SGD turns DDP's gradient sync off for a local one."""
@@ -292,9 +299,11 @@ class StrategyCore:
             local_states = self.checkpoints.gather(
                 self.local_sgd.rank_state(optimizers), rank=rank, world_size=world_size
             )
+        loop = self.local_sgd.loop if self.local_sgd is not None else None
+        # An island's outer state is sharded over its ranks: gathering it is a collective.
+        outer = loop.state_dict() if loop is not None and (rank == 0 or loop.sharded) else None
         if rank != 0:
             return None
-        loop = self.local_sgd.loop if self.local_sgd is not None else None
         return SavedRun(
             world_size=world_size,
             comm_hook=self.hooks.comm_hook_name,
@@ -302,7 +311,7 @@ class StrategyCore:
             hook_choice=self.hooks.hook_choice if self.hooks.auto else None,
             bucket_cap_mb=self.buckets.autotuned_cap(),
             bucket_latency_s=self.buckets.latency_s,
-            local_sgd=loop.state_dict() if loop is not None else None,
+            local_sgd=outer,
             local_sgd_ranks=local_states,
             grad_scaler=grad_scaler,
             optimizer_steps=optimizer_steps,

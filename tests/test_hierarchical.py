@@ -49,6 +49,7 @@ def _run_nodes(
     timeout: float = 400,
     fabric: bool = False,
     gpus: bool = False,
+    worker: str = "tests.nodes_worker",
 ) -> str:
     out.mkdir(parents=True, exist_ok=True)
     port = str(_free_port())
@@ -65,7 +66,7 @@ def _run_nodes(
             visible = ",".join(str(gpu) for gpu in range(first, first + ranks_per_node))
             env.update(DDPOPT_TEST_ACCELERATOR="gpu", CUDA_VISIBLE_DEVICES=visible)
         with open(out / f"output{node}.txt", "w") as output:
-            command = [sys.executable, "-m", "tests.nodes_worker", str(out), *(["fabric"] if fabric else [])]
+            command = [sys.executable, "-m", worker, str(out), *(["fabric"] if fabric else [])]
             processes.append(
                 subprocess.Popen(
                     command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True

@@ -85,10 +85,17 @@ def _fit_12_steps(tmp_path: Path, config: LocalSGDConfig, devices: int) -> list[
     return _fit(tmp_path, config, devices=devices, max_steps=12, max_epochs=12 // steps_per_epoch + 1)
 
 
-# Bytes one rank sends per sync: fp16, 2 per parameter; int8, a byte per parameter padded to whole 1024-value
-# blocks, plus an fp32 scale per block. The model has no buffers.
-BLOCKS = math.ceil(PARAMETERS / 1024)
-SENT = {"fp16": PARAMETERS * 2, "int8": BLOCKS * 1024 + BLOCKS * 4}
+# Bytes one rank sends per sync (the size of an all-reduce with the same traffic): fp16, 2 per parameter; int8, a
+# byte per parameter padded to whole 1024-value blocks, as many for each rank (a chunk each), plus an fp32 scale per
+# block. The model has no buffers.
+SENT = {"fp16": PARAMETERS * 2}
+
+
+def _sent(compression: str, ranks: int = 2) -> int:
+    if compression != "int8":
+        return SENT[compression]
+    blocks = math.ceil(PARAMETERS / (1024 * ranks)) * ranks
+    return blocks * 1024 + blocks * 4
 
 
 @pytest.mark.parametrize("compression", ["fp16", "int8"])
@@ -106,7 +113,7 @@ def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices,
         rounds = [rounds for rounds, _, _ in record["steps"]]
         assert rounds == [1 if step <= 2 or step in syncs else 0 for step in range(1, 13)]
         for step in syncs:
-            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, SENT[compression])
+            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, _sent(compression, devices))
         assert record["local"]["steps"] == 12 and record["local"]["syncs"] == 2
         assert record["local"]["momentum"] is not None
 
@@ -528,7 +535,7 @@ def test_overlapped_syncs_in_a_lightning_run(tmp_path, devices, compression):
         rounds = [rounds for rounds, _, _ in record["steps"]]
         assert rounds == [1 if step in (6, 10) else 0 for step in range(1, 13)]
         for step in (6, 10):
-            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, SENT[compression])
+            assert record["steps"][step - 1][1:] == (PARAMETERS * 4, _sent(compression, devices))
         # Step 12's sync, travelling when training ended, is applied at the end, then the ranks are averaged.
         assert record["local"]["syncs"] == 3 and record["averaged_at_end"]
         assert record["local"]["in_flight"] is None

@@ -22,11 +22,12 @@ from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
-from lightning_ddpopt.hooks.compression import flat_fp16_note
+from lightning_ddpopt.hooks.compression import allreduce_mean_hook, flat_fp16_note
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
 from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
+from lightning_ddpopt.hooks.island import IslandState, island_hook
 from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
@@ -104,6 +105,7 @@ class HookInstaller:
         self.hook_choice: HookChoice | None = None
         self.registered: CommHook | None = None
         self._owns_state = False
+        self._registered_state: object | None = None
         self._group: dist.ProcessGroup | None = None
 
     def install(
@@ -119,13 +121,15 @@ class HookInstaller:
         reused_choice: HookChoice | None,
         topology: Topology | None = None,
         new_group: Callable[[list[int]], dist.ProcessGroup] | None = None,
+        island: tuple[Callable[[], dist.ProcessGroup | None], Callable[[], bool]] | None = None,
     ) -> None:
         """Build the hook and register it on ``model`` (none: DDP's built-in allreduce).
 
         ``own_group`` makes a process group over the model's ranks for a hook that runs beside the backward pass;
         ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies; ``topology`` (the ranks of each
         node) decides whether the sync is hierarchical, and ``new_group`` makes its groups (on the strategy's backend,
-        with its timeout).
+        with its timeout). ``island``: local SGD's island group and whether it trains apart now; the hook is then
+        wrapped in :func:`~lightning_ddpopt.hooks.island.island_hook`.
         """
         self._check_post_local_sgd(device)
         if self.choosing:
@@ -144,6 +148,16 @@ class HookInstaller:
             self._tiers = TierGroups(topology, new_group)
             self.comm_state = self._two_tier_state(model, ledger, loss_scale, device)
             hook = self._two_tier_hook()
+        self._registered_state = self.comm_state
+        if island is not None:
+            # Every step syncs (inside the island, or everywhere in the warm-up): DDP's own allreduce is a hook too.
+            state = self.comm_state
+            if hook is None:
+                hook, state = allreduce_mean_hook, CommHookState(process_group=model.process_group, ledger=ledger)
+            self._registered_state = IslandState(
+                ledger=ledger, island=island[0], local=island[1], hook=hook, hook_state=state
+            )
+            hook = island_hook
         if hook is None:
             return
         if backend not in TESTED_BACKENDS:
@@ -291,7 +305,7 @@ class HookInstaller:
     def register(self, model: DistributedDataParallel) -> None:
         """Register the built hook on ``model`` (again, on a model wrapped anew with other buckets)."""
         if self.registered is not None:
-            model.register_comm_hook(self.comm_state, self.registered)
+            model.register_comm_hook(self._registered_state, self.registered)
 
     def _choose(
         self, model: DistributedDataParallel, device: torch.device, world_size: int, reused: HookChoice | None

@@ -12,7 +12,7 @@ import torch
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig
 
-__all__ = ["INT8_BLOCK", "WIRE_DTYPES", "LocalSGDConfig", "validate_local_sgd"]
+__all__ = ["INT8_BLOCK", "REPLICA_LAYOUTS", "WIRE_DTYPES", "LocalSGDConfig", "validate_local_sgd"]
 
 Compression = Literal["fp32", "fp16", "bf16", "int8"]
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -20,6 +20,8 @@ _COMPRESSIONS = (*WIRE_DTYPES, "int8")
 #: int8 blocks of the parameter change, each with its fp32 scale (as the int8 gradient hook's default).
 INT8_BLOCK = 1024
 BufferSync = Literal["average", "broadcast"]
+#: ``LocalSGDConfig.replica``'s named layouts (or a number of ranks per replica).
+REPLICA_LAYOUTS = ("auto", "rank", "node")
 
 
 @dataclass(kw_only=True)
@@ -33,11 +35,11 @@ class LocalSGDConfig:
         outer_lr: the outer optimizer's learning rate (> 0); 1 without momentum is plain averaging.
         outer_momentum: the outer optimizer's momentum, in [0, 1).
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        compression: how the parameter change travels: all-reduced in ``"fp32"``, ``"fp16"`` or ``"bf16"``, or
-            ``"int8"``: blocks of 1024 values quantised to int8 with an fp32 scale each and all-gathered, every rank
-            dequantising and averaging all ranks' blocks alike. An all-gather moves (n - 1) payloads per rank
-            against a ring all-reduce's 2 (n - 1) / n: int8 sends less than fp32 below 8 ranks (a quarter at 2 ranks,
-            half at 4) and less than fp16 below 4.
+        compression: how the parameter change travels between the replicas: all-reduced in ``"fp32"``, ``"fp16"``
+            or ``"bf16"``, or ``"int8"``: blocks of 1024 values quantised to int8 with an fp32 scale each, exchanged
+            in the int8 comm hook's reduce-scatter shape (each replica's chunks to their owners, summed there in fp32
+            and quantised again, then gathered), every rank dequantising the same bytes. Like a ring all-reduce of a
+            quarter of the fp32 bytes at any number of replicas, with buffers of about a byte per parameter.
         buffers: ``"average"`` floating-point buffers at each sync, or ``"broadcast"`` rank 0's.
         overlap_steps: ``tau``, inner steps the parameter change travels while the ranks train on (0: they wait for
             it). With ``tau >= 1`` (< ``sync_every``) the all-reduce (int8: the all-gather) starts at the sync point
@@ -47,6 +49,12 @@ class LocalSGDConfig:
             rank learned meanwhile until the next sync.
         overlap_mixing: ``alpha`` in [0, 1], the weight of a rank's own parameters when a travelling sync is applied
             (0.5 as in Streaming DiLoCo).
+        replica: which ranks train together as one replica (an *island*): ``"rank"`` (each rank its own),
+            ``"node"`` (the ranks of a node), a number ``k`` (ranks ``0..k-1``, ``k..2k-1``, ...), or ``"auto"``: a
+            node when the run spans several nodes with several ranks each, else a rank; the choice is logged with
+            the reason at setup. The ranks of an island all-reduce their gradients every step (in fp32, over the
+            fast link inside it); the islands sync their parameters every ``sync_every`` steps, each rank of an
+            island carrying 1/k of the parameters (its shard of the anchor and outer momentum) across the islands.
     """
 
     sync_every: int = 16
@@ -58,6 +66,7 @@ class LocalSGDConfig:
     buffers: BufferSync = "average"
     overlap_steps: int = 0
     overlap_mixing: float = 0.5
+    replica: Literal["auto", "rank", "node"] | int = "auto"
 
     def __post_init__(self) -> None:
         require_int("LocalSGDConfig sync_every", self.sync_every, 1, " (optimizer steps between parameter syncs)")
@@ -86,6 +95,13 @@ class LocalSGDConfig:
             )
         if not _is_number(self.overlap_mixing) or not 0 <= self.overlap_mixing <= 1:
             raise ValueError(f"LocalSGDConfig overlap_mixing={self.overlap_mixing!r} must be in [0, 1]")
+        if isinstance(self.replica, bool) or not (
+            self.replica in REPLICA_LAYOUTS or (isinstance(self.replica, int) and self.replica >= 1)
+        ):
+            raise ValueError(
+                f"LocalSGDConfig replica={self.replica!r} is not valid; choose one of {list(REPLICA_LAYOUTS)} or a "
+                "number of ranks per replica (>= 1)"
+            )
 
     @classmethod
     def diloco(cls, sync_every: int = 16, **overrides: Any) -> LocalSGDConfig:

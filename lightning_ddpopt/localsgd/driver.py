@@ -18,15 +18,17 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt._compat import say_during_training
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.localsgd.config import LocalSGDConfig
+from lightning_ddpopt.localsgd.islands import IslandGroups, Islands, plan_islands
 from lightning_ddpopt.localsgd.outer import LocalSGD
 from lightning_ddpopt.localsgd.sigterm import SigtermAtSyncs
+from lightning_ddpopt.topology import Topology
 
 __all__ = ["LocalSGDDriver"]
 
@@ -41,6 +43,9 @@ class LocalSGDDriver:
     def __init__(self, config: LocalSGDConfig) -> None:
         self.config = config
         self.loop: LocalSGD | None = None
+        #: The replicas' ranks, from :meth:`plan` on.
+        self.islands: Islands | None = None
+        self.groups: IslandGroups | None = None
         self._group: dist.ProcessGroup | None = None
         self._sigterm: SigtermAtSyncs | None = None
 
@@ -62,8 +67,32 @@ class LocalSGDDriver:
             return False, True, 0
         return loop.local, loop.window_starts, loop.steps
 
+    def plan(
+        self,
+        topology: Topology | None,
+        world_size: int,
+        rank: int,
+        new_group: Callable[[list[int]], dist.ProcessGroup],
+    ) -> tuple[Callable[[], dist.ProcessGroup | None], Callable[[], bool]] | None:
+        """Lay out the replicas (logged on rank 0) and make their groups, before the comm hook is registered.
+
+        Every rank calls it, in the same order relative to other group creations. Returns, for islands of several
+        ranks, what the comm hook needs to sync gradients inside the island: its group and whether the ranks train
+        apart now (``None`` when every rank is a replica: no gradient syncs apart from the warm-up).
+        """
+        self.islands = plan_islands(self.config.replica, topology, world_size, rank)
+        if world_size > 1:
+            rank_zero_info(f"ddpopt: local SGD replicas: {self.islands.describe()}; {self.islands.reason}")
+        if self.islands.size == 1:
+            return None
+        groups = self.groups = IslandGroups(self.islands, new_group)
+        return (lambda: groups.gradients), (lambda: self.loop is not None and self.loop.local)
+
     def start(self, model: DistributedDataParallel, own_group: Callable[[], dist.ProcessGroup]) -> None:
         """Build the outer loop over ``model``'s parameters once DDP has wrapped them."""
+        if self.groups is not None:  # the replicas' exchange and the island's gather: groups of their own
+            self.loop = LocalSGD(self.config, model.module, self.groups.across, island=self.groups.gather)
+            return
         group = model.process_group
         if self.config.overlap_steps:
             # The change travels while training goes on: on a group of its own, so that what training issues
@@ -72,14 +101,16 @@ class LocalSGDDriver:
         self.loop = LocalSGD(self.config, model.module, group)
 
     def before_batch(self, model: DistributedDataParallel) -> None:
-        """Turn DDP's gradient sync (and buffer broadcast) off for a local batch.
+        """Turn DDP's gradient sync (and buffer broadcast) off for a local batch; islands keep the sync.
 
         DDP reads these in forward: no reducer preparation (so no bucket reaches a hook) and no buffer broadcast;
-        Lightning's ``no_sync`` for accumulation restores what is set here.
+        Lightning's ``no_sync`` for accumulation restores what is set here. In islands of several ranks the
+        gradients still sync, inside the island (:func:`~lightning_ddpopt.hooks.island.island_hook`); the buffers
+        are not broadcast (from rank 0, over every rank) until the next parameter sync averages them.
         """
         assert self.loop is not None
         sync = self.loop.before_batch()
-        model.require_backward_grad_sync = sync
+        model.require_backward_grad_sync = sync or self.groups is not None
         if not sync:
             model.require_forward_param_sync = False
 
@@ -123,10 +154,23 @@ class LocalSGDDriver:
         if problem is not None:
             rank_zero_warn(f"ddpopt: {problem}")
 
-    @staticmethod
-    def rank_state(optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-        """This rank's inner optimizer states, on the CPU: local, as in DiLoCo (rank 0 gathers every rank's)."""
+    def rank_state(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """This rank's inner optimizer states, on the CPU: local, as in DiLoCo (rank 0 gathers every rank's).
+
+        In an island they are its first rank's (the same gradients, the same steps): the others name that rank.
+        """
+        islands = self.islands
+        if islands is not None and islands.leader != islands.rank:
+            return {"optimizer_states": None, "same_as": islands.leader}
         return {"optimizer_states": [_to_cpu(optimizer.state_dict()) for optimizer in optimizers]}
+
+    @staticmethod
+    def saved_rank_state(saved: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
+        """Rank ``rank``'s inner optimizer states among every rank's :meth:`rank_state` (its island's, in one)."""
+        entry = saved[rank]
+        if entry["optimizer_states"] is None:
+            entry = saved[entry["same_as"]]
+        return entry["optimizer_states"]
 
     def teardown(self) -> None:
         """Lightning's SIGTERM handling again; a sync still travelling after a failure is dropped; the group goes."""
@@ -135,9 +179,12 @@ class LocalSGDDriver:
             sigterm.remove()  # Lightning's own again, should the trainer fit once more
         if self.loop is not None:
             self.loop.abandon_in_flight()  # only after a failure: fit's end applies it
-            if self._group is not None:
-                self.loop.process_group = None  # the group's last reference is ours
+            self.loop.close()
+            if self._group is not None or self.groups is not None:
+                self.loop.process_group = self.loop.island = None  # the groups' last references are ours
         destroy_owned_group(self, "_group")
+        if self.groups is not None:
+            self.groups.close()
 
 
 class _FinalAverage(pl.Callback):

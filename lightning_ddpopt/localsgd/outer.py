@@ -7,15 +7,18 @@ See :mod:`lightning_ddpopt.localsgd` for the method; :class:`LocalSGD` is driven
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.hooks._kernels import available as loops_available
+from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import squared_norm
 from lightning_ddpopt.hooks.feedback import config_mismatch
-from lightning_ddpopt.hooks.int8_codec import all_gather_async, average_packed, packed_size, quantize_packed
+from lightning_ddpopt.hooks.int8_codec import all_gather_async, packed_size, quantize_packed, reduce_and_requantize
 from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
 
 __all__ = ["LocalSGD", "ParameterSync"]
@@ -58,25 +61,54 @@ class LocalSGD:
     """The outer loop of local SGD / DiLoCo over ``module``'s parameters; the strategy drives it.
 
     Call :meth:`before_batch` before each training batch's forward (it says whether gradients sync) and
-    :meth:`after_optimizer_step` after each optimizer step call. ``anchor`` (the parameters of the last sync, one
-    flat fp32 tensor) and ``momentum`` are the same on every rank.
+    :meth:`after_optimizer_step` after each optimizer step call.
+
+    Args:
+        config: the local SGD config.
+        module: the module whose trainable parameters the replicas sync.
+        process_group: the group across the replicas (``None``: the world), one rank of each replica: the outer
+            sync's exchange runs on it.
+        island: the group of this rank's replica when a replica has several ranks (an island, which keeps its
+            parameters identical by syncing gradients every step); ``None`` when each rank is a replica.
+
+    With an island of ``M`` ranks, island rank ``i`` owns shard ``i`` of the flattened parameters (1/M of them, in
+    parameter order): :attr:`anchor` and :attr:`momentum` hold that shard only (the same on the ranks of the same
+    island rank, one per replica), its change is all that it sends across the replicas, and an all-gather inside the
+    island rebuilds the model after each outer step. Without an island the shard is the whole model.
     """
 
     def __init__(
-        self, config: LocalSGDConfig, module: torch.nn.Module, process_group: dist.ProcessGroup | None = None
+        self,
+        config: LocalSGDConfig,
+        module: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        island: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.module = module
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
+        self.island = island
+        #: The replicas whose changes a sync averages (the size of :attr:`process_group`).
+        self.replicas = dist.get_world_size(process_group)
+        self.island_size = 1 if island is None else dist.get_world_size(island)
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        # int8 shards split into whole blocks, one chunk per replica (the reduce-scatter shape).
+        unit = self.replicas * INT8_BLOCK if config.compression == "int8" else 1
+        #: Values of every island rank's shard, zero-padded (int8: to whole blocks, a chunk per replica).
+        self.shard_size = -(-self.numel // (self.island_size * unit)) * unit
+        start = min(self.numel, (0 if island is None else dist.get_rank(island)) * self.shard_size)
+        #: This rank's shard of the flattened parameters, ``[start, stop)``.
+        self.shard = (start, min(self.numel, start + self.shard_size))
+        self._pieces = _pieces(self.params, *self.shard)
         self.steps = 0
         self.syncs = 0
         self.skipped_inner_steps = 0
+        #: The shard's parameters at the last sync (the same on every replica), one flat fp32 tensor.
         self.anchor: torch.Tensor | None = None
         self.momentum: torch.Tensor | None = None
         self.averaged_at_end = False
-        #: Whether the current batch synchronises gradients (the warm-up), the same on every rank.
+        #: Whether the current batch synchronises gradients over every rank (the warm-up), the same on every rank.
         self.gradients_sync = True
         #: Whether the ranks met in the current batch so far: its gradients synced, or an optimizer step of it took
         #: part in a parameter sync (see :attr:`next_step_meets`).
@@ -84,14 +116,21 @@ class LocalSGD:
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
         self._wire: torch.Tensor | None = None
-        self._packed: torch.Tensor | None = None
-        self._gathered: torch.Tensor | None = None
+        self._int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._stage: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None
+        self._worker: Worker | None = None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
 
     @property
+    def sharded(self) -> bool:
+        """Whether the outer state is sharded over an island (saving it gathers the shards: every rank takes part)."""
+        return self.island is not None
+
+    @property
     def local(self) -> bool:
-        """Whether the warm-up is over: gradients are no longer synchronised."""
+        """Whether the warm-up is over: gradients are no longer synchronised over every rank."""
         return self.steps >= self.config.warmup_steps
 
     @property
@@ -120,17 +159,17 @@ class LocalSGD:
         return self.local and bool(self.config.overlap_steps)
 
     def before_batch(self) -> bool:
-        """Anchor the parameters when the local phase begins; return whether this batch's gradients sync."""
+        """Anchor the parameters when the local phase begins; return whether this batch's gradients sync everywhere."""
         self.gradients_sync = self.met_in_batch = not self.local
         if not self.local:
             return True
         if self.anchor is None:  # identical on every rank: DDP synced them until now (or broadcast them at start)
-            self.anchor = self._flat_parameters()
+            self.anchor = self._shard_of_parameters()
             self._allocate()
         return False
 
     def _allocate(self) -> None:
-        """Allocate, and write once, the model-sized buffers the syncs reuse, when the local phase begins.
+        """Allocate, and write once, the shard-sized buffers the syncs reuse, when the local phase begins.
 
         A fresh buffer's pages are mapped at its first write: 0.1-0.3 s for the buffers of 25M parameters on a CPU
         (measured on the emulated cluster), which the first sync would pay in the middle of a window (and an
@@ -145,11 +184,17 @@ class LocalSGD:
         if self.config.outer_momentum and self.momentum is None:
             # The same first outer step as no momentum yet: 0.9 x 0 + change is the change, bit for bit.
             self.momentum = torch.zeros_like(self.anchor)
+        if self.island is not None:
+            self._gather_buffers()
         if self.config.compression == "int8":
-            self._int8_buffers()
+            send, received, _ = self._int8_buffers()
             # With numba, its loops compile at their first call (about half a second): here, not in the first sync.
-            block = torch.zeros(1, INT8_BLOCK, device=self.anchor.device)
-            average_packed(quantize_packed(block).repeat(self.world_size, 1), block)
+            chunk = self.shard_size // self.replicas
+            quantize_packed(self._int8_blocks()[: chunk // INT8_BLOCK], out=send[:1])
+            reduce_and_requantize(received, chunk, INT8_BLOCK, loops=self._loops)
+            if self.config.overlap_steps and self._worker is None:
+                # The reduced chunks' all-gather starts as soon as the chunks arrive, while the ranks train on.
+                self._worker = Worker("ddpopt-local-sgd")
 
     def after_optimizer_step(self, skipped: bool = False) -> ParameterSync | None:
         """Count one optimizer step call (``skipped``: the GradScaler skipped it); sync if one is due."""
@@ -170,7 +215,7 @@ class LocalSGD:
         return self.sync()
 
     def sync(self) -> ParameterSync:
-        """All-reduce the mean parameter change, take the outer step, and load the new anchor into the model."""
+        """Average the parameter change over the replicas, take the outer step, and load the new anchor."""
         report = self._exchange(outer_step=True)
         self.syncs += 1
         return report
@@ -181,25 +226,40 @@ class LocalSGD:
         own_sq = squared_norm(delta)
         work: dist.Work | None
         if self.config.compression == "int8":
-            packed, wire = self._int8_buffers()
-            quantize_packed(self._int8_blocks(), out=packed)
-            work, sent = all_gather_async(wire, packed.view(-1), self.process_group), packed.numel()
+            work, wire, sent = self._int8_start(delta)
+            worker = self._worker
+            if worker is not None:  # the second stage on the worker, as soon as the chunks arrive
+                started, work = work, None
+                worker.submit(lambda: self._int8_finish(started))
+            else:
+                self._int8_finish(work)
+                work = None
         else:
             wire = self._wire_buffer()
-            wire.copy_(delta.div_(self.world_size))  # divided before a half-precision cast
+            wire.copy_(delta.div_(self.replicas))  # divided before a half-precision cast
             work = dist.all_reduce(wire, group=self.process_group, async_op=True)
             sent = wire.numel() * wire.element_size()
         self._in_flight = _InFlight(wire, work, self.steps + self.config.overlap_steps, sent, own_sq)
 
-    def _arrived_mean(self, in_flight: _InFlight) -> torch.Tensor:
-        """The mean change a sync carried, in the work buffer (fp32); the sync must have arrived."""
+    def _arrive(self, in_flight: _InFlight) -> torch.Tensor:
+        """Wait for a sync; the mean change it carried, in the work buffer (fp32)."""
+        if in_flight.work is not None:
+            in_flight.work.wait()
+            in_flight.work = None
         if in_flight.wire.dtype == torch.int8:
-            return self._average_packed(in_flight.wire)
+            self._drain()
+            return self._work_buffer()
         return self._work_buffer().copy_(in_flight.wire)
 
     def abandon_in_flight(self) -> None:
         """Forget a sync still travelling (training failed before applying it); nothing waits for it any more."""
         self._in_flight = None
+
+    def close(self) -> None:
+        """Stop the worker thread of int8's overlapped syncs (at teardown)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
 
     def _apply_in_flight(self) -> ParameterSync:
         """Wait for the mean change, take the outer step, and mix every rank's parameters with the new anchor.
@@ -209,13 +269,11 @@ class LocalSGD:
         assert self.anchor is not None and self._in_flight is not None
         start = time.perf_counter()
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight.work is not None:
-            in_flight.work.wait()
-        mean = self._arrived_mean(in_flight)
-        drift = None if in_flight.own_sq is None else (in_flight.own_sq, squared_norm(mean))
+        mean = self._arrive(in_flight)
+        drift = None if in_flight.own_sq is None else self._drift(in_flight.own_sq, mean)
         self._outer_step(mean, outer_step=True)
         # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
-        self._load_parameters(self.anchor, weight=1 - self.config.overlap_mixing)
+        self._load_parameters(self._full_anchor(), weight=1 - self.config.overlap_mixing)
         buffer_bytes = self._sync_buffers()
         self.syncs += 1
         # The parameters hold part of the window the sync carried and the steps since it started; only with
@@ -234,7 +292,7 @@ class LocalSGD:
         )
 
     def finish(self) -> ParameterSync | None:
-        """At the end of training: average the ranks' parameters if they trained alone since the last sync.
+        """At the end of training: average the replicas' parameters if they trained alone since the last sync.
 
         A plain average (no outer step: a partial window is not an outer gradient), which becomes the anchor, so the
         model that is tested, saved or exported afterwards is the same on every rank. Like a sync it sends the
@@ -250,7 +308,7 @@ class LocalSGD:
         return report
 
     def _exchange(self, outer_step: bool) -> ParameterSync:
-        """Average ``anchor - params`` over the ranks and move the anchor by it; load it, sync the buffers.
+        """Average ``anchor - params`` over the replicas and move the anchor by it; load it, sync the buffers.
 
         ``outer_step``: through the outer optimizer (a sync); otherwise plainly (the final average).
         """
@@ -260,9 +318,9 @@ class LocalSGD:
         delta = self._local_change()
         own_sq = squared_norm(delta)
         wire_bytes = self._mean_inplace(delta)
-        drift = (own_sq, squared_norm(delta))
+        drift = self._drift(own_sq, delta)
         self._outer_step(delta, outer_step)
-        self._load_parameters(anchor)
+        self._load_parameters(self._full_anchor())
         buffer_bytes = self._sync_buffers()
         self._steps_off_anchor = 0
         return ParameterSync(
@@ -273,6 +331,13 @@ class LocalSGD:
             end_s=time.perf_counter(),
             drift=drift,
         )
+
+    def _drift(self, own_sq: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The squared norms of this replica's change and of the mean change (over the island's shards)."""
+        norms = torch.stack([own_sq, squared_norm(mean)])
+        if self.island is not None:
+            dist.all_reduce(norms, group=self.island)
+        return norms[0], norms[1]
 
     def _outer_step(self, mean_delta: torch.Tensor, outer_step: bool) -> None:
         """Move the anchor by the mean change (``mean_delta``, fp32, overwritten): by the outer optimizer or plainly.
@@ -295,42 +360,68 @@ class LocalSGD:
         self.anchor.sub_(step, alpha=lr)
 
     def _wire_buffer(self) -> torch.Tensor:
-        """The parameter-sized buffer a sync travels in (half precision, or fp32 overlapped), kept between syncs."""
+        """The shard-sized buffer a sync travels in (half precision, or fp32 overlapped), kept between syncs."""
         assert self.anchor is not None
         dtype = WIRE_DTYPES[self.config.compression]
         if self._wire is None or self._wire.device != self.anchor.device:
             self._wire = torch.zeros(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
         return self._wire
 
-    def _int8_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's packed int8 row and the gathered rows of every rank.
+    def _int8_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int8's packed rows, kept between syncs: sent, received and gathered.
 
-        Kept between syncs on a CPU and with ``overlap_steps`` (the rows travel through the window anyway); on a GPU
-        without overlap the gathered rows (a byte per parameter and rank) are allocated for each sync only, not held
-        through the steps, whose activations need the memory.
+        This rank's chunks for each replica, theirs of this rank's chunk, and every replica's reduced chunk: each a
+        byte per value of the shard, and the scales.
         """
         assert self._work is not None
         device = self._work.device
-        size = packed_size(self._work.numel(), INT8_BLOCK)
-        if self._packed is None or self._packed.device != device:
-            self._packed = torch.zeros(1, size, dtype=torch.int8, device=device)
-        gathered = self._gathered
-        if gathered is None or gathered.device != device:
-            keep = device.type == "cpu" or bool(self.config.overlap_steps)
-            # Written once when kept, so its pages are mapped before the first sync (see _allocate).
-            gathered = (torch.zeros if keep else torch.empty)(self.world_size * size, dtype=torch.int8, device=device)
-            self._gathered = gathered if keep else None
-        return self._packed, gathered
+        if self._int8 is None or self._int8[0].device != device:
+            row = packed_size(self.shard_size // self.replicas, INT8_BLOCK)
+            self._int8 = tuple(  # type: ignore[assignment]
+                torch.zeros(self.replicas, row, dtype=torch.int8, device=device) for _ in range(3)
+            )
+        assert self._int8 is not None
+        return self._int8
+
+    def _gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What an island rank's shard of the anchor travels in (fp32, padded) and the whole anchor it gathers into.
+
+        Kept on a CPU (written once at allocation: see :meth:`_allocate`); on a GPU the whole anchor is allocated for
+        each sync only, not held through the steps, whose activations need the memory.
+        """
+        assert self.anchor is not None
+        device = self.anchor.device
+        if self._stage is None or self._stage.device != device:
+            self._stage = torch.zeros(self.shard_size, device=device)
+        full = self._full
+        if full is None or full.device != device:
+            keep = device.type == "cpu"
+            full = (torch.zeros if keep else torch.empty)(self.island_size * self.shard_size, device=device)
+            self._full = full if keep else None
+        return self._stage, full
+
+    def _full_anchor(self) -> torch.Tensor:
+        """The whole model's anchor: this rank's shard, or (in an island) every island rank's, gathered."""
+        assert self.anchor is not None
+        if self.island is None:
+            return self.anchor
+        return self._gather(self.anchor)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every island rank's ``shard`` end to end (the whole model's values, fp32); a collective on the island."""
+        stage, full = self._gather_buffers()
+        stage[: shard.numel()].copy_(shard)
+        all_gather_async(full, stage, self.island).wait()
+        return full[: self.numel]
 
     def _work_buffer(self) -> torch.Tensor:
-        """The unpadded part of a parameter-sized fp32 buffer kept between syncs, zero-padded to whole int8 blocks.
+        """The unpadded part of the shard-sized fp32 buffer kept between syncs (int8: zero-padded to whole chunks).
 
         Kept, because a fresh model-sized allocation costs more than the arithmetic on a CPU.
         """
         assert self.anchor is not None
         if self._work is None or self._work.device != self.anchor.device:
-            padded = self.anchor.numel() + -self.anchor.numel() % INT8_BLOCK
-            self._work = torch.zeros(padded, device=self.anchor.device)
+            self._work = torch.zeros(self.shard_size, device=self.anchor.device)
         return self._work[: self.anchor.numel()]
 
     @property
@@ -343,19 +434,20 @@ class LocalSGD:
         return self._steps_off_anchor
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters, the anchor and the outer momentum (the same on every rank), plus the config.
+        """The counters, the whole anchor and outer momentum (the same on every replica), plus the config.
 
-        A sync still travelling is waited for and its mean change saved, to be applied after a resume.
+        A sync still travelling is waited for and its mean change saved, to be applied after a resume. With an
+        island the shards are gathered: every rank of every island must call it (see :attr:`sharded`).
         """
         in_flight = self._in_flight
-        if in_flight is not None and in_flight.work is not None:
-            in_flight.work.wait()
-            in_flight.work = None
         saved = None
-        if in_flight is not None:  # with int8, the ranks' packed rows: saved as their mean
-            mean = self._arrived_mean(in_flight) if in_flight.wire.dtype == torch.int8 else in_flight.wire
+        if in_flight is not None:  # with int8, the reduced chunks: saved as their mean, in fp32
+            if in_flight.work is not None:
+                in_flight.work.wait()
+                in_flight.work = None
+            mean = self._arrive(in_flight) if in_flight.wire.dtype == torch.int8 else in_flight.wire
             saved = {
-                "mean": mean.detach().cpu().clone(),
+                "mean": self._whole(mean).to(mean.dtype),
                 "apply_at": in_flight.apply_at,
                 "wire_bytes": in_flight.wire_bytes,
             }
@@ -363,30 +455,40 @@ class LocalSGD:
             "config": asdict(self.config),
             "steps": self.steps,
             "syncs": self.syncs,
-            "anchor": None if self.anchor is None else self.anchor.detach().cpu().clone(),
-            "momentum": None if self.momentum is None else self.momentum.detach().cpu().clone(),
+            "anchor": None if self.anchor is None else self._whole(self.anchor),
+            "momentum": None if self.momentum is None else self._whole(self.momentum),
             "in_flight": saved,
         }
 
+    def _whole(self, shard: torch.Tensor) -> torch.Tensor:
+        """A copy of the whole model's values of ``shard`` on the CPU (in an island: gathered from its ranks)."""
+        whole = shard if self.island is None else self._gather(shard.float())
+        return whole.detach().cpu().clone()
+
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
-        """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``."""
-        reason = config_mismatch("local SGD", state, asdict(self.config))
+        """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``.
+
+        The saved state covers the whole model: each rank takes its shard, whatever the layout it was saved on.
+        """
+        reason = config_mismatch("local SGD", state, _saved_config(self.config))
         if reason is not None:
             return f"{reason}; the outer loop starts afresh from the weights"
         anchor, momentum = state["anchor"], state["momentum"]
-        numel = sum(p.numel() for p in self.params)
-        if anchor is not None and anchor.numel() != numel:
-            return f"the saved anchor has {anchor.numel()} values and the model {numel}; the outer loop starts afresh"
+        if anchor is not None and anchor.numel() != self.numel:
+            return (
+                f"the saved anchor has {anchor.numel()} values and the model {self.numel}; the outer loop starts afresh"
+            )
         device = self.params[0].device
+        start, stop = self.shard
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
-        self.anchor = None if anchor is None else anchor.to(device, torch.float32)
-        self.momentum = None if momentum is None else momentum.to(device, torch.float32)
+        self.anchor = None if anchor is None else anchor[start:stop].to(device, torch.float32).clone()
+        self.momentum = None if momentum is None else momentum[start:stop].to(device, torch.float32).clone()
         if self.anchor is not None:
             self._allocate()
         saved = state.get("in_flight")
         self._in_flight = None
         if saved is not None:
-            wire = saved["mean"].to(device)
+            wire = saved["mean"][start:stop].to(device).clone()
             self._in_flight = _InFlight(wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
         # Every rank resumes from the saved weights (rank 0's): off the anchor by rank 0's steps since the sync.
         window = self.config.sync_every
@@ -395,57 +497,87 @@ class LocalSGD:
         return None
 
     def _mean_inplace(self, delta: torch.Tensor) -> int:
-        """The mean of ``delta`` over the ranks, sent as the config says, into ``delta``; the bytes this rank sent."""
+        """The mean of ``delta`` over the replicas, sent as the config says, into ``delta``; the bytes sent."""
         if self.config.compression == "int8":
-            return self._int8_mean_inplace(delta)
-        # Divided by the world size before a half-precision cast: no overflow of the sum where the mean would not.
-        delta.div_(self.world_size)
+            work, _, sent = self._int8_start(delta)
+            self._int8_finish(work)
+            return sent
+        # Divided by the replicas before a half-precision cast: no overflow of the sum where the mean would not.
+        delta.div_(self.replicas)
         wire = delta if self.config.compression == "fp32" else self._wire_buffer().copy_(delta)
         dist.all_reduce(wire, group=self.process_group)
         if wire is not delta:
             delta.copy_(wire)
         return wire.numel() * wire.element_size()
 
-    def _int8_mean_inplace(self, delta: torch.Tensor) -> int:
+    def _int8_start(self, delta: torch.Tensor) -> tuple[dist.Work, torch.Tensor, int]:
+        """Quantise ``delta / replicas`` (in the work buffer) in chunks, one per replica, and start sending them.
+
+        Returns the all-to-all, the gathered rows it will be reduced into (the in-flight marker) and the bytes.
+        """
         assert self._work is not None and delta.data_ptr() == self._work.data_ptr()
-        packed, gathered = self._int8_buffers()
-        quantize_packed(self._int8_blocks(), out=packed)
-        all_gather_async(gathered, packed.view(-1), self.process_group).wait()
-        self._average_packed(gathered)
-        return packed.numel()
+        send, received, gathered = self._int8_buffers()
+        blocks = self._int8_blocks().div_(self.replicas)  # the padding stays zero
+        rows = blocks.shape[0] // self.replicas
+        for replica in range(self.replicas):
+            quantize_packed(blocks[replica * rows : (replica + 1) * rows], out=send[replica : replica + 1])
+        work = dist.all_to_all_single(received, send, group=self.process_group, async_op=True)
+        assert work is not None
+        return work, gathered, send.numel()
+
+    def _int8_finish(self, work: dist.Work) -> None:
+        """Sum the replicas' chunks of this rank's chunk, quantise the sum, gather every chunk, dequantise them all.
+
+        Every rank dequantises the same gathered bytes into the work buffer: the same mean everywhere.
+        """
+        _, received, gathered = self._int8_buffers()
+        work.wait()
+        chunk = self.shard_size // self.replicas
+        own = reduce_and_requantize(received, chunk, INT8_BLOCK, loops=self._loops)
+        all_gather_async(gathered.view(-1), own.view(-1), self.process_group).wait()
+        payloads, scales = gathered[:, :chunk], gathered[:, chunk:].contiguous().view(torch.float32)
+        rows = self._int8_blocks().view(self.replicas, -1, INT8_BLOCK)
+        rows.copy_(payloads.view(rows.shape)).mul_(scales.unsqueeze(-1))
+        # 0 x a non-finite scale is not 0: the padding must stay zero.
+        assert self._work is not None and self.anchor is not None
+        self._work[self.anchor.numel() :].zero_()
+
+    @property
+    def _loops(self) -> bool:
+        return loops_available() and self._work is not None and self._work.device.type == "cpu"
+
+    def _drain(self) -> None:
+        """Wait for the worker's second int8 stage; a failure there fails here."""
+        worker = self._worker
+        if worker is not None:
+            worker.drain()
+            if worker.failed is not None:
+                raise RuntimeError("ddpopt: local SGD's int8 sync failed on its worker thread") from worker.failed
 
     def _int8_blocks(self) -> torch.Tensor:
         """The work buffer as rows of one int8 block each: the change and its zero padding."""
         assert self._work is not None
         return self._work.view(-1, INT8_BLOCK)
 
-    def _average_packed(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The mean of every rank's packed row into the work buffer (returned, unpadded), the same bits everywhere.
-
-        Every rank sums the ranks' dequantised blocks in rank order.
-        """
-        assert self._work is not None
-        average_packed(gathered.view(self.world_size, -1), self._int8_blocks())
-        mean = self._work_buffer()
-        self._work[mean.numel() :].zero_()  # 0 x a non-finite scale is not 0: the padding must stay zero
-        return mean
-
-    def _flat_parameters(self) -> torch.Tensor:
-        """The parameters end to end in fp32."""
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+    def _shard_of_parameters(self) -> torch.Tensor:
+        """This rank's shard of the parameters, end to end, in fp32."""
+        start, stop = self.shard
+        anchor = torch.empty(stop - start, device=self.params[0].device)
+        for p, p_start, p_stop, offset in self._pieces:
+            anchor[offset : offset + p_stop - p_start].copy_(p.detach().reshape(-1)[p_start:p_stop])
+        return anchor
 
     def _local_change(self) -> torch.Tensor:
-        """``anchor - params`` in the kept work buffer, straight from the parameters (one pass)."""
+        """``anchor - params`` of the shard in the kept work buffer, straight from the parameters (one pass)."""
         assert self.anchor is not None
-        delta, offset = self._work_buffer(), 0
-        for p in self.params:
-            end = offset + p.numel()
-            torch.sub(self.anchor[offset:end], p.detach().reshape(-1), out=delta[offset:end])
-            offset = end
+        delta = self._work_buffer()
+        for p, p_start, p_stop, offset in self._pieces:
+            end = offset + p_stop - p_start
+            torch.sub(self.anchor[offset:end], p.detach().reshape(-1)[p_start:p_stop], out=delta[offset:end])
         return delta
 
     def _load_parameters(self, flat: torch.Tensor, weight: float = 1.0) -> None:
-        """Copy ``flat`` into the parameters, or move them ``weight`` of the way towards it (``lerp``)."""
+        """Copy ``flat`` (the whole model) into the parameters, or move them ``weight`` of the way to it (``lerp``)."""
         offset = 0
         with torch.no_grad():
             for p in self.params:
@@ -459,13 +591,37 @@ class LocalSGD:
                 offset += p.numel()
 
     def _sync_buffers(self) -> int:
-        """Average floating-point buffers (or broadcast them) and broadcast the others; return the bytes sent."""
+        """Average floating-point buffers (or broadcast them) over every rank, broadcast the others; the bytes sent.
+
+        In an island: summed (or taken from its first rank) inside it, then across the replicas.
+        """
         sent = 0
+        groups = [self.process_group] if self.island is None else [self.island, self.process_group]
         for buffer in self.module.buffers():
             if buffer.is_floating_point() and self.config.buffers == "average":
-                buffer.div_(self.world_size)
-                dist.all_reduce(buffer, group=self.process_group)
+                buffer.div_(self.replicas * self.island_size)
+                for group in groups:
+                    dist.all_reduce(buffer, group=group)
             else:
-                dist.broadcast(buffer, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0)
+                for group in groups:
+                    dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0)
             sent += buffer.numel() * buffer.element_size()
         return sent
+
+
+def _pieces(params: Sequence[torch.Tensor], start: int, stop: int) -> list[tuple[torch.Tensor, int, int, int]]:
+    """The parameters' parts in ``[start, stop)`` of their flattening: ``(param, from, to, offset in the shard)``."""
+    pieces, offset = [], 0
+    for p in params:
+        low, high = max(start, offset), min(stop, offset + p.numel())
+        if low < high:
+            pieces.append((p, low - offset, high - offset, low - start))
+        offset += p.numel()
+    return pieces
+
+
+def _saved_config(config: LocalSGDConfig) -> dict[str, Any]:
+    """The config fields a saved outer loop must match: the replica layout may change (the state is the model's)."""
+    fields = asdict(config)
+    fields.pop("replica")
+    return fields

@@ -1,0 +1,123 @@
+"""Which ranks train together as one local SGD replica (an *island*), and the groups an island layout needs.
+
+DiLoCo runs across islands: the ranks of a replica (a node, usually) all-reduce their gradients every step over the
+fast link inside it, and the replicas sync their parameters every ``H`` steps over the slow link between them.
+:func:`plan_islands` turns ``LocalSGDConfig.replica`` and the run's nodes into the islands' ranks, with the reason
+for the setup log line; :class:`IslandGroups` makes their process groups, the same way on every rank, through
+:class:`~lightning_ddpopt.topology.TierGroups` (an island is a node to them): the island's gradient group, its
+gather group (the outer step's shards), and the group across the islands of this rank's island rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from lightning_ddpopt.topology import TierGroups, Topology
+
+__all__ = ["IslandGroups", "Islands", "plan_islands"]
+
+
+@dataclass(frozen=True)
+class Islands:
+    """The replicas' ranks (``members[i]``: island ``i``'s global ranks, in island-rank order) and why.
+
+    Attributes:
+        rank: this process's global rank.
+        members: every island's ranks.
+        reason: the layout's reason, for the setup log line.
+    """
+
+    rank: int
+    members: tuple[tuple[int, ...], ...]
+    reason: str
+
+    @property
+    def size(self) -> int:
+        """Ranks per island (every island has as many)."""
+        return len(self.members[0])
+
+    @property
+    def count(self) -> int:
+        """The islands: the replicas the outer sync averages."""
+        return len(self.members)
+
+    @property
+    def leader(self) -> int:
+        """The global rank of island rank 0 of this rank's island."""
+        return next(island[0] for island in self.members if self.rank in island)
+
+    def describe(self) -> str:
+        """In words: ``2 replicas x 2 ranks (ranks [[0, 1], [2, 3]])``."""
+        ranks = f"rank{'s' if self.size > 1 else ''}"
+        return f"{self.count} replicas x {self.size} {ranks} ({[list(island) for island in self.members]})"
+
+
+def plan_islands(replica: str | int, topology: Topology | None, world_size: int, rank: int) -> Islands:
+    """The islands of ``replica`` (``LocalSGDConfig.replica``) over ``world_size`` ranks on ``topology``'s nodes.
+
+    Args:
+        replica: ``"rank"``, ``"node"``, ``"auto"`` or a number of consecutive ranks per replica.
+        topology: the run's nodes, ``None`` where they were not read (one process, or not learnt).
+        world_size: every rank.
+        rank: this process's global rank.
+
+    Raises:
+        ValueError: ``"node"`` on a run of one node or of nodes with unequal ranks, or a number that does not divide
+            the world size or makes one replica of every rank.
+    """
+    ranks = tuple((r,) for r in range(world_size))
+    nodes = "one node" if topology is None or topology.num_nodes == 1 else topology.describe()
+    if replica == "auto":
+        if topology is not None and topology.tiered:
+            return Islands(rank, topology.nodes, f"replica='auto': a replica per node on {topology.describe()}")
+        why = "several nodes with several ranks each, as many on every node"
+        return Islands(rank, ranks, f"replica='auto': a replica per rank (a replica per node needs {why}; {nodes})")
+    if replica == "node":
+        if topology is None or topology.num_nodes == 1 or not topology.uniform:
+            raise ValueError(
+                f"LocalSGDConfig replica='node' needs several nodes with as many ranks on each; this run has {nodes}. "
+                "Use replica='rank' or a number of ranks per replica"
+            )
+        return Islands(rank, topology.nodes, f"replica='node': {topology.describe()}")
+    size = 1 if replica == "rank" else int(replica)
+    if world_size % size or (size == world_size and world_size > 1):
+        raise ValueError(
+            f"LocalSGDConfig replica={replica!r} with {world_size} ranks: the ranks per replica must divide the world "
+            "size and leave at least two replicas (use 'rank', 'node' or another number)"
+        )
+    members = tuple(tuple(range(start, start + size)) for start in range(0, world_size, size))
+    return Islands(rank, members, f"replica={replica!r}")
+
+
+class IslandGroups:
+    """The process groups of islands of several ranks each, made by every rank together (see the module doc).
+
+    Each group is ``None`` once :meth:`close` destroyed it.
+    """
+
+    def __init__(self, islands: Islands, new_group: Callable[[list[int]], dist.ProcessGroup]) -> None:
+        assert islands.size > 1 and islands.count > 1, "island groups need several islands of several ranks"
+        self.islands = islands
+        self._tiers = TierGroups(Topology(rank=islands.rank, nodes=islands.members), new_group)
+
+    @property
+    def gradients(self) -> dist.ProcessGroup | None:
+        """This rank's island: its gradients' all-reduce every local step."""
+        return self._tiers.intra
+
+    @property
+    def gather(self) -> dist.ProcessGroup | None:
+        """This rank's island again: the outer step's shards gathered into the model, the buffers' sums."""
+        return self._tiers.intra_gather
+
+    @property
+    def across(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's island rank in every island: the outer sync's exchange."""
+        return self._tiers.cross
+
+    def close(self) -> None:
+        """Destroy the groups (every rank, at teardown; nothing else may hold them): the attributes become ``None``."""
+        self._tiers.close()

@@ -1,0 +1,151 @@
+"""Local SGD islands on emulated nodes: ``python -m tests.islands_worker OUT_DIR``, started once per "node" by
+tests/test_islands.py with ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set as a cluster launcher sets them;
+Lightning starts the node's other ranks. Every rank writes what it saw of each fit to ``OUT_DIR/<fit>_rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_ddpopt import (
+    AMPMonitor,
+    CommProfiler,
+    LocalSGDConfig,
+    OptimizedDDPStrategy,
+    StragglerDetector,
+    fp16_mixed_precision,
+)
+from tests.helpers import OverflowModel, regression_data
+
+RANKS_PER_NODE = int(os.environ.get("DDPOPT_TEST_RANKS_PER_NODE", "2"))
+NUM_NODES = int(os.environ.get("DDPOPT_TEST_NODES", "2"))
+#: The fits: name -> the local SGD config. Every fit runs 8 optimizer steps (the resumed ones two epochs of 4).
+FITS: dict[str, LocalSGDConfig] = {
+    # Node islands by "auto"; syncs at 3 and 6, the final average at 8; fp16 AMP with one rank's overflow at step 2
+    # and the measuring callbacks attached.
+    "diloco": LocalSGDConfig.diloco(sync_every=3, compression="fp32"),
+    # int8 across the islands, travelling 2 steps; mixing 0: every rank takes the new anchor when it arrives.
+    "int8_overlap": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0, compression="int8"),
+    # Saved at the end of the first epoch (a sync, step 4), resumed from there: Adam's state per island.
+    "resume_full": LocalSGDConfig.diloco(sync_every=4, replica="node"),
+    "resume_half": LocalSGDConfig.diloco(sync_every=4, replica="node"),
+}
+CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join(FITS)).split(",")
+#: In the "diloco" fit, this rank's loss overflows at its second step: its island skips that step, the others not.
+OVERFLOW_RANK = RANKS_PER_NODE + 1
+
+
+class Probe(pl.Callback):
+    """The parameters before each sync and after every step, the outer state's sizes, the ledger, the callbacks."""
+
+    def __init__(self, out: Path, fit: str) -> None:
+        self.out, self.fit = out, fit
+        self.before_sync: dict[int, torch.Tensor] = {}
+        self.params: list[torch.Tensor] = []
+        self.start: torch.Tensor | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = _flat(pl_module)
+        strategy = trainer.strategy
+        assert isinstance(strategy, OptimizedDDPStrategy)
+
+        def before_the_sync(*_: Any) -> None:  # after the inner step, before the strategy's outer step
+            loop = strategy.local_sgd
+            if loop is not None and loop.local and loop.next_step_meets:
+                self.before_sync[trainer.global_step + 1] = _flat(pl_module)
+
+        for optimizer in trainer.optimizers:
+            optimizer.register_step_post_hook(before_the_sync)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.params.append(_flat(pl_module))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, OptimizedDDPStrategy) and strategy.ledger is not None
+        loop, ledger = strategy.local_sgd, strategy.ledger
+        assert loop is not None
+        record: dict[str, Any] = {
+            "rank": trainer.global_rank,
+            "start": self.start,
+            "params": self.params,
+            "final": _flat(pl_module),  # after the strategy's final average
+            "before_sync": self.before_sync,
+            "shard": loop.shard,
+            "sizes": {
+                "anchor": loop.anchor.numel() if loop.anchor is not None else None,
+                "momentum": loop.momentum.numel() if loop.momentum is not None else None,
+                "work": loop._work.numel() if loop._work is not None else None,
+                "int8": [tuple(t.shape) for t in loop._int8] if loop._int8 is not None else None,
+                "full": loop._full.numel() if loop._full is not None else None,
+            },
+            "anchor": loop.anchor.clone() if loop.anchor is not None else None,
+            "syncs": loop.syncs,
+            "skipped_inner": loop.skipped_inner_steps,
+            "steps": [(s.sync_rounds, s.logical_bytes, s.wire_bytes, s.intra_node_bytes) for s in ledger.steps],
+        }
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, StragglerDetector):
+                record["stragglers"] = callback.summary()
+            if isinstance(callback, CommProfiler):
+                record["comm"] = dict(callback.last_metrics)
+            if isinstance(callback, AMPMonitor):
+                record["amp"] = callback.summary()
+        torch.save(record, self.out / f"{self.fit}_rank{trainer.global_rank}.pt")
+
+
+def _flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).cpu().clone()
+
+
+def fit(out: Path, name: str) -> pl.Trainer:
+    resume = name.partition("_")[2] if name.startswith("resume") else None
+    callbacks: list[pl.Callback] = [Probe(out, name)]
+    plugins = None
+    model = OverflowModel()
+    if name == "diloco":
+        callbacks += [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
+        plugins = [fp16_mixed_precision("cpu", init_scale=256.0)]
+        model = OverflowModel(overflow_at=(2,), ranks=(OVERFLOW_RANK,))
+    if resume is not None:
+        model.optimizer_name = "adam"
+        if resume == "full":
+            callbacks.append(ModelCheckpoint(dirpath=out / "resume", filename="{epoch}", save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=RANKS_PER_NODE,
+        num_nodes=NUM_NODES,
+        strategy=OptimizedDDPStrategy(local_sgd=FITS[name], bucket_cap_mb=0.5),
+        max_epochs=2,  # 8 steps
+        logger=False,
+        enable_checkpointing=resume == "full",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out / name,
+        callbacks=callbacks,
+        plugins=plugins,
+    )
+    pl.seed_everything(0)
+    loader = DataLoader(regression_data(8 * 4 * NUM_NODES * RANKS_PER_NODE), batch_size=8)
+    trainer.fit(model, loader, ckpt_path=str(out / "resume" / "epoch=0.ckpt") if resume == "half" else None)
+    return trainer
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in FITS:
+        if name in CHOSEN:
+            last = fit(out, name)
+    (out / f"done_rank{last.global_rank}").write_text("ok")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,143 @@
+"""Local SGD islands on nodes x ranks: gradients sync inside each island every step, the islands' parameters every
+H steps, the outer state sharded over an island's ranks; int8 and overlap across the islands; bit-exact resume.
+
+The ranks start as on a cluster: one process per "node" with ``NODE_RANK`` (tests/islands_worker.py), Lightning
+starts that node's other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_ddpopt import LocalSGDConfig
+from lightning_ddpopt.hooks.int8_codec import packed_size
+from lightning_ddpopt.localsgd.islands import plan_islands
+from lightning_ddpopt.topology import Topology
+from tests.islands_worker import OVERFLOW_RANK
+from tests.test_hierarchical import _records, _run_nodes
+
+PARAMETERS = 6 * (256 * 256 + 256)
+
+
+def _islands(nodes: int, per_node: int) -> list[list[int]]:
+    return [list(range(node * per_node, (node + 1) * per_node)) for node in range(nodes)]
+
+
+def _outer_step(anchor: torch.Tensor, before: list[torch.Tensor], momentum: torch.Tensor) -> torch.Tensor:
+    """DiLoCo's outer step on the islands' mean change: Nesterov SGD, lr 0.7, momentum 0.9 (``momentum`` in place)."""
+    mean = sum(anchor - p for p in before) / len(before)
+    momentum.mul_(0.9).add_(mean)
+    return anchor - 0.7 * (mean + 0.9 * momentum)
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
+def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
+    fits = ["diloco", "int8_overlap"] + (["resume_full", "resume_half"] if nodes == 2 else [])
+    output = _run_nodes(tmp_path, nodes, per_node, fits, worker="tests.islands_worker", timeout=600)
+    world, islands = nodes * per_node, _islands(nodes, per_node)
+    # Said once per fit, with the layout and the reason.
+    said = f"ddpopt: local SGD replicas: {nodes} replicas x {per_node} ranks ({islands}); replica='auto': a replica"
+    assert output.count(said + f" per node on {nodes} nodes x {per_node} ranks") == 2, output[-3000:]
+    assert output.count(said.replace("'auto': a replica", "'node'")) == (2 if nodes == 2 else 0)
+
+    ranks = _records(tmp_path, "diloco", world)
+    # Inside an island the parameters are identical after every step (its gradients sync); the islands are
+    # identical right after each sync (3, 6) and after the final average, apart in between.
+    for step in range(8):
+        for island in islands:
+            for rank in island[1:]:
+                assert torch.equal(ranks[rank]["params"][step], ranks[island[0]]["params"][step]), (step, rank)
+        apart = [ranks[island[0]]["params"][step] for island in islands]
+        assert all(torch.equal(apart[0], other) for other in apart[1:]) == (step + 1 in (3, 6)), step
+    assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
+    # The outer step: Nesterov SGD on the mean of the islands' changes (fp32), one change per island.
+    # (The overflowing island skipped step 6's inner step, and its optimizer's hooks with it: it carried step 5's.)
+    anchor, momentum = ranks[0]["start"], torch.zeros(PARAMETERS)
+    for sync in (3, 6):
+        before = [ranks[i[0]]["before_sync"].get(sync, ranks[i[0]]["params"][sync - 2]) for i in islands]
+        assert len([i for i in islands if sync not in ranks[i[0]]["before_sync"]]) == (sync == 6)
+        anchor = _outer_step(anchor, before, momentum)
+        torch.testing.assert_close(ranks[0]["params"][sync - 1], anchor, rtol=0, atol=2e-6)
+        anchor = ranks[0]["params"][sync - 1]
+    # Rank OVERFLOW_RANK's loss overflowed at steps 2 and 6: the island's sync carried the inf to its other rank,
+    # so both skipped those steps; the other islands none.
+    for r in ranks:
+        skipped = 2 if OVERFLOW_RANK in islands[r["rank"] // per_node] else 0
+        assert (r["skipped_inner"], r["amp"]["skipped_steps"]) == (skipped, skipped), r["rank"]
+    # Each island rank owns 1/M of the parameters for the outer step: the anchor and momentum of its shard only.
+    shard = math.ceil(PARAMETERS / per_node)
+    for r in ranks:
+        local = r["rank"] % per_node
+        start, stop = local * shard, min(PARAMETERS, (local + 1) * shard)
+        assert r["shard"] == (start, stop)
+        assert r["sizes"] == {
+            "anchor": stop - start,
+            "momentum": stop - start,
+            "work": shard,
+            "int8": None,
+            "full": per_node * shard,  # the island's gather, into the whole model
+        }
+        # Every step: the gradients inside the island (fp32, all of them), nothing across; at a sync this rank's
+        # shard of the change, in fp32, across the islands.
+        for step, (_, logical, wire, intra) in enumerate(r["steps"], start=1):
+            crossing = (stop - start) * 4 if step in (3, 6) else 0
+            assert (logical, wire, intra) == (PARAMETERS * 4 + crossing, crossing, PARAMETERS * 4), step
+        assert r["stragglers"]["last"] is not None and "bytes_sent" in r["comm"]
+    # int8 across the islands, travelling for 2 steps, mixing 0: every rank takes the new anchor at step 6.
+    ranks = _records(tmp_path, "int8_overlap", world)
+    for step in range(8):
+        for island in islands:
+            for rank in island[1:]:
+                assert torch.equal(ranks[rank]["params"][step], ranks[island[0]]["params"][step]), (step, rank)
+        apart = [ranks[island[0]]["params"][step] for island in islands]
+        assert all(torch.equal(apart[0], other) for other in apart[1:]) == (step + 1 == 6), step
+    anchor = _outer_step(ranks[0]["start"], [ranks[i[0]]["before_sync"][4] for i in islands], torch.zeros(PARAMETERS))
+    error = (ranks[0]["params"][5] - anchor).abs().max().item()
+    assert 0 < error < 5e-3, error  # quantised to int8 twice: by each island, and the owner's sum
+    # The int8 shard in whole blocks, one chunk per island; the buffers are each a byte per value of the shard.
+    shard = math.ceil(PARAMETERS / (per_node * nodes * 1024)) * nodes * 1024
+    row = packed_size(shard // nodes, 1024)
+    for r in ranks:
+        local = r["rank"] % per_node
+        stop = min(PARAMETERS, (local + 1) * shard)
+        assert r["sizes"]["anchor"] == stop - local * shard and r["sizes"]["work"] == shard
+        assert r["sizes"]["int8"] == [(nodes, row)] * 3
+        assert r["steps"][5][2] == nodes * row  # applied at step 6: the packed shard, the size of an all-reduce
+    if nodes == 2:
+        # Resumed at the first epoch's end (a sync), every rank ends bit for bit where the uninterrupted run did:
+        # the anchor and outer momentum saved whole, Adam's state once per island.
+        fulls, resumed_runs = _records(tmp_path, "resume_full", world), _records(tmp_path, "resume_half", world)
+        for full, resumed in zip(fulls, resumed_runs, strict=True):
+            torch.testing.assert_close(resumed["final"], full["final"], rtol=0, atol=0)
+        saved = torch.load(tmp_path / "resume" / "epoch=0.ckpt", weights_only=False)["ddpopt"]
+        assert saved["local_sgd"]["anchor"].numel() == saved["local_sgd"]["momentum"].numel() == PARAMETERS
+        kept = [entry["optimizer_states"] is not None for entry in saved["local_sgd_ranks"]]
+        assert kept == [True, False, True, False]
+        assert [entry.get("same_as") for entry in saved["local_sgd_ranks"]] == [None, 0, None, 2]
+
+
+def test_replica_layouts_and_their_errors():
+    nodes = Topology(rank=3, nodes=((0, 1), (2, 3)))
+    auto = plan_islands("auto", nodes, 4, 3)
+    assert auto.members == ((0, 1), (2, 3)) and auto.leader == 2 and auto.size == 2 and auto.count == 2
+    assert plan_islands("node", nodes, 4, 3).members == ((0, 1), (2, 3))
+    assert plan_islands("rank", nodes, 4, 3).members == ((0,), (1,), (2,), (3,))
+    one_node = Topology(rank=0, nodes=((0, 1, 2, 3),))
+    flat = plan_islands("auto", one_node, 4, 0)
+    assert flat.size == 1 and "a replica per rank" in flat.reason and "one node" in flat.reason
+    assert plan_islands(2, one_node, 4, 0).members == ((0, 1), (2, 3))
+    with pytest.raises(ValueError, match=r"replica='node' needs several nodes with as many ranks on each; this run"):
+        plan_islands("node", one_node, 4, 0)
+    with pytest.raises(ValueError, match=r"replica='node' needs .* 2 nodes with 2, 1 ranks"):
+        plan_islands("node", Topology(rank=0, nodes=((0, 1), (2,))), 3, 0)
+    with pytest.raises(ValueError, match=r"replica=3 with 4 ranks: the ranks per replica must divide the world"):
+        plan_islands(3, one_node, 4, 0)
+    with pytest.raises(ValueError, match=r"replica=4 with 4 ranks: .* leave at least two replicas"):
+        plan_islands(4, one_node, 4, 0)
+    with pytest.raises(ValueError, match=r"replica='island' is not valid; choose one of \['auto', 'rank', 'node'\]"):
+        LocalSGDConfig(replica="island")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"replica=0 is not valid"):
+        LocalSGDConfig(replica=0)
