@@ -34,6 +34,8 @@ FITS: dict[str, LocalSGDConfig] = {
     "diloco": LocalSGDConfig.diloco(sync_every=3, compression="fp32"),
     # int8 across the islands, travelling 2 steps; mixing 0: every rank takes the new anchor when it arrives.
     "int8_overlap": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0, compression="int8"),
+    # Two synchronous steps through the strategy's hook (two-tier int8 at N x M), then islands; syncs at 5 and 8.
+    "warmup": LocalSGDConfig.post_local_sgd(sync_every=3, warmup_steps=2),
     # Saved at the end of the first epoch (a sync, step 4), resumed from there: Adam's state per island.
     "resume_full": LocalSGDConfig.diloco(sync_every=4, replica="node"),
     "resume_half": LocalSGDConfig.diloco(sync_every=4, replica="node"),
@@ -51,6 +53,8 @@ class Probe(pl.Callback):
         self.before_sync: dict[int, torch.Tensor] = {}
         self.params: list[torch.Tensor] = []
         self.start: torch.Tensor | None = None
+        self.shard: tuple[int, int] | None = None
+        self.sizes: dict[str, Any] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start = _flat(pl_module)
@@ -67,6 +71,15 @@ class Probe(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         self.params.append(_flat(pl_module))
+        loop = trainer.strategy.local_sgd  # type: ignore[attr-defined]
+        self.shard = loop.shard  # while training: after fit each rank holds the whole outer state
+        self.sizes = {
+            "anchor": loop.anchor.numel() if loop.anchor is not None else None,
+            "momentum": loop.momentum.numel() if loop.momentum is not None else None,
+            "work": loop._work.numel() if loop._work is not None else None,
+            "int8": [tuple(t.shape) for t in loop._int8] if loop._int8 is not None else None,
+            "full": loop._full.numel() if loop._full is not None else None,
+        }
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -79,15 +92,9 @@ class Probe(pl.Callback):
             "params": self.params,
             "final": _flat(pl_module),  # after the strategy's final average
             "before_sync": self.before_sync,
-            "shard": loop.shard,
-            "sizes": {
-                "anchor": loop.anchor.numel() if loop.anchor is not None else None,
-                "momentum": loop.momentum.numel() if loop.momentum is not None else None,
-                "work": loop._work.numel() if loop._work is not None else None,
-                "int8": [tuple(t.shape) for t in loop._int8] if loop._int8 is not None else None,
-                "full": loop._full.numel() if loop._full is not None else None,
-            },
-            "anchor": loop.anchor.clone() if loop.anchor is not None else None,
+            "shard": self.shard,
+            "sizes": self.sizes,
+            "anchor": loop.anchor.clone() if loop.anchor is not None else None,  # whole again after fit
             "syncs": loop.syncs,
             "skipped_inner": loop.skipped_inner_steps,
             "steps": [(s.sync_rounds, s.logical_bytes, s.wire_bytes, s.intra_node_bytes) for s in ledger.steps],
@@ -123,7 +130,9 @@ def fit(out: Path, name: str) -> pl.Trainer:
         accelerator="cpu",
         devices=RANKS_PER_NODE,
         num_nodes=NUM_NODES,
-        strategy=OptimizedDDPStrategy(local_sgd=FITS[name], bucket_cap_mb=0.5),
+        strategy=OptimizedDDPStrategy(
+            local_sgd=FITS[name], bucket_cap_mb=0.5, comm_hook="int8" if name == "warmup" else "allreduce"
+        ),
         max_epochs=2,  # 8 steps
         logger=False,
         enable_checkpointing=resume == "full",

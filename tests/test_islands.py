@@ -35,12 +35,13 @@ def _outer_step(anchor: torch.Tensor, before: list[torch.Tensor], momentum: torc
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
 def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
-    fits = ["diloco", "int8_overlap"] + (["resume_full", "resume_half"] if nodes == 2 else [])
+    fits = ["diloco", "int8_overlap"] + (["warmup", "resume_full", "resume_half"] if nodes == 2 else [])
     output = _run_nodes(tmp_path, nodes, per_node, fits, worker="tests.islands_worker", timeout=600)
     world, islands = nodes * per_node, _islands(nodes, per_node)
     # Said once per fit, with the layout and the reason.
     said = f"ddpopt: local SGD replicas: {nodes} replicas x {per_node} ranks ({islands}); replica='auto': a replica"
-    assert output.count(said + f" per node on {nodes} nodes x {per_node} ranks") == 2, output[-3000:]
+    auto = len([fit for fit in fits if not fit.startswith("resume")])
+    assert output.count(said + f" per node on {nodes} nodes x {per_node} ranks") == auto, output[-3000:]
     assert output.count(said.replace("'auto': a replica", "'node'")) == (2 if nodes == 2 else 0)
 
     ranks = _records(tmp_path, "diloco", world)
@@ -53,6 +54,8 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         apart = [ranks[island[0]]["params"][step] for island in islands]
         assert all(torch.equal(apart[0], other) for other in apart[1:]) == (step + 1 in (3, 6)), step
     assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
+    # After fit every rank holds the whole anchor (a checkpoint saved then, with the island's groups gone).
+    assert all(torch.equal(r["anchor"], ranks[0]["final"]) for r in ranks)
     # The outer step: Nesterov SGD on the mean of the islands' changes (fp32), one change per island.
     # (The overflowing island skipped step 6's inner step, and its optimizer's hooks with it: it carried step 5's.)
     anchor, momentum = ranks[0]["start"], torch.zeros(PARAMETERS)
@@ -107,6 +110,22 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         assert r["sizes"]["int8"] == [(nodes, row)] * 3
         assert r["steps"][5][2] == nodes * row  # applied at step 6: the packed shard, the size of an all-reduce
     if nodes == 2:
+        # Two synchronous steps through the strategy's two-tier int8 hook: every rank alike, int8 crossing the nodes.
+        # Then islands: inside them every step, and plain averages across them at steps 5 and 8 (identical).
+        ranks = _records(tmp_path, "warmup", world)
+        for step in range(8):
+            for island in islands:
+                for rank in island[1:]:
+                    assert torch.equal(ranks[rank]["params"][step], ranks[island[0]]["params"][step]), (step, rank)
+            alike = all(torch.equal(ranks[0]["params"][step], r["params"][step]) for r in ranks)
+            assert alike == (step + 1 in (1, 2, 5, 8)), step
+        for r in ranks:
+            for step, (_, _, wire, intra) in enumerate(r["steps"], start=1):
+                if step <= 2:  # a byte per value of this rank's half between the nodes (and scales), fp32 inside
+                    assert PARAMETERS / 2 < wire < PARAMETERS / 2 * 1.05 and intra > PARAMETERS * 4, (step, wire)
+                else:
+                    assert intra == PARAMETERS * 4 and wire == (r["sizes"]["anchor"] * 4 if step in (5, 8) else 0)
+        assert output.count("sent between nodes in int8 blocks") == 1
         # Resumed at the first epoch's end (a sync), every rank ends bit for bit where the uninterrupted run did:
         # the anchor and outer momentum saved whole, Adam's state once per island.
         fulls, resumed_runs = _records(tmp_path, "resume_full", world), _records(tmp_path, "resume_half", world)

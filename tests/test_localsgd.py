@@ -63,6 +63,7 @@ class ParamsPerStep(pl.Callback):
             "anchors": self.anchors,
             "final": torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]),
             "steps": [(s.sync_rounds, s.logical_bytes, s.wire_bytes) for s in strategy.ledger.steps],
+            "intra_node": [s.intra_node_bytes for s in strategy.ledger.steps],
             "local": strategy.local_sgd.state_dict(),
             "skipped_inner": strategy.local_sgd.skipped_inner_steps,
             "averaged_at_end": strategy.local_sgd.averaged_at_end,
@@ -116,6 +117,26 @@ def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices,
             assert record["steps"][step - 1][1:] == (PARAMETERS * 4, _sent(compression, devices))
         assert record["local"]["steps"] == 12 and record["local"]["syncs"] == 2
         assert record["local"]["momentum"] is not None
+
+
+def test_islands_of_two_ranks_on_one_node(tmp_path):
+    # 4 ranks, replica=2: islands [0, 1] and [2, 3], which sync gradients inside every step; int8 across them every
+    # 3 steps (12 steps: syncs at 3, 6, 9, 12), each rank carrying its half of the model.
+    config = LocalSGDConfig.diloco(sync_every=3, compression="int8", replica=2)
+    ranks = _fit_12_steps(tmp_path, config, devices=4)
+    shard = math.ceil(PARAMETERS / (2 * 2 * 1024)) * 2 * 1024  # whole blocks, a chunk per island
+    for step in range(1, 13):
+        assert torch.equal(ranks[0]["params"][step - 1], ranks[1]["params"][step - 1]), step
+        assert torch.equal(ranks[2]["params"][step - 1], ranks[3]["params"][step - 1]), step
+        assert torch.equal(ranks[0]["params"][step - 1], ranks[2]["params"][step - 1]) == (step % 3 == 0), step
+    for rank, record in enumerate(ranks):
+        own = min(PARAMETERS, (rank % 2 + 1) * shard) - rank % 2 * shard
+        assert record["anchors"][-1].numel() == own  # this rank's shard of the anchor
+        sent = shard + 4 * shard // 1024  # the packed shard: int8 values and a scale per block
+        assert [wire for _, _, wire in record["steps"]] == [sent if step % 3 == 0 else 0 for step in range(1, 13)]
+        assert record["intra_node"] == [PARAMETERS * 4] * 12  # every step's gradients, inside the island
+        assert record["local"]["anchor"].numel() == PARAMETERS  # saved whole, gathered from the island
+        torch.testing.assert_close(record["final"], ranks[0]["final"], rtol=0, atol=0)
 
 
 def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):

@@ -137,12 +137,18 @@ class LocalSGDDriver:
             )
 
     def finish(self, say: Callable[[str], None]) -> None:
-        """Ranks that trained alone since the last sync end with their average: one model on every rank."""
-        if self.loop is not None and self.loop.finish() is not None:
+        """Ranks that trained alone since the last sync end with their average: one model on every rank.
+
+        An island's ranks then hold the whole outer state each (for a checkpoint saved after fit).
+        """
+        if self.loop is None:
+            return
+        if self.loop.finish() is not None:
             say(
                 "ddpopt: local SGD averaged the ranks' parameters at the end of training (they had trained apart "
                 "since the last sync)"
             )
+        self.loop.unshard()
 
     def restore(self, saved: dict[str, Any] | None) -> None:
         """Load the saved outer loop (warns on rank 0 about what could not be)."""

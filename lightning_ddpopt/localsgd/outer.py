@@ -90,17 +90,12 @@ class LocalSGD:
         self.island = island
         #: The replicas whose changes a sync averages (the size of :attr:`process_group`).
         self.replicas = dist.get_world_size(process_group)
-        self.island_size = 1 if island is None else dist.get_world_size(island)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        # int8 shards split into whole blocks, one chunk per replica (the reduce-scatter shape).
-        unit = self.replicas * INT8_BLOCK if config.compression == "int8" else 1
-        #: Values of every island rank's shard, zero-padded (int8: to whole blocks, a chunk per replica).
-        self.shard_size = -(-self.numel // (self.island_size * unit)) * unit
-        start = min(self.numel, (0 if island is None else dist.get_rank(island)) * self.shard_size)
-        #: This rank's shard of the flattened parameters, ``[start, stop)``.
-        self.shard = (start, min(self.numel, start + self.shard_size))
-        self._pieces = _pieces(self.params, *self.shard)
+        if island is None:
+            self._lay_out(1, 0)
+        else:
+            self._lay_out(dist.get_world_size(island), dist.get_rank(island))
         self.steps = 0
         self.syncs = 0
         self.skipped_inner_steps = 0
@@ -122,6 +117,34 @@ class LocalSGD:
         self._worker: Worker | None = None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
+
+    def _lay_out(self, island_size: int, island_rank: int) -> None:
+        """This rank's shard: island rank ``island_rank`` of ``island_size``."""
+        self.island_size = island_size
+        # int8 shards split into whole blocks, one chunk per replica (the reduce-scatter shape).
+        unit = self.replicas * INT8_BLOCK if self.config.compression == "int8" else 1
+        #: Values of every island rank's shard, zero-padded (int8: to whole blocks, a chunk per replica).
+        self.shard_size = -(-self.numel // (island_size * unit)) * unit
+        start = min(self.numel, island_rank * self.shard_size)
+        #: This rank's shard of the flattened parameters, ``[start, stop)``.
+        self.shard = (start, min(self.numel, start + self.shard_size))
+        self._pieces = _pieces(self.params, *self.shard)
+
+    def unshard(self) -> None:
+        """Hold the whole anchor and outer momentum on every rank and leave the island (at the end of training).
+
+        A collective on the island, once training is over: a checkpoint saved afterwards, when the island's groups
+        are gone, holds the whole outer state. Nothing syncs afterwards.
+        """
+        if self.island is None:
+            return
+        assert self._in_flight is None, "finish() applies a travelling sync first"
+        anchor = None if self.anchor is None else self._gather(self.anchor).clone()
+        momentum = None if self.momentum is None else self._gather(self.momentum).clone()
+        self.island = None
+        self._lay_out(1, 0)
+        self.anchor, self.momentum = anchor, momentum
+        self._work = self._wire = self._int8 = self._stage = self._full = None
 
     @property
     def sharded(self) -> bool:
