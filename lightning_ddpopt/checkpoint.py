@@ -16,7 +16,10 @@ The contract: every rank calls ``save_checkpoint`` (Lightning's ``ModelCheckpoin
 do; Lightning's own barrier after saving needs it too). A stateful hook's gather first waits at most
 ``timeout_s`` for every rank to arrive, rank 0 deciding for all; a call on fewer ranks raises a ``RuntimeError`` on
 every rank that called, naming the missing ranks, instead of hanging until the process-group timeout. Stateless
-hooks add no collective at all.
+hooks add no collective at all. While local SGD trains apart the ranks drift, by up to a window's steps: each rank
+then tells the store that it still trains (:meth:`RankStates.beat`, at most once a second), and a save waits on for
+as long as every rank it waits for shows progress within each ``timeout_s``, as Lightning's own barrier would; a rank
+that neither arrives nor progresses (gone, or hung) still fails the save after ``timeout_s``.
 
 A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook
 afresh; another world size keeps what is the same on every rank (PowerSGD's step count and Q memories) and
@@ -26,6 +29,8 @@ restarts the per-rank rest, and re-measures the ``"auto"`` / ``"autotune"`` deci
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -43,6 +48,8 @@ from lightning_ddpopt.hooks.base import CommHookState
 __all__ = ["CHECKPOINT_KEY", "RankStates", "SavedRun", "gather_hook_states", "restore_hook_state"]
 
 CHECKPOINT_KEY = "ddpopt"
+#: Seconds between two beats of a rank that trains apart (see :meth:`RankStates.beat`).
+HEARTBEAT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +145,26 @@ class RankStates:
         self.timeout_s = timeout_s
         self._run = ""
         self._gathers = 0
+        self._beats = 0
+        self._last_beat = -math.inf
         self._cpu_group: dist.ProcessGroup | None = None  # ours, when the default group serves no CPU tensors
 
     def name_run(self, nonce: str) -> None:
         """Name this run's meetings (the same ``nonce`` on every rank): the store outlives a Trainer."""
         self._run = nonce
+
+    def beat(self, rank: int) -> None:
+        """Tell the store that this rank still trains (while local SGD trains apart), at most once per interval.
+
+        A save waits for a rank as long as its beats go on (see the module doc); a quarter of ``timeout_s`` apart at
+        most, so that a rank that trains on shows progress within every timeout.
+        """
+        now = time.monotonic()
+        if now - self._last_beat < min(HEARTBEAT_S, self.timeout_s / 4):
+            return
+        self._last_beat = now
+        self._beats += 1
+        default_store().set(_progress_key(rank), str(self._beats))
 
     def gather(self, state: dict[str, Any], *, rank: int, world_size: int) -> list[dict[str, Any]]:
         """Every rank's ``state`` on rank 0, an empty list on the others; every rank must call it."""
@@ -236,27 +258,46 @@ def restore_hook_state(
 def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> None:
     """Meet the other ranks on the process group's store (not in a collective, so a no-show cannot hang it).
 
-    Every rank marks its arrival; rank 0 waits up to ``timeout_s`` for all of them and publishes one verdict that
-    every rank follows, so a rank arriving late cannot enter the gather alone. Without rank 0, the others give up
-    after twice ``timeout_s``.
+    Every rank marks its arrival; rank 0 waits for all of them and publishes one verdict that every rank follows, so
+    a rank arriving late cannot enter the gather alone. Each wait lasts ``timeout_s`` and goes on while the ranks it
+    waits for show progress (:meth:`RankStates.beat`): rank 0 waits for the missing ranks, the others for rank 0's
+    verdict, and for rank 0's own progress or its going on waiting.
     """
     store = default_store()
     arrived = [f"ddpopt/checkpoint/{tag}/arrived/{other}" for other in range(world_size)]
-    verdict_key = f"ddpopt/checkpoint/{tag}/verdict"
+    verdict_key, waiting_key = f"ddpopt/checkpoint/{tag}/verdict", f"ddpopt/checkpoint/{tag}/waiting"
     store.set(arrived[rank], "1")
     if rank == 0:
-        try:
-            store.wait(arrived, timedelta(seconds=timeout_s))
-            verdict = "ok"
-        except RuntimeError:
-            verdict = ",".join(str(other) for other, key in enumerate(arrived) if not store.check([key]))
+        missing = list(range(1, world_size))
+        seen = _progress(store, missing)
+        rounds = 0
+        while True:
+            try:
+                store.wait(arrived, timedelta(seconds=timeout_s))
+                verdict = "ok"
+                break
+            except RuntimeError:
+                missing = [other for other, key in enumerate(arrived) if not store.check([key])]
+                now = _progress(store, missing)
+                if any(now[other] in (None, seen.get(other)) for other in missing):
+                    verdict = ",".join(str(other) for other in missing)
+                    break
+                seen, rounds = now, rounds + 1
+                store.set(waiting_key, str(rounds))  # the ranks that arrived wait on with rank 0
         store.set(verdict_key, verdict)
     else:
-        try:
-            store.wait([verdict_key], timedelta(seconds=2 * timeout_s))
-            verdict = store.get(verdict_key).decode()
-        except RuntimeError:
-            verdict = "0"
+        seen = {0: _progress(store, [0])[0], -1: _read(store, waiting_key)}
+        while True:
+            try:
+                store.wait([verdict_key], timedelta(seconds=2 * timeout_s))
+                verdict = store.get(verdict_key).decode()
+                break
+            except RuntimeError:
+                now = {0: _progress(store, [0])[0], -1: _read(store, waiting_key)}
+                if all(now[key] is None or now[key] == seen[key] for key in now):
+                    verdict = "0"
+                    break
+                seen = now
     if verdict != "ok":
         missing = [int(other) for other in verdict.split(",")]
         raise RuntimeError(
@@ -264,3 +305,16 @@ def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> 
             f"not call save_checkpoint within {timeout_s:g} s. Call trainer.save_checkpoint on every rank, as "
             "Lightning's DDP strategies require (ModelCheckpoint does)."
         )
+
+
+def _progress_key(rank: int) -> str:
+    return f"ddpopt/progress/{rank}"
+
+
+def _progress(store: dist.Store, ranks: list[int]) -> dict[int, str | None]:
+    """Each rank's last beat (``None``: it never beat)."""
+    return {rank: _read(store, _progress_key(rank)) for rank in ranks}
+
+
+def _read(store: dist.Store, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None

@@ -253,6 +253,8 @@ class StrategyCore:
         ddp = model if isinstance(model, DistributedDataParallel) else None
         if self.local_sgd is not None and self.local_sgd.loop is not None:
             self.local_sgd.after_optimizer_step(scale_before, scale, self.ledger if ddp else None)
+            if self.local_phase and self.world_size > 1:  # the ranks drift apart: a save waits for those that train
+                self.checkpoints.beat(self.rank)
         if ddp is None or self.ledger is None:
             return []
         records = self.ledger.close_step()

@@ -566,6 +566,49 @@ def test_overlapped_syncs_in_a_lightning_run(tmp_path, devices, compression):
         assert not torch.equal(ranks[0]["params"][step - 1], ranks[1]["params"][step - 1]), step
 
 
+class _SlowRank(StackModel):
+    def __init__(self, slow_rank: int, seconds: float) -> None:
+        super().__init__()
+        self.slow_rank, self.seconds = slow_rank, seconds
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.slow_rank:
+            time.sleep(self.seconds)
+        return super().training_step(batch, batch_idx)
+
+
+class _SaveAt(pl.Callback):
+    """Saves a checkpoint on every rank after optimizer step ``step``, as a user's callback would."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_a_save_waits_for_a_rank_that_trains_on_apart(tmp_path, slow_rank):
+    # H = 8: the ranks train apart for the whole run. The slow rank sleeps 0.4 s a step, so it reaches the save at
+    # step 6 about 2.4 s after the other, beyond checkpoint_timeout=1 s: it trains on (its beats say so), and the
+    # save waits for it, as Lightning's own barrier would, instead of ending a healthy run. (ModelCheckpoint
+    # broadcasts whether its file exists first, which already waits for every rank.)
+    ranks = _fit(
+        tmp_path,
+        LocalSGDConfig(sync_every=8),
+        model=_SlowRank(slow_rank, 0.4),
+        max_steps=8,
+        max_epochs=2,
+        callbacks=[_SaveAt(tmp_path / "step6.ckpt", 6)],
+        strategy_kwargs={"checkpoint_timeout": 1.0},
+    )
+    saved = torch.load(tmp_path / "step6.ckpt", weights_only=False)["ddpopt"]
+    assert [entry["optimizer_states"] is not None for entry in saved["local_sgd_ranks"]] == [True, True]
+    assert saved["local_sgd"]["steps"] == 6
+    assert all(record["local"]["steps"] == 8 and record["local"]["syncs"] == 1 for record in ranks)
+
+
 @pytest.mark.parametrize("compression", ["fp16", "int8"])
 def test_resume_with_a_sync_in_flight_applies_it(tmp_path, compression):
     from lightning.pytorch.callbacks import ModelCheckpoint
