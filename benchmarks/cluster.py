@@ -54,6 +54,11 @@ DEFAULT_VARIANTS = (
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
 LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_int8_overlap")
+#: Local SGD islands (a replica per host, the default at --ranks-per-host above 1) against a replica per rank, and
+#: the islands' own limit: each host training alone, DDP over its ranks.
+ISLANDS = ("islands_alone", "diloco16_ranks", "diloco16_overlap_ranks")
+#: Variants that run one independent job per host (compute: one per rank), whose every host's step times count.
+ALONE = ("compute", "islands_alone")
 #: Two tiers against flat, for --ranks-per-host above 1 ("ours" is the default: hierarchical there).
 HIERARCHICAL = (
     "ours_flat",
@@ -223,12 +228,24 @@ def run_variant(
     The compute reference runs one independent process per rank at the same time (no process group, no sync):
     what the ranks compute when nothing waits, sharing the machine's memory bandwidth as the other variants do. Its
     result holds every process's step times (``host_step_times_s``): they need not compute at the same pace.
+    ``islands_alone`` runs one job per host (DDP over the host's ranks, nothing between hosts), its result every
+    host's step times.
     """
     hosts = cluster.hosts
     processes = []
     for host, local_rank in [(host, local) for host in hosts for local in range(ranks_per_host)]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if variant != "compute":
+        alone = variant == "islands_alone"
+        if alone:  # a job of its own per host: its master on the host, its ranks over the host's loopback
+            env.update(
+                MASTER_ADDR=host.address,
+                MASTER_PORT=str(port + 100 * host.index),
+                NODE_RANK="0",
+                LOCAL_RANK=str(local_rank),
+                WORLD_SIZE=str(ranks_per_host),
+                GLOO_SOCKET_IFNAME=host.interface,
+            )
+        elif variant != "compute":
             # The ranks of a host share its namespace; gloo inside the host goes over its loopback, unshaped.
             env.update(
                 MASTER_ADDR=cluster.hosts[0].address,
@@ -240,7 +257,7 @@ def run_variant(
             )
         name = variant.removesuffix(CALLBACKS_SUFFIX)
         flags = ["--callbacks"] if name != variant else []
-        sizes = ["--num-nodes", str(len(hosts)), "--devices", str(ranks_per_host)]
+        sizes = ["--num-nodes", "1" if alone else str(len(hosts)), "--devices", str(ranks_per_host)]
         command = [sys.executable, str(WORKER), "--variant", name, *sizes, *flags, *worker_args]
         if host.namespace is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]
@@ -264,6 +281,9 @@ def run_variant(
     result = parse_result(outputs[0])
     if variant == "compute":
         result["host_step_times_s"] = [parse_result(output)["step_times_s"] for output in outputs]
+    if variant == "islands_alone":  # each host's local rank 0 reports its job
+        starts = range(0, len(outputs), ranks_per_host)
+        result["host_step_times_s"] = [parse_result(outputs[start])["step_times_s"] for start in starts]
     return result
 
 
@@ -290,6 +310,12 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
         host_times = compute.get("host_step_times_s") or [compute["step_times_s"]] * hosts
         for periodic, statistic in ((False, statistics.median), (True, statistics.fmean)):
             compute_limit[periodic] = sum(compute["samples_per_step"] / statistic(times) for times in host_times)
+    alone = results.get("islands_alone")
+    islands_limit = (
+        sum(alone["samples_per_step"] / statistics.fmean(times) for times in alone["host_step_times_s"])
+        if alone
+        else None
+    )
     stock = results.get("stock") or results.get("stock" + CALLBACKS_SUFFIX)  # --callbacks on: the reference has them
     stock_rate: dict[bool, float] = {}
     if stock:
@@ -297,11 +323,11 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             stock_rate[periodic] = stock["samples_per_step"] / statistic(stock["step_times_s"])
     for variant, result in results.items():
         times = sorted(result["step_times_s"])
-        if variant == "compute":
+        if variant in ALONE:
             times = sorted(t for host in result.get("host_step_times_s") or [times] for t in host)
         p50, p95 = _percentile(times, 50), _percentile(times, 95)
         # Local SGD syncs once every H steps: its rate is over the whole window, syncs included, not the median step.
-        periodic = (
+        periodic = variant == "islands_alone" or (
             (result.get("sync_rounds") or 0) < 1 and variant != "compute" and result.get("sync_rounds") is not None
         )
         rate = result["samples_per_step"] / (statistics.fmean(times) if periodic else p50)
@@ -319,12 +345,18 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             if compute_limit and variant != "compute"
             else None,
             "link_fraction": None,
+            # Local SGD against every host training alone with DDP inside (its mean step: over whole windows).
+            "fraction_of_islands_limit": rate / islands_limit
+            if islands_limit and periodic and variant != "islands_alone"
+            else None,
             "bucket_cap_mb": result.get("bucket_cap_mb"),
             "comm_hook": result.get("comm_hook"),
             "hook_breakdown": result.get("hook_breakdown"),
         }
         if variant == "compute":
             row["samples_per_s"] = compute_limit[False]  # the physical limit: every host computing without syncing
+        if variant == "islands_alone":
+            row["samples_per_s"] = islands_limit  # every host's own DDP, summed
         sync, sent = result.get("sync_time_s"), result.get("bytes_sent")
         if link_bytes_per_s and sync and sent and hosts > 1:
             row["link_fraction"] = link_bus_bandwidth(result, sent / sync, hosts) / link_bytes_per_s
@@ -351,6 +383,7 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             if isinstance(value, int | float) and not isinstance(value, bool) and values:
                 merged[key] = statistics.median(values)
         merged["rounds_of_compute_limit"] = [r["fraction_of_compute_limit"] for r in same]
+        merged["rounds_of_islands_limit"] = [r.get("fraction_of_islands_limit") for r in same]
         combined.append(merged)
     return combined
 
@@ -386,6 +419,23 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
         lines += ["", "Of the compute limit, round by round (each against its own round's compute reference):", ""]
         lines += [
             f"- {r['variant']}: {', '.join(_fmt(f, '.2f') for f in r['rounds_of_compute_limit'])}" for r in per_round
+        ]
+    islands = [r for r in rows if r.get("fraction_of_islands_limit") is not None]
+    if islands:
+        lines += [
+            "",
+            "Of the islands' limit (`islands_alone`: each host training alone, DDP over its own ranks), the median "
+            "and each round against its own round's reference:",
+            "",
+        ]
+        lines += [
+            f"- {r['variant']}: {_fmt(r['fraction_of_islands_limit'], '.2f')}"
+            + (
+                f" ({', '.join(_fmt(f, '.2f') for f in r['rounds_of_islands_limit'])})"
+                if r.get("rounds_of_islands_limit")
+                else ""
+            )
+            for r in islands
         ]
     by_name = {r["variant"]: r for r in rows}
     pairs = [
@@ -574,16 +624,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.task == "digits" and args.batch_size == 16:
         args.batch_size = 32  # the example's
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    known = DEFAULT_VARIANTS + BUCKET_SWEEP + DEFAULTS_CHECK + LOCAL_SGD + HIERARCHICAL
+    known = DEFAULT_VARIANTS + BUCKET_SWEEP + DEFAULTS_CHECK + LOCAL_SGD + HIERARCHICAL + ISLANDS
     unknown = sorted(set(variants) - set(known))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(known)}")
     if args.callbacks != "off" and args.task == "digits":
         parser.error("--callbacks measures throughput; use it without --task digits")
     if args.callbacks == "on":
-        variants = [v if v == "compute" else v + CALLBACKS_SUFFIX for v in variants]
+        variants = [v if v in ALONE else v + CALLBACKS_SUFFIX for v in variants]
     elif args.callbacks == "both":
-        variants = [name for v in variants for name in ((v,) if v == "compute" else (v, v + CALLBACKS_SUFFIX))]
+        variants = [name for v in variants for name in ((v,) if v in ALONE else (v, v + CALLBACKS_SUFFIX))]
     loopback = args.loopback
     reason = None if loopback else can_emulate()
     if reason:

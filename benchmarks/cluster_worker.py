@@ -65,7 +65,15 @@ VARIANTS: dict[str, tuple[Any, int]] = {
         lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8")),
         1,
     ),
+    # Each rank a replica, against the default's replica per host (at --ranks-per-host above 1).
+    "diloco16_ranks": (lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, replica="rank")), 1),
+    "diloco16_overlap_ranks": (
+        lambda: OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(16, overlap_steps=8, replica="rank")),
+        1,
+    ),
     "compute": (lambda: "auto", 1),
+    # Each host alone, its ranks in DDP over the host's own link (started as one job per host): the islands' limit.
+    "islands_alone": (lambda: OptimizedDDPStrategy(), 1),
     "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
     "auto_hook": (lambda: OptimizedDDPStrategy(comm_hook="auto"), 1),
     **{f"cap{cap}": (lambda cap=cap: OptimizedDDPStrategy(bucket_cap_mb=cap), 1) for cap in (1, 5, 25, 100, 200)},
@@ -235,7 +243,7 @@ def main() -> None:
         # auto may choose PowerSGD, which compresses from its start_iter on: time only compressed steps.
         start_iter = PowerSGDConfig().start_iter
         args.steps, args.warmup = args.steps + start_iter, args.warmup + start_iter
-    if args.variant.startswith("diloco") or args.variant == "compute":
+    if args.variant.startswith("diloco") or args.variant in ("compute", "islands_alone"):
         # Two to four whole sync windows timed; as many compute steps, whose mean local SGD is compared with.
         args.steps = args.warmup + 64
     data = _throughput_data(args, (args.steps + 1) * accumulate * args.batch_size * num_nodes * devices)
