@@ -327,8 +327,11 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             times = sorted(t for host in result.get("host_step_times_s") or [times] for t in host)
         p50, p95 = _percentile(times, 50), _percentile(times, 95)
         # Local SGD syncs once every H steps: its rate is over the whole window, syncs included, not the median step.
-        periodic = variant == "islands_alone" or (
-            (result.get("sync_rounds") or 0) < 1 and variant != "compute" and result.get("sync_rounds") is not None
+        # (Local SGD islands sync gradients inside the island every step, and are periodic all the same.)
+        periodic = (
+            variant == "islands_alone"
+            or str(result.get("comm_hook") or "").startswith("local SGD")
+            or ((result.get("sync_rounds") or 0) < 1 and variant != "compute" and result.get("sync_rounds") is not None)
         )
         rate = result["samples_per_step"] / (statistics.fmean(times) if periodic else p50)
         row: dict[str, Any] = {
@@ -388,8 +391,14 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return combined
 
 
-def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str = "cluster") -> list[Path]:
-    """Markdown table, JSON and (with matplotlib) a PNG bar chart of samples/s."""
+def write_reports(
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    out_dir: Path,
+    name: str = "cluster",
+    raw: list[dict[str, dict]] | None = None,
+) -> list[Path]:
+    """Markdown table, JSON (with ``raw``, each round's worker results, to summarise again) and a PNG of samples/s."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / f"{name}.md"
     rounds = meta.get("rounds", 1)
@@ -472,7 +481,7 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Pat
             lines.append(f"| {r['variant']} | {ms['hook_s']} | {ms['hook_wait_s']} | {ms['hook_work_s']} |")
     md.write_text("\n".join(lines) + "\n")
     js = out_dir / f"{name}.json"
-    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    js.write_text(json.dumps({"meta": meta, "rows": rows, **({"rounds": raw} if raw else {})}, indent=1))
     written = [md, js]
     try:
         import matplotlib
@@ -695,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["rounds"] = args.repeat
         link_bytes_per_s = None if loopback else link_bytes
         rows = combine_rounds([summarize(results, args.hosts, link_bytes_per_s) for results in rounds])
-        written = write_reports(rows, {**meta, "machine": machine, "command": command}, out, args.name)
+        written = write_reports(rows, {**meta, "machine": machine, "command": command}, out, args.name, rounds)
     for path in written:
         print(f"wrote {path}")
     print((out / f"{args.name}.md").read_text())

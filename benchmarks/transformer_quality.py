@@ -11,7 +11,9 @@ the strategy's sync differs. The held-out loss is in nats per byte, the mean ove
 Variants: a registry hook's name (``allreduce``, ``fp16``, ``int8``, ``auto``, ``powersgd``: the default PowerSGD,
 whose rank rises while its error is above its bound, 0.6 with AdamW and 0.9 with SGD);
 ``powersgd_r<rank>[_s<start_iter>]`` (a fixed rank); ``localsgd<H>`` (parameter averaging every H steps);
-``diloco<H>[_overlap<steps>]``.
+``diloco<H>[_overlap<steps>][_replica<k>]`` (``_replica<k>``: islands of k ranks, with ``--devices`` above 2).
+
+    .venv/bin/python benchmarks/transformer_quality.py --devices 4 --variants allreduce,diloco16,diloco16_replica2
 """
 
 from __future__ import annotations
@@ -53,10 +55,13 @@ def _strategy(variant: str) -> OptimizedDDPStrategy:
         config = LocalSGDConfig.post_local_sgd(int(variant.removeprefix("localsgd")))
         return OptimizedDDPStrategy(local_sgd=config, **common)
     if variant.startswith("diloco"):
-        # diloco<H>[_overlap<steps>]: DiLoCo every H steps; overlapped by <steps> (H/2 when not given)
-        every, _, overlap = variant.removeprefix("diloco").partition("_overlap")
-        steps = (int(overlap) if overlap else int(every) // 2) if "_overlap" in variant else 0
-        return OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(int(every), overlap_steps=steps), **common)
+        # diloco<H>[_overlap<steps>][_replica<k>]: DiLoCo every H steps; overlapped by <steps> (H/2 when not given);
+        # islands of k ranks (else a replica per rank: one node)
+        name, _, replica = variant.partition("_replica")
+        every, _, overlap = name.removeprefix("diloco").partition("_overlap")
+        steps = (int(overlap) if overlap else int(every) // 2) if "_overlap" in name else 0
+        config = LocalSGDConfig.diloco(int(every), overlap_steps=steps, replica=int(replica) if replica else "rank")
+        return OptimizedDDPStrategy(local_sgd=config, **common)
     return OptimizedDDPStrategy(comm_hook=variant, **common)
 
 
@@ -167,7 +172,7 @@ class HeldOut(pl.Callback):
         )
 
 
-def run(variant: str, steps: int, batch_size: int, optimizer: str, lr: float) -> dict[str, Any]:
+def run(variant: str, steps: int, batch_size: int, optimizer: str, lr: float, devices: int = 2) -> dict[str, Any]:
     data = text_bytes()
     split = int(0.9 * data.numel())
     train, held_out = windows(data[:split], stride=CONTEXT), windows(data[split:], stride=CONTEXT)
@@ -176,7 +181,7 @@ def run(variant: str, steps: int, batch_size: int, optimizer: str, lr: float) ->
         pl.seed_everything(0, verbose=False)
         trainer = pl.Trainer(
             accelerator="cpu",
-            devices=2,
+            devices=devices,
             strategy=_strategy(variant),
             max_steps=steps,
             logger=False,
@@ -197,18 +202,22 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--devices", type=int, default=2, help="CPU ranks (default 2)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: Nesterov momentum 0.9")
     parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 for adamw, 0.1 for sgd")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "transformer_quality.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     lr = args.lr if args.lr is not None else (3e-3 if args.optimizer == "adamw" else 0.1)
-    rows = [run(variant, args.steps, args.batch_size, args.optimizer, lr) for variant in args.variants.split(",")]
+    rows = [
+        run(variant, args.steps, args.batch_size, args.optimizer, lr, args.devices)
+        for variant in args.variants.split(",")
+    ]
     optimizer_name = "AdamW" if args.optimizer == "adamw" else "SGD with Nesterov momentum 0.9"
     baseline = next((row["held_out"] for row in rows if row["variant"] == "allreduce"), math.nan)
     lines = [
         f"TinyGPT (2 x width 128, context 64) on Python's pydoc topics, {optimizer_name} {lr:g}, {args.steps} "
-        f"steps, batch {args.batch_size} per rank, 2 CPU ranks; held-out loss in nats per byte",
+        f"steps, batch {args.batch_size} per rank, {args.devices} CPU ranks; held-out loss in nats per byte",
         "",
         f"Command: `{' '.join(['benchmarks/transformer_quality.py', *sys.argv[1:]])}`",
         f"Run {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores, one torch thread per rank. Compression error: "

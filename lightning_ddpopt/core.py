@@ -218,7 +218,8 @@ class StrategyCore:
     def saved_optimizer_states(self) -> list[dict[str, Any]] | None:
         """With local SGD, this rank's inner optimizer states from the loaded checkpoint (``None``: use rank 0's).
 
-        Each rank's inner optimizer state is its own, saved beside rank 0's; another world size cannot map them.
+        Each replica's inner optimizer state is its own, saved beside rank 0's; another world size cannot map them.
+        An island's ranks all take its first rank's (saved on any layout): their gradients are the same.
         """
         saved = self._saved
         if (
@@ -228,7 +229,9 @@ class StrategyCore:
             or len(saved.local_sgd_ranks) != self.world_size
         ):
             return None
-        return LocalSGDDriver.saved_rank_state(saved.local_sgd_ranks, self.rank)
+        islands = self.local_sgd.islands
+        source = islands.leader if islands is not None else self.rank
+        return LocalSGDDriver.saved_rank_state(saved.local_sgd_ranks, source)
 
     def before_micro_batch(self, model: torch.nn.Module | None, samples: int | None, first_of_epoch: bool) -> None:
         """Count a training micro-batch in the ledger; local SGD turns DDP's gradient sync off for a local one."""

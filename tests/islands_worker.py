@@ -39,6 +39,10 @@ FITS: dict[str, LocalSGDConfig] = {
     # Saved at the end of the first epoch (a sync, step 4), resumed from there: Adam's state per island.
     "resume_full": LocalSGDConfig.diloco(sync_every=4, replica="node"),
     "resume_half": LocalSGDConfig.diloco(sync_every=4, replica="node"),
+    # Saved with a replica per rank (each rank's own Adam state), resumed as islands: an island's ranks take its
+    # first rank's state, and stay identical.
+    "ranks_save": LocalSGDConfig.diloco(sync_every=4, replica="rank"),
+    "ranks_to_islands": LocalSGDConfig.diloco(sync_every=4, replica="node"),
 }
 CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join(FITS)).split(",")
 #: In the "diloco" fit, this rank's loss overflows at its second step: its island skips that step, the others not.
@@ -114,7 +118,8 @@ def _flat(module: torch.nn.Module) -> torch.Tensor:
 
 
 def fit(out: Path, name: str) -> pl.Trainer:
-    resume = name.partition("_")[2] if name.startswith("resume") else None
+    resume = {"resume_full": "full", "resume_half": "half", "ranks_save": "full", "ranks_to_islands": "half"}.get(name)
+    folder = out / ("ranks" if name.startswith("ranks") else "resume")
     callbacks: list[pl.Callback] = [Probe(out, name)]
     plugins = None
     model = OverflowModel()
@@ -125,7 +130,7 @@ def fit(out: Path, name: str) -> pl.Trainer:
     if resume is not None:
         model.optimizer_name = "adam"
         if resume == "full":
-            callbacks.append(ModelCheckpoint(dirpath=out / "resume", filename="{epoch}", save_top_k=-1))
+            callbacks.append(ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=RANKS_PER_NODE,
@@ -144,7 +149,7 @@ def fit(out: Path, name: str) -> pl.Trainer:
     )
     pl.seed_everything(0)
     loader = DataLoader(regression_data(8 * 4 * NUM_NODES * RANKS_PER_NODE), batch_size=8)
-    trainer.fit(model, loader, ckpt_path=str(out / "resume" / "epoch=0.ckpt") if resume == "half" else None)
+    trainer.fit(model, loader, ckpt_path=str(folder / "epoch=0.ckpt") if resume == "half" else None)
     return trainer
 
 

@@ -86,6 +86,20 @@ def test_periodic_variants_are_compared_with_the_mean_compute_and_stock_step():
     assert rows["fp16"]["speedup_vs_stock"] == pytest.approx(1.0 / 0.4)
 
 
+def test_islands_are_periodic_and_rated_against_each_host_alone():
+    # Islands sync gradients inside every step (a sync round or more each step), and their parameters every H
+    # steps: rated by the mean step, as local SGD is, and against every host training alone (summed).
+    alone = recorded("islands_alone", 0.4, samples=32)
+    alone["host_step_times_s"] = [[0.4, 0.4, 0.4, 0.4], [0.4, 0.4, 0.4, 0.8]]  # means 0.4 and 0.5 s
+    islands = recorded("diloco16", 0.4, sync=0.3, sent=GRAD / 32)
+    islands["step_times_s"], islands["sync_rounds"] = [0.4, 0.4, 0.4, 1.2], 3.0  # mean 0.6 s
+    islands["comm_hook"], islands["samples_per_step"] = "local SGD H=16", 64
+    rows = {row["variant"]: row for row in cluster.summarize({"islands_alone": alone, "diloco16": islands}, 2, None)}
+    assert rows["islands_alone"]["samples_per_s"] == pytest.approx(32 / 0.4 + 32 / 0.5)
+    assert rows["diloco16"]["samples_per_s"] == pytest.approx(64 / 0.6)
+    assert rows["diloco16"]["fraction_of_islands_limit"] == pytest.approx((64 / 0.6) / 144)
+
+
 def test_the_compute_limit_sums_every_hosts_rate():
     # Host 1 computes more slowly than host 0: the limit is their rates summed, not host 0's twice.
     compute = recorded("compute", 0.2, samples=16)

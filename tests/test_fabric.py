@@ -359,6 +359,23 @@ def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
         assert len(saved["hook_states"]) == 2
 
 
+def test_reading_a_checkpoint_whole_says_once_that_our_state_stays_behind(tmp_path):
+    # fabric.load(path) without objects returns the checkpoint for the caller to apply; ours is not in it (the
+    # strategy's own key is taken out), and that is said once.
+    path = tmp_path / "whole.ckpt"
+    torch.save({"model": {"weight": torch.zeros(1)}, "ddpopt": {"world_size": 2}}, path)
+    strategy = OptimizedDDPStrategy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sorted(strategy.load_checkpoint(path)) == ["model"]
+        assert sorted(strategy.load_checkpoint(path)) == ["model"]
+    assert [str(w.message) for w in caught if str(w.message).startswith("ddpopt:")] == [
+        "ddpopt: fabric.load(path) without the objects to restore returns the checkpoint alone: this checkpoint's "
+        "comm-hook state, local SGD's outer loop, GradScaler and step count are restored by fabric.load(path, "
+        "{'model': model, 'optimizer': optimizer})"
+    ]
+
+
 def test_no_backward_sync_holds_in_local_sgds_warm_up(tmp_path):
     # Local SGD allows the gradient sync in its warm-up batches; fabric.no_backward_sync still skips it on every
     # micro-batch but a step's last: one round per warm-up step, then the parameter syncs (steps 6 and 10).

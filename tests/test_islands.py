@@ -35,14 +35,15 @@ def _outer_step(anchor: torch.Tensor, before: list[torch.Tensor], momentum: torc
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
 def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
-    fits = ["diloco", "int8_overlap"] + (["warmup", "resume_full", "resume_half"] if nodes == 2 else [])
+    resumes = ["resume_full", "resume_half", "ranks_save", "ranks_to_islands"]
+    fits = ["diloco", "int8_overlap"] + (["warmup", *resumes] if nodes == 2 else [])
     output = _run_nodes(tmp_path, nodes, per_node, fits, worker="tests.islands_worker", timeout=600)
     world, islands = nodes * per_node, _islands(nodes, per_node)
     # Said once per fit, with the layout and the reason.
     said = f"ddpopt: local SGD replicas: {nodes} replicas x {per_node} ranks ({islands}); replica='auto': a replica"
-    auto = len([fit for fit in fits if not fit.startswith("resume")])
+    auto = len([fit for fit in fits if fit not in resumes])
     assert output.count(said + f" per node on {nodes} nodes x {per_node} ranks") == auto, output[-3000:]
-    assert output.count(said.replace("'auto': a replica", "'node'")) == (2 if nodes == 2 else 0)
+    assert output.count(said.replace("'auto': a replica", "'node'")) == (3 if nodes == 2 else 0)
 
     ranks = _records(tmp_path, "diloco", world)
     # Inside an island the parameters are identical after every step (its gradients sync); the islands are
@@ -136,6 +137,14 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         kept = [entry["optimizer_states"] is not None for entry in saved["local_sgd_ranks"]]
         assert kept == [True, False, True, False]
         assert [entry.get("same_as") for entry in saved["local_sgd_ranks"]] == [None, 0, None, 2]
+        # Saved with a replica per rank (four Adam states), resumed as islands: each island takes its first rank's
+        # Adam state, and its ranks stay identical after every step.
+        ranks = _records(tmp_path, "ranks_to_islands", world)
+        for step in range(4):
+            for island in islands:
+                for rank in island[1:]:
+                    assert torch.equal(ranks[rank]["params"][step], ranks[island[0]]["params"][step]), (step, rank)
+        assert "inner optimizer states" not in output and "starts afresh" not in output
 
 
 def test_replica_layouts_and_their_errors():

@@ -308,14 +308,17 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         """
         if CHECKPOINT_KEY in state_dict:
             state_dict = {key: value for key, value in state_dict.items() if key != CHECKPOINT_KEY}
-            if not self._warned_partial_load:
-                self._warned_partial_load = True
-                rank_zero_warn(
-                    "ddpopt: fabric.load_raw(path, model) restores the weights alone: this checkpoint's comm-hook "
-                    "state, local SGD's outer loop, GradScaler and step count are restored by fabric.load(path, "
-                    "{'model': model, 'optimizer': optimizer})"
-                )
+            self._warn_partial_load("fabric.load_raw(path, model) restores the weights alone")
         super().load_module_state_dict(module, state_dict, strict)
+
+    def _warn_partial_load(self, what: str) -> None:
+        """Say once that a load left this package's part of the checkpoint behind, and which load restores it."""
+        if not self._warned_partial_load:
+            self._warned_partial_load = True
+            rank_zero_warn(
+                f"ddpopt: {what}: this checkpoint's comm-hook state, local SGD's outer loop, GradScaler and step "
+                "count are restored by fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
 
     @override
     def load_checkpoint(
@@ -336,6 +339,8 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         entry = remainder.pop(CHECKPOINT_KEY, None)
         if not isinstance(state, dict) or not state:  # a raw state dict, or the file read whole: nothing to restore
+            if entry is not None:
+                self._warn_partial_load("fabric.load(path) without the objects to restore returns the checkpoint alone")
             return remainder
         saved = self._core.load(entry, model_wrapped=self.model is not None)
         if saved is None:

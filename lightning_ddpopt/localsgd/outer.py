@@ -19,6 +19,7 @@ from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import squared_norm
 from lightning_ddpopt.hooks.feedback import config_mismatch
 from lightning_ddpopt.hooks.int8_codec import all_gather_async, packed_size, quantize_packed, reduce_and_requantize
+from lightning_ddpopt.hooks.streams import SideStreams
 from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
 
 __all__ = ["LocalSGD", "ParameterSync"]
@@ -114,7 +115,8 @@ class LocalSGD:
         self._int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stage: torch.Tensor | None = None
         self._full: torch.Tensor | None = None
-        self._worker: Worker | None = None
+        self._worker: Worker | None = None  # a CPU's second int8 stage while a sync travels
+        self._side = SideStreams()  # a GPU's
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
 
@@ -215,7 +217,7 @@ class LocalSGD:
             chunk = self.shard_size // self.replicas
             quantize_packed(self._int8_blocks()[: chunk // INT8_BLOCK], out=send[:1])
             reduce_and_requantize(received, chunk, INT8_BLOCK, loops=self._loops)
-            if self.config.overlap_steps and self._worker is None:
+            if self.config.overlap_steps and self._worker is None and self.anchor.device.type == "cpu":
                 # The reduced chunks' all-gather starts as soon as the chunks arrive, while the ranks train on.
                 self._worker = Worker("ddpopt-local-sgd")
 
@@ -250,13 +252,11 @@ class LocalSGD:
         work: dist.Work | None
         if self.config.compression == "int8":
             work, wire, sent = self._int8_start(delta)
-            worker = self._worker
+            started, work, worker = work, None, self._worker
             if worker is not None:  # the second stage on the worker, as soon as the chunks arrive
-                started, work = work, None
                 worker.submit(lambda: self._int8_finish(started))
-            else:
-                self._int8_finish(work)
-                work = None
+            else:  # on CUDA on a side stream, whose waits hold back nothing the training stream queues
+                self._side.run(delta, lambda: self._int8_finish(started))
         else:
             wire = self._wire_buffer()
             wire.copy_(delta.div_(self.replicas))  # divided before a half-precision cast
@@ -271,6 +271,7 @@ class LocalSGD:
             in_flight.work = None
         if in_flight.wire.dtype == torch.int8:
             self._drain()
+            self._side.join()
             return self._work_buffer()
         return self._work_buffer().copy_(in_flight.wire)
 
