@@ -1,6 +1,6 @@
 """Local SGD checkpoints against the world size: the file, and how much a save raises rank 0's peak host memory.
 
-DiLoCo (H = 4) on a 4.2M-parameter MLP with AdamW (16.8 MB of weights), CPU processes on one machine (fork), one
+DiLoCo (H = 4) on a 4.2M-parameter MLP with AdamW (16.8 MB of weights), CPU processes on one machine (spawned), one
 checkpoint saved by ``trainer.save_checkpoint`` on every rank after 4 steps (right after a sync). Each world size
 runs with a replica per rank and with two islands (``replica=world / 2``; 2 ranks: one replica per rank either way).
 
@@ -58,7 +58,7 @@ def measure(world: int, replica: str | int, directory: Path) -> dict[str, float]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(4, replica=replica), start_method="fork"),
+        strategy=OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(4, replica=replica), start_method="spawn"),
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
