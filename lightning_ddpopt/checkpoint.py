@@ -17,9 +17,10 @@ do; Lightning's own barrier after saving needs it too). A stateful hook's gather
 ``timeout_s`` for every rank to arrive, rank 0 deciding for all; a call on fewer ranks raises a ``RuntimeError`` on
 every rank that called, naming the missing ranks, instead of hanging until the process-group timeout. Stateless
 hooks add no collective at all. While local SGD trains apart the ranks drift, by up to a window's steps: each rank
-then tells the store that it still trains (:meth:`RankStates.beat`, at most once a second), and a save waits on for
-as long as every rank it waits for shows progress within each ``timeout_s``, as Lightning's own barrier would; a rank
-that neither arrives nor progresses (gone, or hung) still fails the save after ``timeout_s``.
+then tells the store that it still trains (:meth:`RankStates.beat`, at each batch and optimizer step, at most once a
+second), and a save waits on for as long as every rank it waits for shows progress within each ``timeout_s``; a rank
+that neither arrives nor progresses (gone, hung, or in a step or validation longer than ``timeout_s``) fails the save
+after ``timeout_s`` without progress.
 
 A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook
 afresh; another world size keeps what is the same on every rank (PowerSGD's step count and Q memories) and
@@ -164,14 +165,26 @@ class RankStates:
             return
         self._last_beat = now
         self._beats += 1
-        default_store().set(_progress_key(rank), str(self._beats))
+        default_store().set(_progress_key(self._run, rank), str(self._beats))
+
+    def agree(self, *, rank: int, world_size: int) -> None:
+        """Meet every rank as a gather does (see :meth:`gather`), for a collective of someone else's to follow."""
+        if world_size > 1:
+            self._gathers += 1
+            _agree_to_gather(rank, world_size, self.timeout_s, self._run, f"{self._run}/{self._gathers}")
 
     def gather(self, state: dict[str, Any], *, rank: int, world_size: int) -> list[dict[str, Any]]:
         """Every rank's ``state`` on rank 0, an empty list on the others; every rank must call it."""
         self._gathers += 1
         tag = f"{self._run}/{self._gathers}"
         gathered = gather_hook_states(
-            state, rank=rank, world_size=world_size, timeout_s=self.timeout_s, tag=tag, group=self._group_for_cpu
+            state,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=self.timeout_s,
+            tag=tag,
+            group=self._group_for_cpu,
+            run=self._run,
         )
         return gathered or []
 
@@ -200,6 +213,7 @@ def gather_hook_states(
     timeout_s: float,
     tag: str,
     group: Callable[[], dist.ProcessGroup | None] = lambda: None,
+    run: str = "",
 ) -> list[dict[str, Any]] | None:
     """Every rank's ``state``, on rank 0 (``None`` on the others), its tensors on the CPU.
 
@@ -213,7 +227,7 @@ def gather_hook_states(
     """
     if world_size == 1:
         return [state]
-    _agree_to_gather(rank, world_size, timeout_s, tag)
+    _agree_to_gather(rank, world_size, timeout_s, run, tag)
     on = group()
     cpu = torch.device("cpu")
     state = move_data_to_device(state, cpu)
@@ -255,7 +269,7 @@ def restore_hook_state(
     return None
 
 
-def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> None:
+def _agree_to_gather(rank: int, world_size: int, timeout_s: float, run: str, tag: str) -> None:
     """Meet the other ranks on the process group's store (not in a collective, so a no-show cannot hang it).
 
     Every rank marks its arrival; rank 0 waits for all of them and publishes one verdict that every rank follows, so
@@ -269,7 +283,7 @@ def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> 
     store.set(arrived[rank], "1")
     if rank == 0:
         missing = list(range(1, world_size))
-        seen = _progress(store, missing)
+        seen = _progress(store, run, missing)
         rounds = 0
         while True:
             try:
@@ -278,7 +292,7 @@ def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> 
                 break
             except RuntimeError:
                 missing = [other for other, key in enumerate(arrived) if not store.check([key])]
-                now = _progress(store, missing)
+                now = _progress(store, run, missing)
                 if any(now[other] in (None, seen.get(other)) for other in missing):
                     verdict = ",".join(str(other) for other in missing)
                     break
@@ -286,14 +300,14 @@ def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> 
                 store.set(waiting_key, str(rounds))  # the ranks that arrived wait on with rank 0
         store.set(verdict_key, verdict)
     else:
-        seen = {0: _progress(store, [0])[0], -1: _read(store, waiting_key)}
+        seen = {0: _progress(store, run, [0])[0], -1: _read(store, waiting_key)}
         while True:
             try:
                 store.wait([verdict_key], timedelta(seconds=2 * timeout_s))
                 verdict = store.get(verdict_key).decode()
                 break
             except RuntimeError:
-                now = {0: _progress(store, [0])[0], -1: _read(store, waiting_key)}
+                now = {0: _progress(store, run, [0])[0], -1: _read(store, waiting_key)}
                 if all(now[key] is None or now[key] == seen[key] for key in now):
                     verdict = "0"
                     break
@@ -307,13 +321,13 @@ def _agree_to_gather(rank: int, world_size: int, timeout_s: float, tag: str) -> 
         )
 
 
-def _progress_key(rank: int) -> str:
-    return f"ddpopt/progress/{rank}"
+def _progress_key(run: str, rank: int) -> str:
+    return f"ddpopt/progress/{run}/{rank}"
 
 
-def _progress(store: dist.Store, ranks: list[int]) -> dict[int, str | None]:
-    """Each rank's last beat (``None``: it never beat)."""
-    return {rank: _read(store, _progress_key(rank)) for rank in ranks}
+def _progress(store: dist.Store, run: str, ranks: list[int]) -> dict[int, str | None]:
+    """Each rank's last beat in this run (``None``: it never beat)."""
+    return {rank: _read(store, _progress_key(run, rank)) for rank in ranks}
 
 
 def _read(store: dist.Store, key: str) -> str | None:

@@ -116,7 +116,8 @@ class StrategyCore:
             device=device,
         )
         self.topology = None
-        by_node = self.local_sgd is not None and self.local_sgd.config.replica in ("auto", "node")
+        # Local SGD's replicas follow the nodes ("auto", "node") or are checked against them (k ranks each).
+        by_node = self.local_sgd is not None and self.local_sgd.config.replica not in ("rank", 1)
         if world_size > 1 and (self.hooks.hierarchical is not False or by_node):
             # A collective, checked against the host names: on every rank, before anything uses the nodes. Every rank
             # gathers the same claims, so every rank decides alike.
@@ -239,6 +240,8 @@ class StrategyCore:
             self.ledger.add_micro_batch(samples, first_of_epoch=first_of_epoch)
         if self.local_sgd is not None and isinstance(model, DistributedDataParallel):
             self.local_sgd.before_batch(model)
+            if self.local_phase and self.world_size > 1:  # a save waits for a rank that trains (see checkpoint.py)
+                self.checkpoints.beat(self.rank)
 
     def after_optimizer_step(
         self,
@@ -305,8 +308,12 @@ class StrategyCore:
                 self.local_sgd.rank_state(optimizers), rank=rank, world_size=world_size
             )
         loop = self.local_sgd.loop if self.local_sgd is not None else None
-        # An island's outer state is sharded over its ranks: gathering it is a collective.
-        outer = loop.state_dict() if loop is not None and (rank == 0 or loop.sharded) else None
+        # An island's outer state is sharded over its ranks: gathering it is a collective, entered only once every
+        # rank has arrived (a gather above met them already).
+        sharded = loop is not None and loop.sharded
+        if sharded and not hook_state and not (self.local_sgd is not None and optimizers is not None):
+            self.checkpoints.agree(rank=rank, world_size=world_size)
+        outer = loop.state_dict() if loop is not None and (rank == 0 or sharded) else None
         if rank != 0:
             return None
         return SavedRun(

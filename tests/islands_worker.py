@@ -43,10 +43,26 @@ FITS: dict[str, LocalSGDConfig] = {
     # first rank's state, and stay identical.
     "ranks_save": LocalSGDConfig.diloco(sync_every=4, replica="rank"),
     "ranks_to_islands": LocalSGDConfig.diloco(sync_every=4, replica="node"),
+    # Saved while an int8 sync travels across the islands (started at step 4, applied at 6), resumed from there.
+    "overlap_full": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0, compression="int8"),
+    "overlap_half": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0, compression="int8"),
 }
 CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join(FITS)).split(",")
 #: In the "diloco" fit, this rank's loss overflows at its second step: its island skips that step, the others not.
 OVERFLOW_RANK = RANKS_PER_NODE + 1
+
+
+class Counting(OverflowModel):
+    """Counts its steps, each rank by its rank + 1, in a float buffer: the outer sync averages it over every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with torch.no_grad():
+            self.seen += self.global_rank + 1
+        return super().training_step(batch, batch_idx)
 
 
 class Probe(pl.Callback):
@@ -59,11 +75,16 @@ class Probe(pl.Callback):
         self.start: torch.Tensor | None = None
         self.shard: tuple[int, int] | None = None
         self.sizes: dict[str, Any] = {}
+        self.anchor_at_start: torch.Tensor | None = None
+        self.first_batch: list[torch.Tensor] | None = None
+        self.buffers: list[list[float]] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start = _flat(pl_module)
         strategy = trainer.strategy
-        assert isinstance(strategy, OptimizedDDPStrategy)
+        assert isinstance(strategy, OptimizedDDPStrategy) and strategy.local_sgd is not None
+        anchor = strategy.local_sgd.anchor  # restored from a checkpoint, or None before the first local batch
+        self.anchor_at_start = None if anchor is None else anchor.clone()
 
         def before_the_sync(*_: Any) -> None:  # after the inner step, before the strategy's outer step
             loop = strategy.local_sgd
@@ -73,8 +94,13 @@ class Probe(pl.Callback):
         for optimizer in trainer.optimizers:
             optimizer.register_step_post_hook(before_the_sync)
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        if self.first_batch is None:
+            self.first_batch = [tensor.clone() for tensor in batch]
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         self.params.append(_flat(pl_module))
+        self.buffers.append([buffer.item() for buffer in pl_module.buffers()])
         loop = trainer.strategy.local_sgd  # type: ignore[attr-defined]
         self.shard = loop.shard  # while training: after fit each rank holds the whole outer state
         self.sizes = {
@@ -95,6 +121,9 @@ class Probe(pl.Callback):
             "start": self.start,
             "params": self.params,
             "final": _flat(pl_module),  # after the strategy's final average
+            "anchor_at_start": self.anchor_at_start,
+            "first_batch": self.first_batch,
+            "buffers": self.buffers,
             "before_sync": self.before_sync,
             "shard": self.shard,
             "sizes": self.sizes,
@@ -119,7 +148,8 @@ def _flat(module: torch.nn.Module) -> torch.Tensor:
 
 def fit(out: Path, name: str) -> pl.Trainer:
     resume = {"resume_full": "full", "resume_half": "half", "ranks_save": "full", "ranks_to_islands": "half"}.get(name)
-    folder = out / ("ranks" if name.startswith("ranks") else "resume")
+    resume = {"overlap_full": "full", "overlap_half": "half"}.get(name, resume)
+    folder = out / ("ranks" if name.startswith("ranks") else "overlap" if name.startswith("overlap") else "resume")
     callbacks: list[pl.Callback] = [Probe(out, name)]
     plugins = None
     model = OverflowModel()
@@ -127,8 +157,11 @@ def fit(out: Path, name: str) -> pl.Trainer:
         callbacks += [CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=4), AMPMonitor()]
         plugins = [fp16_mixed_precision("cpu", init_scale=256.0)]
         model = OverflowModel(overflow_at=(2,), ranks=(OVERFLOW_RANK,))
+    if name == "int8_overlap":
+        model = Counting()
     if resume is not None:
-        model.optimizer_name = "adam"
+        if not name.startswith("overlap"):
+            model.optimizer_name = "adam"
         if resume == "full":
             callbacks.append(ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1))
     trainer = pl.Trainer(

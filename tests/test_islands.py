@@ -16,6 +16,7 @@ from lightning_ddpopt import LocalSGDConfig
 from lightning_ddpopt.hooks.int8_codec import packed_size
 from lightning_ddpopt.localsgd.islands import plan_islands
 from lightning_ddpopt.topology import Topology
+from tests.helpers import StackModel
 from tests.islands_worker import OVERFLOW_RANK
 from tests.test_hierarchical import _records, _run_nodes
 
@@ -35,15 +36,16 @@ def _outer_step(anchor: torch.Tensor, before: list[torch.Tensor], momentum: torc
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
 def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
-    resumes = ["resume_full", "resume_half", "ranks_save", "ranks_to_islands"]
+    resumes = ["resume_full", "resume_half", "ranks_save", "ranks_to_islands", "overlap_full", "overlap_half"]
     fits = ["diloco", "int8_overlap"] + (["warmup", *resumes] if nodes == 2 else [])
     output = _run_nodes(tmp_path, nodes, per_node, fits, worker="tests.islands_worker", timeout=600)
     world, islands = nodes * per_node, _islands(nodes, per_node)
     # Said once per fit, with the layout and the reason.
     said = f"ddpopt: local SGD replicas: {nodes} replicas x {per_node} ranks ({islands}); replica='auto': a replica"
-    auto = len([fit for fit in fits if fit not in resumes])
+    auto = len([fit for fit in fits if fit not in resumes or fit.startswith("overlap")])
     assert output.count(said + f" per node on {nodes} nodes x {per_node} ranks") == auto, output[-3000:]
     assert output.count(said.replace("'auto': a replica", "'node'")) == (3 if nodes == 2 else 0)
+    assert "replica per node on" in output
 
     ranks = _records(tmp_path, "diloco", world)
     # Inside an island the parameters are identical after every step (its gradients sync); the islands are
@@ -92,6 +94,26 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         assert r["stragglers"]["last"] is not None and "bytes_sent" in r["comm"]
     # int8 across the islands, travelling for 2 steps, mixing 0: every rank takes the new anchor at step 6.
     ranks = _records(tmp_path, "int8_overlap", world)
+    # The first step inside an island: SGD (lr 0.05; its momentum starts as the gradient) on the mean of the island
+    # ranks' gradients of their own batches, not their sum, nor every rank's mean.
+    model = StackModel()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(ranks[0]["start"], model.parameters())
+    for island in islands:
+        gradients = []
+        for rank in island:
+            model.zero_grad()
+            x, y = ranks[rank]["first_batch"]
+            torch.nn.functional.mse_loss(model.net(x), y).backward()
+            gradients.append(torch.nn.utils.parameters_to_vector(p.grad for p in model.parameters()))
+        expected = ranks[0]["start"] - 0.05 * sum(gradients) / len(island)
+        torch.testing.assert_close(ranks[island[0]]["params"][0], expected, rtol=0, atol=1e-6)
+    # Its float buffer (each rank adds rank + 1 a step) is averaged over every rank when the sync is applied.
+    for step in range(8):
+        values = [r["buffers"][step][0] for r in ranks]
+        expected_values = [6 * (world + 1) / 2] * world if step + 1 == 6 else values
+        assert values == pytest.approx(expected_values), step
+        assert (len(set(values)) == 1) == (step + 1 == 6), (step, values)
     for step in range(8):
         for island in islands:
             for rank in island[1:]:
@@ -109,7 +131,8 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         stop = min(PARAMETERS, (local + 1) * shard)
         assert r["sizes"]["anchor"] == stop - local * shard and r["sizes"]["work"] == shard
         assert r["sizes"]["int8"] == [(nodes, row)] * 3
-        assert r["steps"][5][2] == nodes * row  # applied at step 6: the packed shard, the size of an all-reduce
+        # Applied at step 6: the packed shard (the size of an all-reduce with its traffic), and the 4-byte buffer.
+        assert r["steps"][5][2] == nodes * row + 4
     if nodes == 2:
         # Two synchronous steps through the strategy's two-tier int8 hook: every rank alike, int8 crossing the nodes.
         # Then islands: inside them every step, and plain averages across them at steps 5 and 8 (identical).
@@ -137,14 +160,27 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         kept = [entry["optimizer_states"] is not None for entry in saved["local_sgd_ranks"]]
         assert kept == [True, False, True, False]
         assert [entry.get("same_as") for entry in saved["local_sgd_ranks"]] == [None, 0, None, 2]
+        # Each rank resumed its shard of the whole saved anchor.
+        for r in resumed_runs:
+            start, stop = r["shard"]
+            assert torch.equal(r["anchor_at_start"], saved["local_sgd"]["anchor"][start:stop])
         # Saved with a replica per rank (four Adam states), resumed as islands: each island takes its first rank's
         # Adam state, and its ranks stay identical after every step.
         ranks = _records(tmp_path, "ranks_to_islands", world)
+        saved_by_ranks = torch.load(tmp_path / "ranks" / "epoch=0.ckpt", weights_only=False)["ddpopt"]["local_sgd"]
+        for r in ranks:
+            start, stop = r["shard"]
+            assert torch.equal(r["anchor_at_start"], saved_by_ranks["anchor"][start:stop])
         for step in range(4):
             for island in islands:
                 for rank in island[1:]:
                     assert torch.equal(ranks[rank]["params"][step], ranks[island[0]]["params"][step]), (step, rank)
         assert "inner optimizer states" not in output and "starts afresh" not in output
+        # Saved while int8 travelled across the islands (its mean saved whole, in fp32), resumed: applied at step 6
+        # with the same mean and outer step, so with mixing 0 every rank holds the uninterrupted run's anchor there.
+        full, resumed_runs = _records(tmp_path, "overlap_full", world), _records(tmp_path, "overlap_half", world)
+        for uninterrupted, resumed in zip(full, resumed_runs, strict=True):
+            assert torch.equal(resumed["params"][1], uninterrupted["params"][5])
 
 
 def test_replica_layouts_and_their_errors():

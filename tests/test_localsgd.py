@@ -609,6 +609,48 @@ def test_a_save_waits_for_a_rank_that_trains_on_apart(tmp_path, slow_rank):
     assert all(record["local"]["steps"] == 8 and record["local"]["syncs"] == 1 for record in ranks)
 
 
+class _LoneSaveAt(pl.Callback):
+    """Rank 0 alone saves after optimizer step ``step``; records the error and how long it took."""
+
+    def __init__(self, out: Path, step: int) -> None:
+        self.out, self.step = out, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step or trainer.global_rank != 0:
+            return
+        start = time.perf_counter()
+        try:
+            trainer.save_checkpoint(self.out / "lone.ckpt")
+            message = None
+        except RuntimeError as error:
+            message = str(error)
+        torch.save({"message": message, "seconds": time.perf_counter() - start}, self.out / "lone.pt")
+
+
+def test_a_save_fails_once_the_rank_it_waits_for_stops_training(tmp_path):
+    # Rank 0 alone saves at step 2 of a window of 8: rank 1 trains on (its beats keep rank 0 waiting) to the sync at
+    # step 8, where it waits for rank 0 and stops beating; the save then fails within checkpoint_timeout, naming it,
+    # and rank 0 goes on to meet it at that sync.
+    ranks = _fit(
+        tmp_path,
+        LocalSGDConfig(sync_every=8),
+        model=_SlowRank(1, 0.3),
+        max_steps=8,
+        max_epochs=2,
+        callbacks=[_LoneSaveAt(tmp_path, 2)],
+        strategy_kwargs={"checkpoint_timeout": 1.0},
+    )
+    result = torch.load(tmp_path / "lone.pt")
+    assert result["message"] == (
+        "ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) [1] did not call "
+        "save_checkpoint within 1 s. Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies "
+        "require (ModelCheckpoint does)."
+    )
+    # It waited while rank 1 trained its 6 steps (0.3 s each), then at most about two timeouts more.
+    assert 6 * 0.3 < result["seconds"] < 6 * 0.3 + 8, result
+    assert all(record["local"]["syncs"] == 1 for record in ranks)
+
+
 @pytest.mark.parametrize("compression", ["fp16", "int8"])
 def test_resume_with_a_sync_in_flight_applies_it(tmp_path, compression):
     from lightning.pytorch.callbacks import ModelCheckpoint

@@ -85,13 +85,28 @@ class LocalSGDDriver:
             rank_zero_info(f"ddpopt: local SGD replicas: {self.islands.describe()}; {self.islands.reason}")
         if self.islands.size == 1:
             return None
+        if self.islands.spans_nodes(topology):
+            assert topology is not None
+            rank_zero_warn(
+                f"ddpopt: local SGD replica={self.config.replica!r} puts ranks of several nodes into one replica "
+                f"({self.islands.describe()} on {topology.describe()}): its gradients cross the nodes every step; "
+                "replica='node' keeps each replica inside a node"
+            )
         groups = self.groups = IslandGroups(self.islands, new_group)
         return (lambda: groups.gradients), (lambda: self.loop is not None and self.loop.local)
 
     def start(self, model: DistributedDataParallel, own_group: Callable[[], dist.ProcessGroup]) -> None:
         """Build the outer loop over ``model``'s parameters once DDP has wrapped them."""
         if self.groups is not None:  # the replicas' exchange and the island's gather: groups of their own
-            self.loop = LocalSGD(self.config, model.module, self.groups.across, island=self.groups.gather)
+            assert self.islands is not None
+            if model.find_unused_parameters or getattr(model, "static_graph", False):
+                rank_zero_warn(
+                    "ddpopt: with local SGD islands, DDP's find_unused_parameters or static_graph all-reduce which "
+                    "parameters were used over every rank at every step: the islands then meet every step"
+                )
+            self.loop = LocalSGD(
+                self.config, model.module, self.groups.across, island=self.groups.gather, place=self.islands.place
+            )
             return
         group = model.process_group
         if self.config.overlap_steps:
@@ -185,7 +200,10 @@ class LocalSGDDriver:
             sigterm.remove()  # Lightning's own again, should the trainer fit once more
         if self.loop is not None:
             self.loop.abandon_in_flight()  # only after a failure: fit's end applies it
-            self.loop.close()
+            self.loop.drop_shards()  # only after a failure: fit's end gathers them
+            if not self.loop.close():
+                rank_zero_warn("ddpopt: local SGD's int8 sync is still busy after a minute; its groups are kept")
+                return
             if self._group is not None or self.groups is not None:
                 self.loop.process_group = self.loop.island = None  # the groups' last references are ours
         destroy_owned_group(self, "_group")

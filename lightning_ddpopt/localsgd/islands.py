@@ -26,13 +26,25 @@ class Islands:
 
     Attributes:
         rank: this process's global rank.
-        members: every island's ranks.
+        members: every island's ranks, each island's in global-rank order.
         reason: the layout's reason, for the setup log line.
     """
 
     rank: int
     members: tuple[tuple[int, ...], ...]
     reason: str
+
+    @property
+    def place(self) -> int:
+        """This rank's place in its island (its island rank: the shard of the outer state it owns)."""
+        return next(island.index(self.rank) for island in self.members if self.rank in island)
+
+    def spans_nodes(self, topology: Topology | None) -> bool:
+        """Whether an island holds ranks of several of ``topology``'s nodes (its every-step sync crosses them)."""
+        if topology is None:
+            return False
+        node_of = {rank: index for index, node in enumerate(topology.nodes) for rank in node}
+        return any(len({node_of[rank] for rank in island}) > 1 for island in self.members)
 
     @property
     def size(self) -> int:
@@ -69,10 +81,14 @@ def plan_islands(replica: str | int, topology: Topology | None, world_size: int,
             the world size or makes one replica of every rank.
     """
     ranks = tuple((r,) for r in range(world_size))
+    if world_size == 1:
+        return Islands(rank, ranks, "one process")
     nodes = "one node" if topology is None or topology.num_nodes == 1 else topology.describe()
+    # An island's ranks in global-rank order: its process groups order them so (the shards and the gather agree).
+    by_node = tuple(tuple(sorted(node)) for node in topology.nodes) if topology is not None else ()
     if replica == "auto":
         if topology is not None and topology.tiered:
-            return Islands(rank, topology.nodes, f"replica='auto': a replica per node on {topology.describe()}")
+            return Islands(rank, by_node, f"replica='auto': a replica per node on {topology.describe()}")
         why = "several nodes with several ranks each, as many on every node"
         return Islands(rank, ranks, f"replica='auto': a replica per rank (a replica per node needs {why}; {nodes})")
     if replica == "node":
@@ -81,7 +97,7 @@ def plan_islands(replica: str | int, topology: Topology | None, world_size: int,
                 f"LocalSGDConfig replica='node' needs several nodes with as many ranks on each; this run has {nodes}. "
                 "Use replica='rank' or a number of ranks per replica"
             )
-        return Islands(rank, topology.nodes, f"replica='node': {topology.describe()}")
+        return Islands(rank, by_node, f"replica='node': {topology.describe()}")
     size = 1 if replica == "rank" else int(replica)
     if world_size % size or (size == world_size and world_size > 1):
         raise ValueError(

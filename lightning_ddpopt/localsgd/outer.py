@@ -71,6 +71,8 @@ class LocalSGD:
             sync's exchange runs on it.
         island: the group of this rank's replica when a replica has several ranks (an island, which keeps its
             parameters identical by syncing gradients every step); ``None`` when each rank is a replica.
+        place: this rank's island rank (default: its rank in ``island``): the shard it owns, which must also be its
+            place in the island's gather and the ranks of ``process_group`` the same place in every island.
 
     With an island of ``M`` ranks, island rank ``i`` owns shard ``i`` of the flattened parameters (1/M of them, in
     parameter order): :attr:`anchor` and :attr:`momentum` hold that shard only (the same on the ranks of the same
@@ -84,6 +86,7 @@ class LocalSGD:
         module: torch.nn.Module,
         process_group: dist.ProcessGroup | None = None,
         island: dist.ProcessGroup | None = None,
+        place: int | None = None,
     ) -> None:
         self.config = config
         self.module = module
@@ -96,7 +99,7 @@ class LocalSGD:
         if island is None:
             self._lay_out(1, 0)
         else:
-            self._lay_out(dist.get_world_size(island), dist.get_rank(island))
+            self._lay_out(dist.get_world_size(island), dist.get_rank(island) if place is None else place)
         self.steps = 0
         self.syncs = 0
         self.skipped_inner_steps = 0
@@ -279,11 +282,19 @@ class LocalSGD:
         """Forget a sync still travelling (training failed before applying it); nothing waits for it any more."""
         self._in_flight = None
 
-    def close(self) -> None:
-        """Stop the worker thread of int8's overlapped syncs (at teardown)."""
+    def close(self) -> bool:
+        """Stop the worker thread of int8's overlapped syncs (at teardown); False if it is still busy."""
         worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.stop()
+        return worker is None or worker.stop()
+
+    def drop_shards(self) -> None:
+        """Forget a sharded outer state that training ended without gathering (a failure): it covers 1/M of the model.
+
+        A checkpoint saved afterwards holds no anchor (a resume anchors afresh at the weights), not a shard.
+        """
+        if self.island is not None:
+            self.anchor = self.momentum = None
+            self._in_flight = None
 
     def _apply_in_flight(self) -> ParameterSync:
         """Wait for the mean change, take the outer step, and mix every rank's parameters with the new anchor.
