@@ -164,6 +164,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         #: Checkpoints loaded with a step count (a Monitor restarts its callbacks' step counting after one).
         self.resumes = 0
         self._warned_partial_load = False  # fabric.load(path, module) leaves our state behind: said once
+        self._restored = False  # a checkpoint's state of ours was restored (a later whole read loses nothing)
         #: Forwards outside training (validation) so far: a Monitor's break between batches.
         self.breaks = 0
         self.model: DistributedDataParallel | None = None
@@ -339,12 +340,13 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         entry = remainder.pop(CHECKPOINT_KEY, None)
         if not isinstance(state, dict) or not state:  # a raw state dict, or the file read whole: nothing to restore
-            if entry is not None:
+            if entry is not None and not self._restored:  # (read again after a load that restored it: nothing lost)
                 self._warn_partial_load("fabric.load(path) without the objects to restore returns the checkpoint alone")
             return remainder
         saved = self._core.load(entry, model_wrapped=self.model is not None)
         if saved is None:
             return remainder
+        self._restored = True
         scaler = self._scaler()
         if saved.grad_scaler and scaler is not None:
             scaler.load_state_dict(saved.grad_scaler)
