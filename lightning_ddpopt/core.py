@@ -25,6 +25,7 @@ from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
 from lightning_ddpopt.ledger import CommLedger, StepRecord
 from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
+from lightning_ddpopt.precision import OptimizerSteps
 from lightning_ddpopt.timing import timeline_for
 from lightning_ddpopt.topology import Topology, discover
 
@@ -82,6 +83,7 @@ class StrategyCore:
         self.checkpoints = RankStates(require_number("checkpoint_timeout", checkpoint_timeout))
         self.local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
         self.model_averaging = model_averaging_period is not None  # Lightning's post-local SGD
+        self.optimizer_steps = OptimizerSteps()
         self.ledger: CommLedger | None = None
         self.core_binding: CoreBinding | None = None
         self.topology: Topology | None = None
@@ -243,22 +245,35 @@ class StrategyCore:
             if self.local_phase and self.world_size > 1:  # a save waits for a rank that trains (see checkpoint.py)
                 self.checkpoints.beat(self.rank)
 
+    def optimizer_step(
+        self,
+        optimizer: object,
+        step: Callable[[], Any],
+        model: torch.nn.Module | None,
+        say: Callable[[str], None],
+        rewrap: Callable[[float], DistributedDataParallel],
+    ) -> tuple[Any, list[StepRecord]]:
+        """Take the optimizer step (``step``), then close it: local SGD counts it, the ledger closes it, buckets tune.
+
+        Returns ``step``'s output and the ledger's records that resolved now (on a GPU usually an earlier step's).
+        A step the GradScaler skipped is told by the optimizer's step count
+        (:class:`~lightning_ddpopt.precision.OptimizerSteps`), without reading the device.
+        """
+        before = self.optimizer_steps.count(optimizer) if self.local_sgd is not None else None
+        output = step()
+        return output, self.after_optimizer_step(model, self.optimizer_steps.skipped(optimizer, before), say, rewrap)
+
     def after_optimizer_step(
         self,
         model: torch.nn.Module | None,
-        scale_before: torch.Tensor | None,
-        scale: torch.Tensor | None,
+        skipped: bool,
         say: Callable[[str], None],
         rewrap: Callable[[float], DistributedDataParallel],
     ) -> list[StepRecord]:
-        """Close the step: local SGD counts it (and syncs when due), the ledger closes it, buckets are tuned.
-
-        ``scale_before`` / ``scale``: the loss scale before and after the step (local SGD's skipped-step count).
-        Returns the ledger's records that resolved now (on a GPU usually an earlier step's).
-        """
+        """Close the step (``skipped``: the GradScaler skipped it): see :meth:`optimizer_step`."""
         ddp = model if isinstance(model, DistributedDataParallel) else None
         if self.local_sgd is not None and self.local_sgd.loop is not None:
-            self.local_sgd.after_optimizer_step(scale_before, scale, self.ledger if ddp else None)
+            self.local_sgd.after_optimizer_step(skipped, self.ledger if ddp else None)
             if self.local_phase and self.world_size > 1:  # the ranks drift apart: a save waits for those that train
                 self.checkpoints.beat(self.rank)
         if ddp is None or self.ledger is None:
@@ -345,6 +360,7 @@ class StrategyCore:
         """
         self.hooks.close()
         self.checkpoints.close()
+        self.optimizer_steps.close()
         if self.core_binding is not None:
             self.core_binding.release()
             self.core_binding = None

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
-from lightning_ddpopt.hooks.powersgd import ERROR_BOUNDS, PowerSGDState, is_adaptive
+from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, is_adaptive
+from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.units import format_bytes
 
 __all__ = [
@@ -75,7 +76,7 @@ NETWORK_ADVICE: dict[str, str] = {
 JITTER_CV = 0.2
 #: Relative compression errors above which a lossy hook is reported as costing quality, by hook family, with an
 #: adaptive optimizer (Adam and its kin) and with others. PowerSGD's are its ``max_error="auto"`` bounds (see
-#: ``hooks.powersgd.ERROR_BOUNDS``); int8's and the casts' lie well above what they lost nothing at on the same
+#: ``hooks.powersgd_config.ERROR_BOUNDS``); int8's and the casts' lie well above what they lost nothing at on the same
 #: benchmark (the docs' comm hooks guide).
 COMPRESSION_ERROR_LIMITS = {
     "powersgd": (ERROR_BOUNDS["adaptive"], ERROR_BOUNDS["other"]),

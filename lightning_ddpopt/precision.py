@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -11,7 +12,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_ddpopt._compat import cpu_has_native_bf16, scaler_scale
 from lightning_ddpopt._validate import require_int
 
-__all__ = ["bf16_supported", "current_loss_scale", "fp16_grad_scaler", "fp16_mixed_precision", "native_bf16"]
+__all__ = [
+    "OptimizerSteps",
+    "bf16_supported",
+    "current_loss_scale",
+    "fp16_grad_scaler",
+    "fp16_mixed_precision",
+    "native_bf16",
+]
 
 
 def fp16_mixed_precision(
@@ -147,3 +155,40 @@ def current_loss_scale(precision_plugin: object | None) -> torch.Tensor | None:
     if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
         return None
     return scaler_scale(scaler)
+
+
+class OptimizerSteps:
+    """Which optimizer steps ran, counted by a step post-hook per optimizer: no read of the device.
+
+    A GradScaler that found inf or NaN gradients skips the step by not calling ``optimizer.step()`` (it read
+    ``found_inf`` on the host to decide); a step post-hook (``Optimizer.register_step_post_hook``) counts the calls,
+    so a skipped step is one whose count did not move. Comparing the loss scale before and after the step instead
+    reads the device, which on a GPU makes the host wait for the optimizer's kernels.
+    """
+
+    def __init__(self) -> None:
+        # Made at the first count, in the rank's process: a launcher pickles the strategy before (spawn).
+        self._counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def count(self, optimizer: object) -> int | None:
+        """The steps ``optimizer`` took so far (from the first call on); ``None`` for an object that is no optimizer."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return None
+        if self._counts is None:
+            self._counts = weakref.WeakKeyDictionary()
+        cell = self._counts.get(optimizer)
+        if cell is None:
+            cell = self._counts[optimizer] = [0]
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: cell.__setitem__(0, cell[0] + 1)))
+        return cell[0]
+
+    def skipped(self, optimizer: object, before: int | None) -> bool:
+        """Whether the step since ``before`` (:meth:`count` before it) did not run."""
+        return before is not None and self.count(optimizer) == before
+
+    def close(self) -> None:
+        """Remove the hooks from the optimizers."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._counts = [], None

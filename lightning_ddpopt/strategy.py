@@ -40,7 +40,7 @@ from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.core import CoreViews, StrategyCore
 from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
 
@@ -282,13 +282,15 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        scale = self._loss_scale() if self._core.local_sgd is not None else None
-        scale_before = scale.detach().clone() if scale is not None else None
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        output, records = self._core.optimizer_step(
+            optimizer,
+            lambda: super(OptimizedDDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs),
+            self.model,
+            self._say,
+            self._rewrap,
+        )
         # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
-        for record in self._core.after_optimizer_step(
-            self.model, scale_before, self._loss_scale(), self._say, self._rewrap
-        ):
+        for record in records:
             self._accumulation.check_syncs_per_step(self.lightning_module, record.sync_rounds, record.micro_batches)
             if record.samples and self.lightning_module is not None:
                 # Assumes every rank runs batches of the same size, as DistributedSampler makes them.

@@ -268,3 +268,28 @@ def test_fp16_on_a_cpu_warns_once_with_its_cost_and_what_is_faster(monkeypatch, 
     else:
         assert message.endswith("where bf16 autocast is as slow: train in fp32 for speed.")
         assert bf16_supported(torch.device("cpu"))[0] is False
+
+
+@pytest.mark.quick
+def test_a_skipped_step_is_told_by_the_optimizers_step_count_without_reading_the_scale():
+    # The GradScaler does not call optimizer.step() when it found inf/NaN: counting the calls tells a skipped step
+    # with no read of the device (comparing the scale before and after would make a GPU host wait).
+    from lightning_ddpopt.precision import OptimizerSteps
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    steps = OptimizerSteps()
+    taken = []
+    for gradient in (1.0, float("inf"), 2.0):
+        before = steps.count(optimizer)
+        scaler.scale((weight * gradient).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        taken.append(not steps.skipped(optimizer, before))
+    assert taken == [True, False, True] and scaler.get_scale() == 2.0
+    assert steps.count(optimizer) == 2 and steps.count(object()) is None and not steps.skipped(object(), None)
+    steps.close()
+    optimizer.step()  # no longer counted: the hook is gone
+    assert steps.count(optimizer) == 0

@@ -22,7 +22,7 @@ import lightning_ddpopt.hooks.install as install_module
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt._groups import destroy_all_groups
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig, PowerSGDState, powersgd_spec
-from lightning_ddpopt.hooks.lowrank import random_q
+from lightning_ddpopt.hooks.orthogonal import random_q
 from tests.helpers import OverflowModel, WarningsProbe, fit_ddp, uninterrupted_and_resumed
 
 BUCKET_CAP_MB = 0.3  # three buckets of two Linear(256, 256) layers each

@@ -51,7 +51,7 @@ from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.core import CoreViews, StrategyCore
 from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
 
@@ -237,13 +237,15 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
                 unscale_once(scaler, optimizer)  # as the Trainer does before on_before_optimizer_step
             for observe in self.before_optimizer_step:
                 observe(optimizer)
-        scale = self._loss_scale() if self._core.local_sgd is not None else None
-        scale_before = scale.detach().clone() if scale is not None else None
-        output = super().optimizer_step(optimizer, **kwargs)
+        output, records = self._core.optimizer_step(
+            optimizer,
+            lambda: super(OptimizedDDPStrategy, self).optimizer_step(optimizer, **kwargs),
+            self.model,
+            rank_zero_info,
+            self._rewrap,
+        )
         self.optimizer_steps += 1
-        for record in self._core.after_optimizer_step(
-            self.model, scale_before, self._loss_scale(), rank_zero_info, self._rewrap
-        ):
+        for record in records:
             self._extra_syncs.check(record.sync_rounds, record.micro_batches)
         return output
 

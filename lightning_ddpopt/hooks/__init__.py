@@ -7,7 +7,9 @@ from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
 from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.powersgd import powersgd_hook
+from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, int8_spec, powersgd_spec
 
 __all__ = [

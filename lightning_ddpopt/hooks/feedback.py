@@ -16,7 +16,7 @@ and a resume into another bucket layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -33,7 +33,7 @@ class SyncRound:
     """One sync round's staged state, committed only if all the reduced values it checked were finite.
 
     ``on_device``: the verdict stays on the device and the commit selects on the device (see
-    :meth:`ErrorFeedbackState._commit_on_device`); ``None``: so for CUDA flags, on the host for CPU ones.
+    :meth:`ErrorFeedbackState._commit`); ``None``: so for CUDA flags, on the host for CPU ones.
     """
 
     def __init__(self, scale: torch.Tensor | None, on_device: bool | None = None) -> None:
@@ -96,6 +96,9 @@ class ErrorFeedbackState(CommHookState):
     _scale_unknown: set[str] = field(default_factory=set, repr=False)
     _backing: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _spare: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: Entries a round committed on the device added or dropped, before its verdict reached the host: ``(table,
+    #: key)`` -> a 0-dim bool tensor, true where the host's commit holds the entry (read at a save: :meth:`_resolve`).
+    _held: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, repr=False)
     #: Rounds skipped on the device and not yet counted in ``skipped_rounds`` (read at a save).
     _skipped_on_device: torch.Tensor | None = field(default=None, repr=False)
     #: Commit on the device even for CPU flags (tests of the GPU path on a CPU); ``None``: for CUDA flags.
@@ -143,6 +146,7 @@ class ErrorFeedbackState(CommHookState):
         self._streams.call(self._settle)
         self._streams.join()
         self._count_skipped()
+        self._resolve()
         return {
             "iteration": self.iteration,
             "skipped_rounds": self.skipped_rounds,
@@ -160,15 +164,16 @@ class ErrorFeedbackState(CommHookState):
         self.errors = dict(errors)
         self._backing, self._spare = {}, {}
         self.error_scales = {name: torch.tensor(scale, dtype=torch.float32) for name, scale in scales.items()}
-        # Saved by a release that did not record loss scales: the errors are in their own step's units, which
-        # are taken to be this run's (added as they are) until the next commit replaces them.
+        # Saved by a release that did not record loss scales: each error is taken to be in the units of the first
+        # round that adds it (added as it is), and kept in them (:meth:`stored_error`).
         self._scale_unknown = set() if "error_scales" in state else set(errors)
         self._round = self._sealed = None
+        self._held = {}
 
     def _drop_errors(self) -> None:
         self.errors, self.error_scales, self._scale_unknown = {}, {}, set()
         self._round = self._sealed = None
-        self._backing, self._spare = {}, {}
+        self._backing, self._spare, self._held = {}, {}, {}
 
     def error_buffer(
         self, round_: SyncRound, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -209,57 +214,44 @@ class ErrorFeedbackState(CommHookState):
                 self._settle()
 
     def _settle(self) -> None:
-        """Commit the sealed round's state if all its checked values were finite; drop it otherwise."""
+        """Commit the sealed round, if any (see :meth:`_commit`)."""
         round_, self._sealed = self._sealed, None
         if round_ is None:
             return
         if round_._finite is None:
             round_.seal()
+        self._commit(round_)
+
+    def _commit(self, round_: SyncRound) -> None:
+        """Make the round's state the stored one if every value it checked was finite: one rule, on host and device.
+
+        On the host (a CPU verdict) the verdict is read: a finite round's errors, loss scales and shared state
+        replace the stored ones (and errors of tensors it sent exactly are dropped); a non-finite round leaves the
+        state untouched and is counted. On the device (a CUDA verdict, never read on the host) the same rule is
+        applied by selection: each value the round writes becomes, in place, ``where(finite, new, stored)``, and an
+        entry the round adds or drops stays in its table with its presence as a flag on the device (an absent
+        error holds zeros, which add nothing). :meth:`_resolve` reads the flags at a save: both paths train on the
+        same values and save the same state, bit for bit. Skipped rounds are counted on the device meanwhile.
+        """
+        finite: torch.Tensor | None = None
         if round_.on_device:
-            self._commit_on_device(round_)
-            return
-        if not round_.finite():
+            finite = round_.verdict
+            skipped = (~finite).to(torch.int64)
+            self._skipped_on_device = skipped if self._skipped_on_device is None else self._skipped_on_device + skipped
+        elif not round_.finite():
             self.skipped_rounds += 1
             self._spare.update(round_.buffers)
             return
-        self._commit(round_)
-
-    def _commit_on_device(self, round_: SyncRound) -> None:
-        """Commit the round whatever its verdict, selecting on the device: no host sync on a GPU.
-
-        Each new error becomes, in place, ``where(finite, new, committed)`` (zero where nothing was committed, which
-        adds nothing), each loss scale likewise, so a non-finite round commits a copy of the state before it: the
-        same values the host's decision keeps. Skipped rounds are counted on the device and added to
-        ``skipped_rounds`` at a save.
-        """
-        finite = round_.verdict
-        scales: dict[str, torch.Tensor] = {}
         for name, new in round_.errors.items():
-            old = self.errors.get(name)
-            if old is not None and old.shape == new.shape and old.device == new.device:
-                torch.where(finite, new, old, out=new)
-            else:
-                new.masked_fill_(~finite, 0)
-            old_scale = self.error_scales.get(name)
+            self._put("errors", name, new, finite, lambda like: torch.zeros_like(like))
             if round_.scale is not None:
-                kept = old_scale if old_scale is not None else round_.scale
-                scales[name] = torch.where(finite, round_.scale, kept.to(round_.scale.device))
-        skipped = (~finite).to(torch.int64)
-        self._skipped_on_device = skipped if self._skipped_on_device is None else self._skipped_on_device + skipped
-        self._select_shared(round_, finite)
-        self._commit(round_, scales)
-
-    def _select_shared(self, round_: SyncRound, finite: torch.Tensor) -> None:
-        """For hooks with state shared by every rank (PowerSGD's Q memories): select it on the device as above."""
-
-    def _count_skipped(self) -> None:
-        if self._skipped_on_device is not None:
-            self.skipped_rounds += int(self._skipped_on_device)
-            self._skipped_on_device = None
-
-    def _commit(self, round_: SyncRound, scales: dict[str, torch.Tensor] | None = None) -> None:
-        """Make the round's errors the stored ones (``scales``: each error's loss scale, else the round's)."""
-        self.errors.update(round_.errors)
+                self._put("scales", name, round_.scale, finite, lambda scale: scale, in_place=False)
+            else:
+                self._drop("scales", name, finite)
+        for name in round_.sent_exactly:  # no compression error: nothing to feed back any more
+            self._drop("errors", name, finite)
+            self._drop("scales", name, finite)
+        self._commit_shared(round_, finite)
         # A key's previous buffer backs no error any more (this round's errors under the key replaced all of them):
         # it is the next round's to write. Keys this round did not use (an earlier bucket layout) are forgotten, so
         # their buffers are freed once no error refers to them.
@@ -267,15 +259,78 @@ class ErrorFeedbackState(CommHookState):
         self._spare = {
             key: previous[key] for key in round_.buffers if key in previous and previous[key] is not round_.buffers[key]
         }
-        for name in round_.sent_exactly:  # no compression error: nothing to feed back any more
-            self.errors.pop(name, None)
-            self.error_scales.pop(name, None)
-        for name in round_.errors:
-            self._scale_unknown.discard(name)
-            if round_.scale is None:
-                self.error_scales.pop(name, None)
-            else:
-                self.error_scales[name] = scales[name] if scales is not None else round_.scale
+
+    def _commit_shared(self, round_: SyncRound, finite: torch.Tensor | None) -> None:
+        """Commit state shared by every rank (PowerSGD's Q memories) by :meth:`_commit`'s rule (``None``: finite)."""
+
+    def _tables(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The tables a round commits into, by name (for :meth:`_put`, :meth:`_drop` and :meth:`_resolve`)."""
+        return {"errors": self.errors, "scales": self.error_scales}
+
+    def _put(
+        self,
+        table: str,
+        key: str,
+        new: torch.Tensor,
+        finite: torch.Tensor | None,
+        absent: Callable[[torch.Tensor], torch.Tensor],
+        in_place: bool = True,
+    ) -> None:
+        """Store ``new`` under ``key`` in ``table``: if the round was finite (``None``: known to be), else keep.
+
+        On the device ``new`` becomes ``where(finite, new, stored)`` (``absent(new)`` where nothing is stored: a
+        value equivalent to no entry), in place unless ``in_place`` is false, and the entry's presence is held.
+        """
+        store = self._tables()[table]
+        if finite is not None:
+            old = store.get(key)
+            held = self._held.get((table, key))
+            known = old is not None and old.shape == new.shape
+            kept = old.to(new.device) if known and old is not None else absent(new)
+            new = torch.where(finite, new, kept, out=new) if in_place else torch.where(finite, new, kept)
+            if not known:
+                self._held[(table, key)] = finite
+            elif held is not None:
+                self._held[(table, key)] = finite | held
+        else:
+            self._held.pop((table, key), None)
+        store[key] = new
+
+    def _drop(self, table: str, key: str, finite: torch.Tensor | None) -> None:
+        """Drop ``key``'s entry from ``table`` if the round was finite (``None``: known to be), else keep it.
+
+        On the device an error becomes zeros where the round was finite (a new tensor: the old one may lie in a
+        buffer the next round writes) and the entry's presence is held.
+        """
+        store = self._tables()[table]
+        old = store.get(key)
+        if old is None:
+            return
+        if finite is None:
+            del store[key]
+            self._held.pop((table, key), None)
+            return
+        if table == "errors":
+            store[key] = torch.where(finite, torch.zeros_like(old), old)
+        held = self._held.get((table, key))
+        self._held[(table, key)] = ~finite if held is None else ~finite & held
+
+    def _resolve(self) -> None:
+        """Read the presence of the entries held on the device (one host read) and drop the absent ones."""
+        if not self._held:
+            return
+        held, self._held = self._held, {}
+        device = next(iter(held.values())).device
+        present = torch.stack([flag.to(device) for flag in held.values()]).tolist()
+        tables = self._tables()
+        for (table, key), keep in zip(held, present, strict=True):
+            if not keep:
+                tables[table].pop(key, None)
+
+    def _count_skipped(self) -> None:
+        if self._skipped_on_device is not None:
+            self.skipped_rounds += int(self._skipped_on_device)
+            self._skipped_on_device = None
 
     def add_error_feedback(
         self, round_: SyncRound, names: list[str], gradients: list[torch.Tensor]
@@ -312,8 +367,14 @@ class ErrorFeedbackState(CommHookState):
         if error.device != target.device:
             error = self.errors[name] = error.to(target.device)
         error = error.reshape(target.shape)
+        if name in self._scale_unknown:
+            # Saved without its loss scale: taken to be in this round's units, and kept in them from now on.
+            self._scale_unknown.discard(name)
+            if round_.scale is not None:
+                self.error_scales[name] = round_.scale
+            return error, None
         stored = self.error_scales.get(name)
-        if stored is None and (round_.scale is None or name in self._scale_unknown):
+        if stored is None and round_.scale is None:
             return error, None
         current = round_.scale if round_.scale is not None else torch.ones((), device=target.device)
         ratio = current / (stored.to(target.device) if stored is not None else 1.0)

@@ -47,15 +47,8 @@ import torch.distributed as dist
 from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.hooks.int8_codec import all_gather_async
 from lightning_ddpopt.hooks.lowrank import decompress
-from lightning_ddpopt.hooks.powersgd import (
-    RANK_DECISION_LAG,
-    PowerSGDState,
-    allreduce_mean_inplace,
-    completed,
-    compress_listed,
-    dispatch,
-    write_back,
-)
+from lightning_ddpopt.hooks.powersgd import allreduce_mean_inplace, completed, compress_listed, dispatch, write_back
+from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.topology import TierGroups
 
 __all__ = ["HierarchicalPowerSGDState", "hierarchical_powersgd_hook"]
@@ -128,22 +121,22 @@ class HierarchicalPowerSGDState(PowerSGDState):
         assert self.tiers is not None
         return {**asdict(self.config), "tiers": self.tiers.topology.layout()}
 
-    def send_probe(self, device: torch.device | None = None) -> None:
-        """At the round's last bucket: sum the round's measurement over the cross-node group, then the node.
+    def send_measurement(self, device: torch.device | None = None) -> None:
+        """At the round's last bucket: sum the round's error measurement over the cross-node group, then the node.
 
         Every rank takes part while the round measures, with zeros where it compressed nothing.
 
         Args:
             device: where a rank that compressed nothing makes its zeros.
         """
-        sums, self._probe_sums = self._probe_sums, None
+        sums = self.ranks.take()
         if sums is None:
             return
         assert self.tiers is not None
         total = sums[0].clone() if sums else torch.zeros(2, dtype=torch.float64, device=device)
         self.wait(dist.all_reduce(total, group=self.tiers.cross, async_op=True))
         work = dist.all_reduce(total, group=self.tiers.intra, async_op=True)
-        self._probe = (DeferredRead(total, work), self.iteration + RANK_DECISION_LAG)
+        self.ranks.expect(DeferredRead(total, work), self.iteration)
 
 
 def hierarchical_powersgd_hook(
@@ -171,7 +164,7 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
     mine = [index for index, owner in enumerate(owners) if owner == state.local_rank]
     compressing = state.iteration >= state.config.start_iter
     if compressing and bucket.index() == 0:
-        state.adapt_rank()
+        state.ranks.adapt(state.iteration)
     layout = _payload_layout(state, gradients, owners, compressing)
     state.record_wire_bytes(bucket, 0)  # between nodes: what it owns, if anything, is added as it is sent
     sent_inside = _node_mean(state, gradients, owners, mine) + max(layout.sizes)  # the all-to-all, then the gather
@@ -196,7 +189,7 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
         state.record_tier_seconds(bucket.index(), between - start + time.perf_counter() - inside, intra_node=True)
         state.record_tier_seconds(bucket.index(), inside - between, intra_node=False)
     if bucket.is_last():
-        state.send_probe(buffer.device)
+        state.send_measurement(buffer.device)
         state._close_round()
     state.add_seconds(time.perf_counter() - start)
     return completed(buffer)

@@ -28,7 +28,8 @@ from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hier
 from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
 from lightning_ddpopt.hooks.island import IslandState, island_hook
-from lightning_ddpopt.hooks.powersgd import CPUKernels, PowerSGDConfig, PowerSGDState, local_cpu_kernels
+from lightning_ddpopt.hooks.powersgd_config import CPUKernels, PowerSGDConfig, local_cpu_kernels
+from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
     WRITTEN_FOR_BACKENDS,

@@ -10,8 +10,6 @@ torch's thread count.
 from __future__ import annotations
 
 import math
-import zlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,13 +18,11 @@ from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks.base import squared_norm
 from lightning_ddpopt.hooks.feedback import SyncRound, fed_back_sq
+from lightning_ddpopt.hooks.orthogonal import orthogonalize, random_q
+from lightning_ddpopt.hooks.powersgd_config import MATRIX_DTYPES
+from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 
-if TYPE_CHECKING:
-    from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
-
-__all__ = ["MATRIX_DTYPES", "decompress", "low_rank_allreduce", "random_q"]
-
-MATRIX_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["decompress", "low_rank_allreduce"]
 # Values of M per row block of the one-thread error-and-decompression pass: 32768 fp32 values, 128 KiB.
 _CACHE_BLOCK_ELEMENTS = 32768
 
@@ -78,12 +74,12 @@ def low_rank_allreduce(
                 m.add_(error) if ratio is None else m.addcmul_(error, ratio)
         local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
     # The matrices hold the error fed back now: what the compression is given.
-    probing = state.probing
-    given_sq = squared_norm(*matrices) if state.measuring or probing else None
+    measuring_error = state.ranks.measuring
+    given_sq = squared_norm(*matrices) if state.measuring or measuring_error else None
     ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
     finite = round_.check(ps)
     for p in ps:
-        _orthogonalize(p, config.orthogonalization_epsilon, fused)
+        orthogonalize(p, config.orthogonalization_epsilon, fused)
         # A non-finite local M makes the reduced P non-finite on every rank: hand back NaN everywhere, so the
         # overflow is seen (and the step skipped) on every rank alike.
         p.masked_fill_(~finite, math.nan)
@@ -109,29 +105,14 @@ def low_rank_allreduce(
     if given_sq is not None:
         # Without error feedback no error is formed: M - P P^T M is orthogonal to P P^T M, whose norm is local Q's.
         dropped_sq = squared_norm(*errors) if errors else (given_sq - squared_norm(*local_qs)).clamp_(min=0)
-        if probing:
-            state.add_probe(given_sq, dropped_sq)
+        if measuring_error:
+            state.ranks.add(given_sq, dropped_sq)
         if state.measuring:
             fed_back = fed_back if fed_back is not None else fed_back_sq(feedback)
             state.record_compression(bucket, given_sq, dropped_sq, fed_back)
     if config.warm_start:
         round_.q_memories.update(zip(keys, qs, strict=True))
     return errors
-
-
-def random_q(
-    config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int], loops: bool = False
-) -> torch.Tensor:
-    """The orthonormal start of the power iteration, seeded by (seed, iteration, key): the same on every rank.
-
-    Drawn by the CPU generator: a GPU's generator spreads its draws over the device's multiprocessors, so GPUs of
-    different models could draw different values.
-    """
-    # The CPU generator keeps only a seed's low 32 bits, so all three go through one 32-bit hash.
-    seed = zlib.crc32(f"{config.seed}/{iteration}/{key}".encode())
-    q = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    _orthogonalize(q, config.orthogonalization_epsilon, loops)
-    return q
 
 
 def decompress(state: PowerSGDState, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
@@ -197,24 +178,3 @@ def _allreduce_matrices(
         out.append(flat[offset : offset + m.numel()].view_as(m))
         offset += m.numel()
     return out
-
-
-def _orthogonalize(matrix: torch.Tensor, epsilon: float, loops: bool = False) -> None:
-    """Make the columns of ``matrix`` orthonormal, in place, computing in fp32.
-
-    ``loops``: through numba's loop, the same bits whatever the thread count.
-    """
-    if loops and _kernels.fits(matrix):
-        _kernels.orthogonalize(matrix, epsilon)
-        return
-    work = matrix.float()
-    if epsilon == 0:
-        work = torch.linalg.qr(work, mode="reduced").Q
-    else:
-        for i in range(work.shape[1]):
-            column = work[:, i : i + 1]
-            column.div_(column.norm() + epsilon)
-            if i + 1 < work.shape[1]:
-                rest = work[:, i + 1 :]
-                rest.sub_(column @ (column.t() @ rest))
-    matrix.copy_(work)

@@ -13,7 +13,9 @@ import torch.distributed as dist
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import ERROR_BOUNDS, PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.powersgd import powersgd_hook
+from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.precision import native_bf16
 

@@ -129,16 +129,9 @@ class LocalSGDDriver:
         if not sync:
             model.require_forward_param_sync = False
 
-    def after_optimizer_step(
-        self, scale_before: torch.Tensor | None, scale: torch.Tensor | None, ledger: CommLedger | None
-    ) -> None:
-        """Count the optimizer step (skipped if the GradScaler backed off) and record its sync in the ledger.
-
-        ``scale_before`` / ``scale``: the loss scale before and after the step (a GradScaler backs off exactly when
-        it skipped the step; a host read, only with fp16 AMP).
-        """
+    def after_optimizer_step(self, skipped: bool, ledger: CommLedger | None) -> None:
+        """Count the optimizer step (``skipped``: the GradScaler skipped it) and record its sync in the ledger."""
         assert self.loop is not None
-        skipped = scale_before is not None and scale is not None and bool(scale < scale_before)
         start = ledger.timeline.mark() if ledger is not None else None
         sync = self.loop.after_optimizer_step(skipped)
         if sync is not None and ledger is not None and start is not None:
