@@ -7,20 +7,17 @@ See :mod:`lightning_ddpopt.localsgd` for the method; :class:`LocalSGD` is driven
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt.hooks._kernels import available as loops_available
-from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import squared_norm
 from lightning_ddpopt.hooks.feedback import config_mismatch
-from lightning_ddpopt.hooks.int8_codec import all_gather_async, packed_size, quantize_packed, reduce_and_requantize
-from lightning_ddpopt.hooks.streams import SideStreams
 from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
+from lightning_ddpopt.localsgd.int8_mean import Int8Mean
+from lightning_ddpopt.localsgd.shard import Shard
 
 __all__ = ["LocalSGD", "ParameterSync"]
 
@@ -47,7 +44,7 @@ class ParameterSync:
 class _InFlight:
     """A sync started and not applied yet: what carries the mean change, and when to apply it.
 
-    ``wire``: the mean change (all-reduced, or restored from a checkpoint), or with int8 every rank's packed row.
+    ``wire``: the mean change (all-reduced, or restored from a checkpoint), or with int8 the gathered packed rows.
     ``own_sq``: the squared norm of this rank's change (``None`` when restored from a checkpoint).
     """
 
@@ -95,11 +92,13 @@ class LocalSGD:
         #: The replicas whose changes a sync averages (the size of :attr:`process_group`).
         self.replicas = dist.get_world_size(process_group)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
-        if island is None:
-            self._lay_out(1, 0)
-        else:
-            self._lay_out(dist.get_world_size(island), dist.get_rank(island) if place is None else place)
+        # int8 shards split into whole blocks, one chunk per replica (the reduce-scatter shape).
+        self._unit = self.replicas * INT8_BLOCK if self.config.compression == "int8" else 1
+        #: This rank's shard of the parameters (without an island: the whole model).
+        self.layout = Shard(self.params, None, 1, 0, self._unit)
+        if island is not None:
+            place = dist.get_rank(island) if place is None else place
+            self.layout = Shard(self.params, island, dist.get_world_size(island), place, self._unit)
         self.steps = 0
         self.syncs = 0
         self.skipped_inner_steps = 0
@@ -115,25 +114,9 @@ class LocalSGD:
         self._work: torch.Tensor | None = None
         self._in_flight: _InFlight | None = None
         self._wire: torch.Tensor | None = None
-        self._int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._stage: torch.Tensor | None = None
-        self._full: torch.Tensor | None = None
-        self._worker: Worker | None = None  # a CPU's second int8 stage while a sync travels
-        self._side = SideStreams()  # a GPU's
+        self._int8 = Int8Mean(self.process_group, self.replicas) if self.config.compression == "int8" else None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
-
-    def _lay_out(self, island_size: int, island_rank: int) -> None:
-        """This rank's shard: island rank ``island_rank`` of ``island_size``."""
-        self.island_size = island_size
-        # int8 shards split into whole blocks, one chunk per replica (the reduce-scatter shape).
-        unit = self.replicas * INT8_BLOCK if self.config.compression == "int8" else 1
-        #: Values of every island rank's shard, zero-padded (int8: to whole blocks, a chunk per replica).
-        self.shard_size = -(-self.numel // (island_size * unit)) * unit
-        start = min(self.numel, island_rank * self.shard_size)
-        #: This rank's shard of the flattened parameters, ``[start, stop)``.
-        self.shard = (start, min(self.numel, start + self.shard_size))
-        self._pieces = _pieces(self.params, *self.shard)
 
     def unshard(self) -> None:
         """Hold the whole anchor and outer momentum on every rank and leave the island (at the end of training).
@@ -144,12 +127,14 @@ class LocalSGD:
         if self.island is None:
             return
         assert self._in_flight is None, "finish() applies a travelling sync first"
-        anchor = None if self.anchor is None else self._gather(self.anchor).clone()
-        momentum = None if self.momentum is None else self._gather(self.momentum).clone()
+        anchor = None if self.anchor is None else self.layout.gather(self.anchor).clone()
+        momentum = None if self.momentum is None else self.layout.gather(self.momentum).clone()
         self.island = None
-        self._lay_out(1, 0)
+        self.layout = Shard(self.params, None, 1, 0, self._unit)
         self.anchor, self.momentum = anchor, momentum
-        self._work = self._wire = self._int8 = self._stage = self._full = None
+        self._work = self._wire = None
+        if self._int8 is not None:
+            self._int8.release()
 
     @property
     def sharded(self) -> bool:
@@ -192,7 +177,7 @@ class LocalSGD:
         if not self.local:
             return True
         if self.anchor is None:  # identical on every rank: DDP synced them until now (or broadcast them at start)
-            self.anchor = self._shard_of_parameters()
+            self.anchor = self.layout.values()
             self._allocate()
         return False
 
@@ -213,16 +198,10 @@ class LocalSGD:
             # The same first outer step as no momentum yet: 0.9 x 0 + change is the change, bit for bit.
             self.momentum = torch.zeros_like(self.anchor)
         if self.island is not None:
-            self._gather_buffers()
-        if self.config.compression == "int8":
-            send, received, _ = self._int8_buffers()
-            # With numba, its loops compile at their first call (about half a second): here, not in the first sync.
-            chunk = self.shard_size // self.replicas
-            quantize_packed(self._int8_blocks()[: chunk // INT8_BLOCK], out=send[:1])
-            reduce_and_requantize(received, chunk, INT8_BLOCK, loops=self._loops)
-            if self.config.overlap_steps and self._worker is None and self.anchor.device.type == "cpu":
-                # The reduced chunks' all-gather starts as soon as the chunks arrive, while the ranks train on.
-                self._worker = Worker("ddpopt-local-sgd")
+            self.layout.buffers(self.anchor.device)
+        if self._int8 is not None:
+            assert self._work is not None
+            self._int8.prepare(self._work, overlapped=bool(self.config.overlap_steps))
 
     def after_optimizer_step(self, skipped: bool = False) -> ParameterSync | None:
         """Count one optimizer step call (``skipped``: the GradScaler skipped it); sync if one is due."""
@@ -250,16 +229,15 @@ class LocalSGD:
 
     def _start_sync(self) -> None:
         """Start sending the parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies its mean."""
-        delta = self._local_change()
+        assert self.anchor is not None
+        delta = self.layout.change(self.anchor, self._work_buffer())
         own_sq = squared_norm(delta)
         work: dist.Work | None
-        if self.config.compression == "int8":
-            work, wire, sent = self._int8_start(delta)
-            started, work, worker = work, None, self._worker
-            if worker is not None:  # the second stage on the worker, as soon as the chunks arrive
-                worker.submit(lambda: self._int8_finish(started))
-            else:  # on CUDA on a side stream, whose waits hold back nothing the training stream queues
-                self._side.run(delta, lambda: self._int8_finish(started))
+        if self._int8 is not None:
+            assert self._work is not None
+            started, wire, sent = self._int8.start(self._work)
+            self._int8.finish_beside(started, self._work, delta.numel())
+            work = None
         else:
             wire = self._wire_buffer()
             wire.copy_(delta.div_(self.replicas))  # divided before a half-precision cast
@@ -272,9 +250,8 @@ class LocalSGD:
         if in_flight.work is not None:
             in_flight.work.wait()
             in_flight.work = None
-        if in_flight.wire.dtype == torch.int8:
-            self._drain()
-            self._side.join()
+        if self._int8 is not None and in_flight.wire.dtype == torch.int8:
+            self._int8.wait()
             return self._work_buffer()
         return self._work_buffer().copy_(in_flight.wire)
 
@@ -284,8 +261,7 @@ class LocalSGD:
 
     def close(self) -> bool:
         """Stop the worker thread of int8's overlapped syncs (at teardown); False if it is still busy."""
-        worker, self._worker = self._worker, None
-        return worker is None or worker.stop()
+        return self._int8 is None or self._int8.close()
 
     def drop_shards(self) -> None:
         """Forget a sharded outer state that training ended without gathering (a failure): it covers 1/M of the model.
@@ -308,7 +284,7 @@ class LocalSGD:
         drift = None if in_flight.own_sq is None else self._drift(in_flight.own_sq, mean)
         self._outer_step(mean, outer_step=True)
         # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
-        self._load_parameters(self._full_anchor(), weight=1 - self.config.overlap_mixing)
+        self.layout.load(self.layout.gather(self.anchor), weight=1 - self.config.overlap_mixing)
         buffer_bytes = self._sync_buffers()
         self.syncs += 1
         # The parameters hold part of the window the sync carried and the steps since it started; only with
@@ -350,12 +326,12 @@ class LocalSGD:
         assert self.anchor is not None
         anchor = self.anchor
         start = time.perf_counter()
-        delta = self._local_change()
+        delta = self.layout.change(self.anchor, self._work_buffer())
         own_sq = squared_norm(delta)
         wire_bytes = self._mean_inplace(delta)
         drift = self._drift(own_sq, delta)
         self._outer_step(delta, outer_step)
-        self._load_parameters(self._full_anchor())
+        self.layout.load(self.layout.gather(self.anchor))
         buffer_bytes = self._sync_buffers()
         self._steps_off_anchor = 0
         return ParameterSync(
@@ -402,53 +378,6 @@ class LocalSGD:
             self._wire = torch.zeros(self.anchor.numel(), dtype=dtype, device=self.anchor.device)
         return self._wire
 
-    def _int8_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """int8's packed rows, kept between syncs: sent, received and gathered.
-
-        This rank's chunks for each replica, theirs of this rank's chunk, and every replica's reduced chunk: each a
-        byte per value of the shard, and the scales.
-        """
-        assert self._work is not None
-        device = self._work.device
-        if self._int8 is None or self._int8[0].device != device:
-            row = packed_size(self.shard_size // self.replicas, INT8_BLOCK)
-            self._int8 = tuple(  # type: ignore[assignment]
-                torch.zeros(self.replicas, row, dtype=torch.int8, device=device) for _ in range(3)
-            )
-        assert self._int8 is not None
-        return self._int8
-
-    def _gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What an island rank's shard of the anchor travels in (fp32, padded) and the whole anchor it gathers into.
-
-        Kept on a CPU (written once at allocation: see :meth:`_allocate`); on a GPU the whole anchor is allocated for
-        each sync only, not held through the steps, whose activations need the memory.
-        """
-        assert self.anchor is not None
-        device = self.anchor.device
-        if self._stage is None or self._stage.device != device:
-            self._stage = torch.zeros(self.shard_size, device=device)
-        full = self._full
-        if full is None or full.device != device:
-            keep = device.type == "cpu"
-            full = (torch.zeros if keep else torch.empty)(self.island_size * self.shard_size, device=device)
-            self._full = full if keep else None
-        return self._stage, full
-
-    def _full_anchor(self) -> torch.Tensor:
-        """The whole model's anchor: this rank's shard, or (in an island) every island rank's, gathered."""
-        assert self.anchor is not None
-        if self.island is None:
-            return self.anchor
-        return self._gather(self.anchor)
-
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every island rank's ``shard`` end to end (the whole model's values, fp32); a collective on the island."""
-        stage, full = self._gather_buffers()
-        stage[: shard.numel()].copy_(shard)
-        all_gather_async(full, stage, self.island).wait()
-        return full[: self.numel]
-
     def _work_buffer(self) -> torch.Tensor:
         """The unpadded part of the shard-sized fp32 buffer kept between syncs (int8: zero-padded to whole chunks).
 
@@ -456,7 +385,7 @@ class LocalSGD:
         """
         assert self.anchor is not None
         if self._work is None or self._work.device != self.anchor.device:
-            self._work = torch.zeros(self.shard_size, device=self.anchor.device)
+            self._work = torch.zeros(self.layout.size, device=self.anchor.device)
         return self._work[: self.anchor.numel()]
 
     @property
@@ -497,7 +426,7 @@ class LocalSGD:
 
     def _whole(self, shard: torch.Tensor) -> torch.Tensor:
         """A copy of the whole model's values of ``shard`` on the CPU (in an island: gathered from its ranks)."""
-        whole = shard if self.island is None else self._gather(shard.float())
+        whole = self.layout.gather(shard.float()) if self.island is not None else shard
         return whole.detach().cpu().clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
@@ -509,12 +438,11 @@ class LocalSGD:
         if reason is not None:
             return f"{reason}; the outer loop starts afresh from the weights"
         anchor, momentum = state["anchor"], state["momentum"]
-        if anchor is not None and anchor.numel() != self.numel:
-            return (
-                f"the saved anchor has {anchor.numel()} values and the model {self.numel}; the outer loop starts afresh"
-            )
+        if anchor is not None and anchor.numel() != self.layout.numel:
+            numel = self.layout.numel
+            return f"the saved anchor has {anchor.numel()} values and the model {numel}; the outer loop starts afresh"
         device = self.params[0].device
-        start, stop = self.shard
+        start, stop = self.layout.bounds
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
         self.anchor = None if anchor is None else anchor[start:stop].to(device, torch.float32).clone()
         self.momentum = None if momentum is None else momentum[start:stop].to(device, torch.float32).clone()
@@ -533,9 +461,10 @@ class LocalSGD:
 
     def _mean_inplace(self, delta: torch.Tensor) -> int:
         """The mean of ``delta`` over the replicas, sent as the config says, into ``delta``; the bytes sent."""
-        if self.config.compression == "int8":
-            work, _, sent = self._int8_start(delta)
-            self._int8_finish(work)
+        if self._int8 is not None:
+            assert self._work is not None and delta.data_ptr() == self._work.data_ptr()
+            work, _, sent = self._int8.start(self._work)
+            self._int8.finish(work, self._work, delta.numel())
             return sent
         # Divided by the replicas before a half-precision cast: no overflow of the sum where the mean would not.
         delta.div_(self.replicas)
@@ -544,86 +473,6 @@ class LocalSGD:
         if wire is not delta:
             delta.copy_(wire)
         return wire.numel() * wire.element_size()
-
-    def _int8_start(self, delta: torch.Tensor) -> tuple[dist.Work, torch.Tensor, int]:
-        """Quantise ``delta / replicas`` (in the work buffer) in chunks, one per replica, and start sending them.
-
-        Returns the all-to-all, the gathered rows it will be reduced into (the in-flight marker) and the bytes.
-        """
-        assert self._work is not None and delta.data_ptr() == self._work.data_ptr()
-        send, received, gathered = self._int8_buffers()
-        blocks = self._int8_blocks().div_(self.replicas)  # the padding stays zero
-        rows = blocks.shape[0] // self.replicas
-        for replica in range(self.replicas):
-            quantize_packed(blocks[replica * rows : (replica + 1) * rows], out=send[replica : replica + 1])
-        work = dist.all_to_all_single(received, send, group=self.process_group, async_op=True)
-        assert work is not None
-        return work, gathered, send.numel()
-
-    def _int8_finish(self, work: dist.Work) -> None:
-        """Sum the replicas' chunks of this rank's chunk, quantise the sum, gather every chunk, dequantise them all.
-
-        Every rank dequantises the same gathered bytes into the work buffer: the same mean everywhere.
-        """
-        _, received, gathered = self._int8_buffers()
-        work.wait()
-        chunk = self.shard_size // self.replicas
-        own = reduce_and_requantize(received, chunk, INT8_BLOCK, loops=self._loops)
-        all_gather_async(gathered.view(-1), own.view(-1), self.process_group).wait()
-        payloads, scales = gathered[:, :chunk], gathered[:, chunk:].contiguous().view(torch.float32)
-        rows = self._int8_blocks().view(self.replicas, -1, INT8_BLOCK)
-        rows.copy_(payloads.view(rows.shape)).mul_(scales.unsqueeze(-1))
-        # 0 x a non-finite scale is not 0: the padding must stay zero.
-        assert self._work is not None and self.anchor is not None
-        self._work[self.anchor.numel() :].zero_()
-
-    @property
-    def _loops(self) -> bool:
-        return loops_available() and self._work is not None and self._work.device.type == "cpu"
-
-    def _drain(self) -> None:
-        """Wait for the worker's second int8 stage; a failure there fails here."""
-        worker = self._worker
-        if worker is not None:
-            worker.drain()
-            if worker.failed is not None:
-                raise RuntimeError("ddpopt: local SGD's int8 sync failed on its worker thread") from worker.failed
-
-    def _int8_blocks(self) -> torch.Tensor:
-        """The work buffer as rows of one int8 block each: the change and its zero padding."""
-        assert self._work is not None
-        return self._work.view(-1, INT8_BLOCK)
-
-    def _shard_of_parameters(self) -> torch.Tensor:
-        """This rank's shard of the parameters, end to end, in fp32."""
-        start, stop = self.shard
-        anchor = torch.empty(stop - start, device=self.params[0].device)
-        for p, p_start, p_stop, offset in self._pieces:
-            anchor[offset : offset + p_stop - p_start].copy_(p.detach().reshape(-1)[p_start:p_stop])
-        return anchor
-
-    def _local_change(self) -> torch.Tensor:
-        """``anchor - params`` of the shard in the kept work buffer, straight from the parameters (one pass)."""
-        assert self.anchor is not None
-        delta = self._work_buffer()
-        for p, p_start, p_stop, offset in self._pieces:
-            end = offset + p_stop - p_start
-            torch.sub(self.anchor[offset:end], p.detach().reshape(-1)[p_start:p_stop], out=delta[offset:end])
-        return delta
-
-    def _load_parameters(self, flat: torch.Tensor, weight: float = 1.0) -> None:
-        """Copy ``flat`` (the whole model) into the parameters, or move them ``weight`` of the way to it (``lerp``)."""
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                values = flat[offset : offset + p.numel()].view_as(p)
-                if weight == 1.0:
-                    p.copy_(values)
-                elif p.dtype == values.dtype:
-                    p.lerp_(values, weight)
-                else:  # mixed in fp32, rounded to the parameter's dtype once
-                    p.copy_(p.float().lerp_(values, weight))
-                offset += p.numel()
 
     def _sync_buffers(self) -> int:
         """Average floating-point buffers (or broadcast them) over every rank, broadcast the others; the bytes sent.
@@ -634,7 +483,7 @@ class LocalSGD:
         groups = [self.process_group] if self.island is None else [self.island, self.process_group]
         for buffer in self.module.buffers():
             if buffer.is_floating_point() and self.config.buffers == "average":
-                buffer.div_(self.replicas * self.island_size)
+                buffer.div_(self.replicas * self.layout.island_size)
                 for group in groups:
                     dist.all_reduce(buffer, group=group)
             else:
@@ -642,17 +491,6 @@ class LocalSGD:
                     dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0)
             sent += buffer.numel() * buffer.element_size()
         return sent
-
-
-def _pieces(params: Sequence[torch.Tensor], start: int, stop: int) -> list[tuple[torch.Tensor, int, int, int]]:
-    """The parameters' parts in ``[start, stop)`` of their flattening: ``(param, from, to, offset in the shard)``."""
-    pieces, offset = [], 0
-    for p in params:
-        low, high = max(start, offset), min(stop, offset + p.numel())
-        if low < high:
-            pieces.append((p, low - offset, high - offset, low - start))
-        offset += p.numel()
-    return pieces
 
 
 def _saved_config(config: LocalSGDConfig) -> dict[str, Any]:
