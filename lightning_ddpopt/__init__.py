@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from lightning_ddpopt import fabric
     from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
     from lightning_ddpopt.hooks import COMM_HOOKS
-    from lightning_ddpopt.ledger import CommLedger, StepRecord
+    from lightning_ddpopt.ledger import CommLedger
     from lightning_ddpopt.localsgd import LocalSGDConfig
     from lightning_ddpopt.precision import fp16_mixed_precision
+    from lightning_ddpopt.records import StepRecord
     from lightning_ddpopt.strategy import OptimizedDDPStrategy
 
 #: Each public name and the module it comes from.
@@ -30,7 +31,7 @@ _PUBLIC = {
     "CommProfiler": "lightning_ddpopt.callbacks",
     "LocalSGDConfig": "lightning_ddpopt.localsgd",
     "OptimizedDDPStrategy": "lightning_ddpopt.strategy",
-    "StepRecord": "lightning_ddpopt.ledger",
+    "StepRecord": "lightning_ddpopt.records",
     "StragglerDetector": "lightning_ddpopt.callbacks",
     "fp16_mixed_precision": "lightning_ddpopt.precision",
 }

@@ -8,6 +8,8 @@ exercises each against the installed releases; CI runs it on the oldest and newe
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from typing import Any
 
 import lightning
@@ -15,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH as PathType
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -22,7 +25,10 @@ from lightning_utilities.core.imports import compare_version
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
+    "BackwardSyncControl",
+    "DDP_STRATEGY_ATTRIBUTES",
     "DDP_STRATEGY_INTERNALS",
+    "FABRIC_DDP_STRATEGY_INTERNALS",
     "LIGHTNING_TESTED_RANGE",
     "PathType",
     "StrategyRegistryType",
@@ -39,7 +45,11 @@ __all__ = [
     "last_batch_of_epoch",
     "say_during_training",
     "scaler_scale",
+    "replace_sigterm_hooks",
+    "set_ddp_sync",
     "sigterm_hooks",
+    "swap_submodule",
+    "time_fetches",
 ]
 
 #: The Lightning releases whose private ``DDPStrategy`` methods the strategy overrides and that CI tests.
@@ -51,7 +61,9 @@ DDP_STRATEGY_INTERNALS = (
     "_register_ddp_hooks",
     "_get_process_group_backend",
 )
-#: Instance attributes of ``DDPStrategy`` it reads or writes.
+#: What :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` calls of Fabric's ``DDPStrategy``.
+FABRIC_DDP_STRATEGY_INTERNALS = ("_get_process_group_backend",)
+#: Instance attributes of either ``DDPStrategy`` the strategies read or write.
 DDP_STRATEGY_ATTRIBUTES = ("_ddp_kwargs", "_timeout")
 
 _TORCH_GREATER_EQUAL_2_4 = compare_version("torch", lambda a, b: a >= b, "2.4.0")
@@ -87,14 +99,20 @@ def check_versions() -> None:
         )
 
 
-def check_ddp_strategy_internals(strategy: DDPStrategy) -> None:
-    """Once ``DDPStrategy.__init__`` ran: raise if a ``DDPStrategy`` internal the strategy relies on is gone."""
-    for name in DDP_STRATEGY_INTERNALS:
-        if not callable(getattr(DDPStrategy, name, None)):
-            raise _changed("lightning", f"DDPStrategy.{name}", "OptimizedDDPStrategy overrides or calls it")
+def check_ddp_strategy_internals(
+    strategy: object, base: type = DDPStrategy, methods: tuple[str, ...] = DDP_STRATEGY_INTERNALS
+) -> None:
+    """Once ``base.__init__`` ran: raise if a ``DDPStrategy`` internal the strategy relies on is gone.
+
+    ``base``: the Trainer's ``DDPStrategy`` (whose ``methods`` are :data:`DDP_STRATEGY_INTERNALS`) or Fabric's
+    (:data:`FABRIC_DDP_STRATEGY_INTERNALS`); the instance attributes are :data:`DDP_STRATEGY_ATTRIBUTES` in both.
+    """
+    for name in methods:
+        if not callable(getattr(base, name, None)):
+            raise _changed("lightning", f"{base.__qualname__}.{name}", "the strategy overrides or calls it")
     for name in DDP_STRATEGY_ATTRIBUTES:
         if not hasattr(strategy, name):
-            raise _changed("lightning", f"DDPStrategy.{name}", "set by DDPStrategy.__init__, read by the strategy")
+            raise _changed("lightning", f"{base.__qualname__}.{name}", "set by its __init__, read by the strategy")
 
 
 def attached_comm_hook(model: DistributedDataParallel) -> str | None:
@@ -243,6 +261,119 @@ def sigterm_hooks(trainer: pl.Trainer) -> tuple[Any, Any] | None:
         )
         return None
     return loop, connector
+
+
+class SigtermPatch:
+    """Lightning's per-batch SIGTERM check and its signal handler, replaced on one trainer until :meth:`remove`."""
+
+    def __init__(self, loop: Any, connector: Any) -> None:
+        self._loop, self._connector = loop, connector
+
+    @property
+    def received_sigterm(self) -> bool:
+        """Lightning's record of a SIGTERM on this rank (its signal connector's)."""
+        return bool(self._connector.received_sigterm)
+
+    def record_sigterm(self) -> None:
+        """Record a SIGTERM as Lightning's handler would: the fit loop stops after the batch."""
+        self._connector.received_sigterm = True
+
+    def remove(self) -> None:
+        """Lightning's own check and handler again (the instance attributes set here are dropped)."""
+        self._loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        self._connector.__dict__.pop("_sigterm_notifier_fn", None)
+
+
+def replace_sigterm_hooks(
+    trainer: pl.Trainer, check: Callable[[], None], notify: Callable[..., None]
+) -> SigtermPatch | None:
+    """Replace this trainer's per-batch SIGTERM check by ``check`` and its signal handler by ``notify``.
+
+    ``None`` (and one warning, see :func:`sigterm_hooks`) when this Lightning lacks either: nothing is replaced.
+    """
+    hooks = sigterm_hooks(trainer)
+    if hooks is None:
+        return None
+    loop, connector = hooks
+    loop._broadcast_sigterm_tensor = check
+    connector._sigterm_notifier_fn = notify
+    return SigtermPatch(loop, connector)
+
+
+def time_fetches(
+    trainer: pl.Trainer,
+    on_start: Callable[[], None],
+    on_stop: Callable[[], None],
+    wrapped: Callable[[], None] | None = None,
+) -> Callable[[], None] | None:
+    """Call ``on_start`` before and ``on_stop`` after each fetch of the fit loop's training data fetcher.
+
+    Wraps the fetcher's ``_start_profiler`` / ``_stop_profiler``; each epoch's loop sets them anew, so call it at
+    each batch with what the last call returned (``wrapped``): a fetcher it already wraps is left alone. Returns the
+    wrapper, or ``None`` (and one warning, see :func:`data_fetcher`) when this Lightning has no fetcher to wrap.
+    """
+    fetcher = data_fetcher(trainer)
+    if fetcher is None:
+        return None
+    start, stop = fetcher._start_profiler, fetcher._stop_profiler
+    if wrapped is not None and start is wrapped:
+        return wrapped
+
+    def timed_start() -> None:
+        on_start()
+        start()
+
+    def timed_stop() -> None:
+        stop()
+        on_stop()
+
+    fetcher._start_profiler, fetcher._stop_profiler = timed_start, timed_stop
+    return timed_start
+
+
+def set_ddp_sync(model: DistributedDataParallel, gradients: bool, buffers: bool | None = None) -> None:
+    """Whether DDP's next forward prepares a gradient sync (``gradients``) and broadcasts buffers (``buffers``).
+
+    DDP's own ``no_sync`` sets these two attributes (public, undocumented) for one context; local SGD and
+    ``fabric.no_backward_sync`` set them per batch. ``None`` leaves ``buffers`` as it is.
+    """
+    for name in ("require_backward_grad_sync", "require_forward_param_sync"):
+        if not hasattr(model, name):
+            raise _changed("torch", f"DistributedDataParallel.{name}", "to switch a batch's sync off")
+    model.require_backward_grad_sync = gradients
+    if buffers is not None:
+        model.require_forward_param_sync = buffers
+
+
+def swap_submodule(old: torch.nn.Module, new: torch.nn.Module) -> int:
+    """Replace ``old`` by ``new`` in every module's registry of submodules (``_modules``); return how many held it.
+
+    Raises:
+        RuntimeError: a ``torch.compile`` wrapper holds ``old`` (its forward is bound to it: no swap redirects it).
+    """
+    swapped = 0
+    for holder in gc.get_referrers(old):
+        if isinstance(holder, dict) and _is_submodule_registry(holder):
+            for name, value in list(holder.items()):
+                if value is old and name == "_orig_mod":
+                    raise RuntimeError(
+                        "ddpopt: bucket_cap_mb='autotune' cannot rewrap a model that Fabric compiled "
+                        "(torch.compile); use bucket_cap_mb='auto' or a number"
+                    )
+                if value is old:
+                    holder[name] = new
+                    swapped += 1
+    return swapped
+
+
+def _is_submodule_registry(candidate: dict) -> bool:
+    """Whether ``candidate`` is a module's ``_modules``: held under that name by the module or its ``__dict__``."""
+    for owner in gc.get_referrers(candidate):
+        if isinstance(owner, dict) and owner.get("_modules") is candidate:
+            return True
+        if isinstance(owner, torch.nn.Module) and owner._modules is candidate:
+            return True
+    return False
 
 
 def say_during_training(module: pl.LightningModule | None, is_global_zero: bool, message: str) -> None:

@@ -56,17 +56,18 @@ def register_strategy_names(strategy: Callable[..., Any], registry: Any, what: s
 
 
 def register_with_lightning() -> None:
-    """Register the names in each Lightning registry now if its module has run, else right after it runs."""
+    """Register the names in each Lightning registry now if it exists, else right after its module runs."""
     for module_name in _REGISTRIES:
         module = sys.modules.get(module_name)
-        if module is not None and not getattr(module.__spec__, "_initializing", False):
+        registry_name = _REGISTRIES[module_name][0]
+        if module is not None and getattr(module, registry_name, None) is not None:
             _register_in(module_name, module)
         elif module is None and not any(
             isinstance(finder, _AfterImport) and finder.name == module_name for finder in sys.meta_path
         ):
             sys.meta_path.insert(0, _AfterImport(module_name, _register_in))
-        # A module half-way through its import now (imported from within Lightning's own import): the strategy
-        # module registers its names when it is imported.
+        # A module half-way through its import now, before its registry exists (imported from within Lightning's
+        # own import): the strategy module registers its names when it is imported.
 
 
 def _register_in(module_name: str, module: ModuleType) -> None:

@@ -10,6 +10,7 @@ front ends cannot drift apart. :class:`CoreViews` gives both strategies the same
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -17,15 +18,18 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddpopt._groups import group_like
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
 from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPlan, validate_bucket_cap_mb
 from lightning_ddpopt.checkpoint import RankStates, SavedRun
+from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.auto import HookChoice
-from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK, HookInstaller
-from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.hooks.install import HookInstaller
+from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
 from lightning_ddpopt.precision import OptimizerSteps
+from lightning_ddpopt.records import StepRecord
 from lightning_ddpopt.timing import timeline_for
 from lightning_ddpopt.topology import Topology, discover
 
@@ -144,13 +148,23 @@ class StrategyCore:
         model: DistributedDataParallel,
         *,
         backend: str,
+        timeout: timedelta | None,
         device: torch.device,
         loss_scale: Callable[[], torch.Tensor | None],
-        own_group: Callable[[], dist.ProcessGroup],
-        new_group: Callable[[list[int]], dist.ProcessGroup],
     ) -> None:
-        """Register the hook on the freshly wrapped ``model``, start local SGD over it, restore what waited for them."""
+        """Register the hook on the freshly wrapped ``model``, start local SGD over it, restore what waited for them.
+
+        Groups of our own (a hook's beside the backward pass, the tiers', the islands') are made on the strategy's
+        ``backend`` with its ``timeout``; every rank makes them in one order.
+        """
         assert self.ledger is not None, "start() first"
+
+        def own_group() -> dist.ProcessGroup:  # over the model's ranks, for traffic that must not interleave with it
+            return group_like(model.process_group, backend, timeout)
+
+        def new_group(ranks: list[int]) -> dist.ProcessGroup:
+            return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+
         # The replicas' groups first: the hook syncs inside an island (every rank makes groups in one order).
         island = None
         if self.local_sgd is not None:
@@ -389,9 +403,18 @@ class StrategyCore:
 
 
 class CoreViews:
-    """What a strategy's :class:`StrategyCore` holds, under the names users and callbacks read."""
+    """What a strategy's :class:`StrategyCore` holds, under the names users and callbacks read.
+
+    Both strategies inherit it; what reads a strategy (:mod:`lightning_ddpopt.meetings`, the callbacks, the
+    diagnosis) checks ``isinstance(strategy, CoreViews)`` and reads these typed names, so mypy checks both sides.
+    """
 
     _core: StrategyCore
+
+    @property
+    def synced_gradients_identical(self) -> bool:
+        """Whether this step's synchronised gradients are the same on every rank (each strategy says when)."""
+        raise NotImplementedError
 
     @property
     def ledger(self) -> CommLedger | None:

@@ -8,8 +8,10 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
+from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, is_adaptive
 from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
+from lightning_ddpopt.measuring import FrontEnd, MeasuringCallback
 from lightning_ddpopt.units import format_bytes
 
 __all__ = [
@@ -118,18 +120,18 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "world_size": trainer.world_size,
         "strategy": type(strategy).__name__,
-        "front_end": getattr(trainer, "front_end", "trainer"),
-        "comm_hook": getattr(strategy, "comm_hook_name", None),
+        "front_end": trainer.front_end if isinstance(trainer, FrontEnd) else "trainer",
+        "comm_hook": strategy.comm_hook_name if isinstance(strategy, CoreViews) else None,
         "backend": getattr(strategy, "process_group_backend", None),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "optimizers": [type(optimizer).__name__ for optimizer in trainer.optimizers],
         "adaptive_optimizer": any(map(is_adaptive, trainer.optimizers)),
     }
-    state = getattr(strategy, "comm_state", None)
+    state = strategy.comm_state if isinstance(strategy, CoreViews) else None
     if isinstance(state, PowerSGDState):  # the rank in use, and the config's bound
         config = state.config
         summary["powersgd"] = {"rank": state.rank, "max_rank": config.max_rank, "max_error": state.error_bound}
-    ledger = getattr(strategy, "ledger", None)
+    ledger = strategy.ledger if isinstance(strategy, CoreViews) else None
     if ledger is not None and ledger.recording and ledger.total_steps:
         steps = list(ledger.steps)
         summary["ledger"] = {
@@ -140,7 +142,7 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
             # "device": times from CUDA events (device work); "host": host clocks.
             "clock": "device" if ledger.timeline.device_clock else "host",
         }
-    local_sgd = getattr(strategy, "local_sgd", None)
+    local_sgd = strategy.local_sgd if isinstance(strategy, CoreViews) else None
     if local_sgd is not None:
         summary["local_sgd"] = {
             "sync_every": local_sgd.config.sync_every,
@@ -149,9 +151,8 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
             "skipped_inner_steps": local_sgd.skipped_inner_steps,
         }
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        key = getattr(callback, "summary_key", None)
-        if key is not None:
-            summary[key] = callback.summary()
+        if isinstance(callback, MeasuringCallback):
+            summary[callback.summary_key] = callback.summary()
     return summary
 
 

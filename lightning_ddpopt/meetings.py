@@ -24,7 +24,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.deferred import DeferredRead
+from lightning_ddpopt.localsgd import LocalSGD
 
 __all__ = [
     "Exchange",
@@ -43,8 +45,8 @@ def ranks_meet(trainer: pl.Trainer) -> bool:
     phase of :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s local SGD, only in a batch one of whose optimizer
     steps took part in a parameter sync (see :func:`next_step_meets`).
     """
-    local_sgd = getattr(trainer.strategy, "local_sgd", None)
-    return getattr(local_sgd, "met_in_batch", True) is not False
+    local_sgd = _outer_loop(trainer)
+    return local_sgd is None or local_sgd.met_in_batch
 
 
 def next_step_meets(trainer: pl.Trainer) -> bool:
@@ -53,8 +55,8 @@ def next_step_meets(trainer: pl.Trainer) -> bool:
     ``True`` when it synchronises gradients; in local SGD's local phase, when it takes part in a parameter sync (the
     sync, or the start of one that travels while the ranks train on).
     """
-    local_sgd = getattr(trainer.strategy, "local_sgd", None)
-    return getattr(local_sgd, "next_step_meets", True) is not False
+    local_sgd = _outer_loop(trainer)
+    return local_sgd is None or local_sgd.next_step_meets
 
 
 def gradients_synchronised(trainer: pl.Trainer) -> bool:
@@ -63,8 +65,8 @@ def gradients_synchronised(trainer: pl.Trainer) -> bool:
     ``False`` only in the local phase of :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s local SGD (under
     Lightning's own post-local SGD, ``model_averaging_period``, it is ``True``: the strategy cannot tell).
     """
-    local_sgd = getattr(trainer.strategy, "local_sgd", None)
-    return getattr(local_sgd, "gradients_sync", True) is not False
+    local_sgd = _outer_loop(trainer)
+    return local_sgd is None or local_sgd.gradients_sync
 
 
 def gradients_identical(trainer: pl.Trainer) -> bool:
@@ -75,8 +77,8 @@ def gradients_identical(trainer: pl.Trainer) -> bool:
     allreduce or a registry hook: each rank receives the same result) over every parameter; ``False`` for any other
     strategy, a user's hook, parameters DDP ignores, Lightning's post-local SGD and local SGD's local phase.
     """
-    identical = getattr(trainer.strategy, "synced_gradients_identical", False) is True
-    return identical and gradients_synchronised(trainer)
+    strategy = trainer.strategy
+    return isinstance(strategy, CoreViews) and strategy.synced_gradients_identical and gradients_synchronised(trainer)
 
 
 def meets_in_passing(trainer: pl.Trainer) -> bool:
@@ -85,8 +87,14 @@ def meets_in_passing(trainer: pl.Trainer) -> bool:
     ``True`` in the local phase of local SGD with ``overlap_steps``, whose syncs travel while the ranks train on; a
     callback's collective there must not block (:class:`Exchange`).
     """
-    local_sgd = getattr(trainer.strategy, "local_sgd", None)
-    return getattr(local_sgd, "meets_in_passing", False) is True
+    local_sgd = _outer_loop(trainer)
+    return local_sgd is not None and local_sgd.meets_in_passing
+
+
+def _outer_loop(trainer: pl.Trainer) -> LocalSGD | None:
+    """The strategy's local SGD loop, which knows the schedule: ``None`` for any other strategy, or without it."""
+    strategy = trainer.strategy
+    return strategy.local_sgd if isinstance(strategy, CoreViews) else None
 
 
 class Exchange:

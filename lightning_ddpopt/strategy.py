@@ -33,12 +33,12 @@ from lightning_ddpopt._compat import (
     check_versions,
     say_during_training,
 )
-from lightning_ddpopt._groups import destroy_process_group_at_exit, group_like
+from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.core import CoreViews, StrategyCore
-from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK
+from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
@@ -253,10 +253,9 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
         self._core.install(
             model,
             backend=self._get_process_group_backend(),
+            timeout=self._timeout,
             device=self.root_device,
             loss_scale=self._loss_scale,
-            own_group=self._group_of_own,
-            new_group=self._new_group,
         )
 
     @override
@@ -376,17 +375,6 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
 
     def _loss_scale(self) -> torch.Tensor | None:
         return current_loss_scale(self.precision_plugin)
-
-    def _new_group(self, ranks: list[int]) -> torch.distributed.ProcessGroup:
-        """A new process group over ``ranks``, on the strategy's backend and with its timeout (every rank calls it)."""
-        return torch.distributed.new_group(
-            ranks=ranks, backend=self._get_process_group_backend(), timeout=self._timeout
-        )
-
-    def _group_of_own(self) -> torch.distributed.ProcessGroup:
-        """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""
-        assert isinstance(self.model, DistributedDataParallel)
-        return group_like(self.model.process_group, self._get_process_group_backend(), self._timeout)
 
     def _rewrap(self, cap_mb: float) -> DistributedDataParallel:
         """Wrap the module in a new DDP with ``cap_mb``; the parameters, optimizer state and hook state stay."""

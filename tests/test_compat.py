@@ -41,6 +41,44 @@ def test_a_missing_ddp_strategy_internal_fails_at_construction(monkeypatch):
         OptimizedDDPStrategy()
 
 
+def test_the_fabric_strategy_finds_fabrics_ddp_strategy_internals(monkeypatch):
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    from lightning_ddpopt.fabric import OptimizedDDPStrategy as FabricStrategy
+
+    strategy = FabricStrategy()
+    for name in _compat.DDP_STRATEGY_ATTRIBUTES:
+        assert hasattr(strategy, name)
+    monkeypatch.delattr(FabricDDPStrategy, "_get_process_group_backend")
+    with pytest.raises(RuntimeError, match=r"lightning's private DDPStrategy\._get_process_group_backend"):
+        FabricStrategy()
+
+
+def test_ddps_sync_switches_are_what_no_sync_sets(gloo_group):
+    model = _ddp()
+    with model.no_sync():
+        assert model.require_backward_grad_sync is False
+    assert model.require_backward_grad_sync is True and model.require_forward_param_sync is True
+    _compat.set_ddp_sync(model, gradients=False, buffers=False)
+    assert (model.require_backward_grad_sync, model.require_forward_param_sync) == (False, False)
+    _compat.set_ddp_sync(model, gradients=True)
+    assert (model.require_backward_grad_sync, model.require_forward_param_sync) == (True, False)
+    with pytest.raises(RuntimeError, match="private DistributedDataParallel.require_backward_grad_sync"):
+        _compat.set_ddp_sync(SimpleNamespace(), gradients=True)  # type: ignore[arg-type]
+
+
+def test_a_submodule_is_swapped_wherever_a_module_holds_it():
+    old, new = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    outer, inner = torch.nn.Sequential(old), torch.nn.Module()
+    inner.child = old
+    assert _compat.swap_submodule(old, new) == 2
+    assert outer[0] is new and inner.child is new
+    holder = torch.nn.Module()  # as torch.compile's wrapper holds a module: its forward stays bound to it
+    holder._modules["_orig_mod"] = new
+    with pytest.raises(RuntimeError, match="cannot rewrap a model that Fabric compiled"):
+        _compat.swap_submodule(new, old)
+
+
 def test_attached_comm_hook_names_the_registered_hook(gloo_group):
     model = _ddp()
     assert _compat.attached_comm_hook(model) in (None, "")  # DDP's built-in allreduce
@@ -111,10 +149,34 @@ class _LoopInternals(pl.Callback):
         self.fetchers: list[object] = []
         self.sigterm: list[tuple[object, object] | None] = []
 
+        self.fetches, self.checks, self.received = 0, [], []
+        self._wrapped = None
+
+    def on_train_start(self, trainer, pl_module):
+        # Our replacements, as local SGD and StragglerDetector install them: Lightning calls them in a fit.
+        self.patch = _compat.replace_sigterm_hooks(trainer, self._check, lambda signum, frame: None)
+
+    def _check(self):
+        """Lightning calls it before each batch on more than one rank."""
+
+    def _fetched(self):
+        self.fetches += 1
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.last_batch.append(_compat.last_batch_of_epoch(trainer))
         self.fetchers.append(_compat.data_fetcher(trainer))
         self.sigterm.append(_compat.sigterm_hooks(trainer))
+        self.checks.append(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor == self._check)
+        wrapped = _compat.time_fetches(trainer, lambda: None, self._fetched, self._wrapped)
+        assert wrapped is not None and (self._wrapped is None or wrapped is self._wrapped)
+        self._wrapped = wrapped
+
+    def on_train_end(self, trainer, pl_module):
+        self.received.append(self.patch.received_sigterm)
+        self.patch.record_sigterm()
+        self.received.append(self.patch.received_sigterm)
+        self.patch.remove()
+        trainer._signal_connector.received_sigterm = False
 
 
 def test_lightnings_loop_internals_are_there_during_a_fit(tmp_path):
@@ -132,12 +194,15 @@ def test_lightnings_loop_internals_are_there_during_a_fit(tmp_path):
     )
     trainer.fit(StackModel(), DataLoader(regression_data(24), batch_size=8))
     assert probe.last_batch == [False, False, True]
+    # Wrapped at the first batch, after its fetch: the next two batches' fetches are timed.
+    assert probe.fetches == 2 and probe.checks == [True, True, True] and probe.received == [False, True]
     for fetcher in probe.fetchers:
         assert callable(fetcher._start_profiler) and callable(fetcher._stop_profiler)
     for hooks in probe.sigterm:
         assert hooks is not None
         loop, connector = hooks
         assert callable(loop._broadcast_sigterm_tensor) and callable(connector._sigterm_notifier_fn)
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)  # removed: Lightning's own again
 
 
 def test_say_during_training_logs_on_rank_zero_without_a_trainer(monkeypatch):

@@ -24,7 +24,8 @@ from lightning_ddpopt.hooks.powersgd import powersgd_hook
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig, is_adaptive
 from lightning_ddpopt.hooks.powersgd_rank import RANK_WINDOW
 from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
-from lightning_ddpopt.ledger import CommLedger, local_drift
+from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.records import local_drift
 from tests.helpers import StackModel, fit_ddp
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.core import CoreViews
+from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.records import StepRecord
 from lightning_ddpopt.timing import HostTimeline, Timeline, timeline_for
 
 __all__ = ["LedgerCursor"]
@@ -35,8 +37,9 @@ class LedgerCursor:
         ``None`` with any strategy other than :class:`~lightning_ddpopt.OptimizedDDPStrategy` (Lightning's stock
         ``DDPStrategy``), and with ``comm_hook=None``, where DDP's built-in allreduce runs unseen.
         """
-        ledger = getattr(trainer.strategy, "ledger", None)
-        return ledger if isinstance(ledger, CommLedger) and ledger.recording else None
+        strategy = trainer.strategy
+        ledger = strategy.ledger if isinstance(strategy, CoreViews) else None
+        return ledger if ledger is not None and ledger.recording else None
 
     def start(self, trainer: pl.Trainer) -> None:
         """Begin at the trainer's and ledger's present position (a resumed run starts mid-way)."""

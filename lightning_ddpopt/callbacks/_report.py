@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ddpopt.callbacks._tensorboard import write_findings
 from lightning_ddpopt.diagnosis import REPORT_NAME, diagnose, format_findings, summarize
+from lightning_ddpopt.measuring import MeasuringCallback
 
 __all__ = ["report_if_last"]
 
@@ -23,8 +24,8 @@ def report_if_last(trainer: pl.Trainer, callback: object) -> Path | None:
     with ``report=False`` turns the report off. The per-rank series come from ``CommProfiler`` when present. The
     findings also go to every TensorBoard logger, as text.
     """
-    measuring = [c for c in trainer.callbacks if getattr(c, "summary_key", None) is not None]  # type: ignore[attr-defined]
-    if not measuring or measuring[-1] is not callback or any(getattr(c, "report", True) is False for c in measuring):
+    measuring = [c for c in trainer.callbacks if isinstance(c, MeasuringCallback)]  # type: ignore[attr-defined]
+    if not measuring or measuring[-1] is not callback or not all(c.report for c in measuring):
         return None
     directory = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir broadcasts: every rank must ask
     if not trainer.is_global_zero:
@@ -33,9 +34,7 @@ def report_if_last(trainer: pl.Trainer, callback: object) -> Path | None:
     findings = diagnose(summary)
     print("\n" + format_findings(findings), flush=True)  # a line of their own, not the progress bar's
     write_findings(trainer, findings)
-    series: dict[str, Any] = next(
-        (c.report_series for c in measuring if getattr(c, "report_series", None) is not None), {}
-    )
+    series: dict[str, Any] = next((c.report_series for c in measuring if c.report_series is not None), {})
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / REPORT_NAME
     payload = {

@@ -10,7 +10,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -19,6 +18,7 @@ from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.deferred import DeferredRead
+from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.meetings import (
     Exchange,
     gradients_identical,
@@ -34,7 +34,7 @@ OnNonFinite = Literal["warn", "stop", "raise"]
 _ON_NONFINITE = ("warn", "stop", "raise")
 
 
-class AMPMonitor(Callback):
+class AMPMonitor(MeasuringCallback):
     """Makes the GradScaler's behaviour and non-finite gradients visible.
 
     With fp16 and a GradScaler (e.g. :func:`lightning_ddpopt.precision.fp16_mixed_precision`), every optimizer step
@@ -141,6 +141,11 @@ class AMPMonitor(Callback):
         self._exchange = Exchange()  # every rank's verdict, travelling from a meeting in passing to the next check
         self._travelling: _Found | None = None
         self._deferred: _Deferred | None = None  # on a GPU, the last check's verdict, read at the next one
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the GradScaler skipped the last optimizer step (an overflow)."""
+        return self._last_step_skipped
 
     def summary(self) -> dict[str, Any]:
         """Counts and the latest scale, for the diagnosis."""

@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -22,8 +21,10 @@ from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_firs
 from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.deferred import to_device
-from lightning_ddpopt.ledger import CommLedger, StepRecord, local_drift
+from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
+from lightning_ddpopt.records import QUALITY_FIELDS, StepRecord, local_drift, run_quality
 from lightning_ddpopt.timing import median_seconds
 from lightning_ddpopt.topology import TierGroups
 from lightning_ddpopt.units import MIB, format_bytes
@@ -48,7 +49,7 @@ _INTERVAL_FIELDS = (
 )
 
 
-class CommProfiler(Callback):
+class CommProfiler(MeasuringCallback):
     """Measures, per optimizer step, what gradient synchronisation costs; logs it aggregated over all ranks.
 
     Reads the :class:`~lightning_ddpopt.ledger.CommLedger` of :class:`~lightning_ddpopt.OptimizedDDPStrategy`
@@ -185,7 +186,7 @@ class CommProfiler(Callback):
             "compression_error": [],
         }
         # The run's quality figures (sum, count), for the report: the logged ones cover an interval only.
-        self._quality: dict[str, list[float]] = {name: [0.0, 0] for name in _QUALITY_FIELDS}
+        self._quality: dict[str, list[float]] = {name: [0.0, 0] for name in QUALITY_FIELDS}
         #: The quality figures over the whole run and every rank (set at the end of fit; see :func:`_run_quality`).
         self.run_quality: dict[str, float] = {}
         self._interval: dict[str, list[float]] = {name: [] for name in _INTERVAL_FIELDS}
@@ -201,7 +202,7 @@ class CommProfiler(Callback):
         self._exchange = Exchange()
         self._fit_steps = 0
         self._ring_ranks, self._rings_per_link = trainer.world_size, 1
-        self._quality = {name: [0.0, 0] for name in _QUALITY_FIELDS}
+        self._quality = {name: [0.0, 0] for name in QUALITY_FIELDS}
         self.run_quality = {}
 
     @override
@@ -295,7 +296,7 @@ class CommProfiler(Callback):
             self._interval["bytes_sent_intra_node"].append(float(record.intra_node_bytes))
             self._interval["intra_node_time"].append(record.intra_node_s)
             self._interval["cross_node_time"].append(record.cross_node_s)
-            for name in _QUALITY_FIELDS:
+            for name in QUALITY_FIELDS:
                 value = getattr(record, name)
                 if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
                     self._interval[name].append(value)
@@ -328,7 +329,7 @@ class CommProfiler(Callback):
             gathered = [None] * trainer.world_size
             dist.all_gather_object(gathered, (self._series, self._quality))
         self.report_series = {str(rank): series for rank, (series, _) in enumerate(gathered)}
-        self.run_quality = _run_quality([quality for _, quality in gathered])
+        self.run_quality = run_quality([quality for _, quality in gathered])
         self.report_path = report_if_last(trainer, self)
 
     summary_key = "comm"
@@ -470,30 +471,6 @@ class CommProfiler(Callback):
         seconds = median_seconds(lambda: dist.all_reduce(tensor), device, self.probe_repeats)
         algbw = tensor.numel() * 4 / seconds / 1e9
         return bus_bandwidth(algbw, world_size)
-
-
-#: Per-step quality figures of the ledger (see StepRecord), kept over the run for the report.
-_QUALITY_FIELDS = ("compression_error", "error_feedback", "drift_ratio")
-
-
-def _run_quality(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
-    """The run's quality figures from every rank's (sum, count) of each: mean and largest rank mean, local drift.
-
-    Empty for a run that measured none (a lossless hook, or ``error_every=0``).
-    """
-    out: dict[str, float] = {}
-    for name in ("compression_error", "error_feedback"):
-        means = [total / count for total, count in (rank[name] for rank in per_rank) if count]
-        if means:
-            out[name] = statistics.fmean(means)
-            out[f"{name}_max"] = max(means)
-            out[f"{name}_measured_syncs"] = sum(rank[name][1] for rank in per_rank)
-    ratios = [total / count for total, count in (rank["drift_ratio"] for rank in per_rank) if count]
-    drift = local_drift(ratios)
-    if drift is not None:
-        out["local_drift"] = drift
-        out["local_drift_syncs"] = min(rank["drift_ratio"][1] for rank in per_rank)
-    return out
 
 
 def _thin(series: dict[str, list[float]], limit: int) -> None:

@@ -8,19 +8,19 @@ from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ddpopt._compat import data_fetcher
+from lightning_ddpopt._compat import time_fetches
 from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.deferred import to_device
-from lightning_ddpopt.ledger import StepRecord
+from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
+from lightning_ddpopt.records import StepRecord
 from lightning_ddpopt.timing import Mark, Timeline
 
 __all__ = ["StragglerDetector"]
@@ -64,7 +64,7 @@ class _Batch(NamedTuple):
         return data, gap - data, before - start, end - before
 
 
-class StragglerDetector(Callback):
+class StragglerDetector(MeasuringCallback):
     """Finds the rank that makes every other rank wait, and the phase of the step in which it is slow.
 
     Each rank measures, per optimizer step:
@@ -146,7 +146,7 @@ class StragglerDetector(Callback):
         self._before_optimizer: Mark | None = None
         self._fetch_start: Mark | None = None
         self._fetches: list[tuple[Mark, Mark]] = []
-        self._timed_fetcher: tuple[object, Callable[[], None]] | None = None
+        self._timed_fetcher: Callable[[], None] | None = None
         self._fetch_timing = True
         self._step_batches: list[_Batch] = []
         self._unresolved: deque[list[_Batch]] = deque()  # host-closed steps, oldest first
@@ -257,32 +257,21 @@ class StragglerDetector(Callback):
     def _time_fetches(self, trainer: pl.Trainer) -> None:
         """Mark the start and end of every fetch of the Trainer's training data fetcher.
 
-        Lightning's fetcher calls ``_start_profiler`` / ``_stop_profiler`` around each fetch (private API of the
-        Lightning range this package pins and tests); each epoch's loop sets them anew, so they are wrapped again.
+        Through the fetcher's profiler calls around each fetch (:func:`~lightning_ddpopt._compat.time_fetches`).
         Without them, data time is the whole gap between batches, which includes Lightning's per-batch collective.
         """
-        fetcher = data_fetcher(trainer)
-        if fetcher is None:
-            self._fetch_timing = False
-            return
-        start, stop = fetcher._start_profiler, fetcher._stop_profiler
-        if self._timed_fetcher is not None and self._timed_fetcher == (fetcher, start):
-            return
         timeline = self._cursor.timeline
 
-        def timed_start() -> None:
+        def on_start() -> None:
             self._fetch_start = timeline.mark()
-            start()
 
-        def timed_stop() -> None:
-            stop()
+        def on_stop() -> None:
             if self._fetch_start is not None:
                 self._fetches.append((self._fetch_start, timeline.mark()))
                 self._fetch_start = None
 
-        fetcher._start_profiler, fetcher._stop_profiler = timed_start, timed_stop
-        self._timed_fetcher = (fetcher, timed_start)
-        self._fetch_timing = True
+        self._timed_fetcher = time_fetches(trainer, on_start, on_stop, self._timed_fetcher)
+        self._fetch_timing = self._timed_fetcher is not None
 
     def _resolve(self, wait: bool) -> None:
         """Add the host-closed steps whose marks (and ledger record) have resolved to the window's totals."""

@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
 from lightning_ddpopt.diagnosis import REPORT_NAME
 from lightning_ddpopt.fabric.strategy import OptimizedDDPStrategy
+from lightning_ddpopt.measuring import FrontEnd, MeasuringCallback
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
@@ -90,7 +91,8 @@ class Monitor:
             )
         if strategy.model is None:
             raise RuntimeError("Monitor(fabric) comes after fabric.setup(model, optimizer): no model is set up yet")
-        chosen = list(callbacks) if callbacks is not None else [CommProfiler(), StragglerDetector(), AMPMonitor()]
+        defaults: list[Callback] = [CommProfiler(), StragglerDetector(), AMPMonitor()]
+        chosen = list(callbacks) if callbacks is not None else defaults
         for callback in chosen:
             if not isinstance(callback, _MEASURING):
                 raise TypeError(
@@ -150,7 +152,7 @@ class Monitor:
     @property
     def step_skipped(self) -> bool:
         """Whether the GradScaler skipped the last optimizer step (an overflow), as an ``AMPMonitor`` saw it."""
-        return any(getattr(callback, "_last_step_skipped", False) for callback in self.callbacks)
+        return any(callback.last_step_skipped for callback in self.callbacks if isinstance(callback, AMPMonitor))
 
     def finish(self) -> Path | None:
         """End training on every rank: the strategy's end of training, then the callbacks' end of fit.
@@ -170,7 +172,7 @@ class Monitor:
         for logger in self._fabric.loggers:  # what was logged reaches the loggers' files (a CSV logger buffers it)
             logger.save()
         path = Path(self._run.log_dir) / REPORT_NAME
-        written = self._run.is_global_zero and not any(getattr(c, "report", True) is False for c in self.callbacks)
+        written = self._run.is_global_zero and all(c.report for c in self.callbacks if isinstance(c, MeasuringCallback))
         self.report_path = path if written and path.exists() else None
         return self.report_path
 
@@ -189,7 +191,7 @@ class Monitor:
             self._fabric.log_dict(logged, step=self._run.global_step)
 
 
-class _RunView:
+class _RunView(FrontEnd):
     """The attributes of a Trainer the measuring callbacks read, over a Fabric run."""
 
     def __init__(
@@ -204,7 +206,6 @@ class _RunView:
         self.accumulate_grad_batches = None  # a Fabric loop accumulates as it likes; the ledger counts it
         self.fit_loop = None  # no data fetcher: the time between batches is the data time
         self.training = True
-        self.front_end = "fabric"  # the diagnosis words its advice for a Fabric loop
         logger_dir = getattr(fabric.logger, "log_dir", None) if fabric.loggers else None
         self.log_dir = str(report_dir if report_dir is not None else logger_dir or os.getcwd())
         self.default_root_dir = self.log_dir

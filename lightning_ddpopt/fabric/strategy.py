@@ -18,7 +18,6 @@ and keep the same state. Where Fabric has no event of its own, the strategy make
 from __future__ import annotations
 
 import atexit
-import gc
 import secrets
 import warnings
 import weakref
@@ -34,7 +33,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -43,13 +41,23 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpopt._compat import PathType, StrategyRegistryType, check_versions, unscale_once
-from lightning_ddpopt._groups import destroy_process_group_at_exit, group_like
+from lightning_ddpopt._compat import (
+    FABRIC_DDP_STRATEGY_INTERNALS,
+    BackwardSyncControl,
+    PathType,
+    StrategyRegistryType,
+    check_ddp_strategy_internals,
+    check_versions,
+    set_ddp_sync,
+    swap_submodule,
+    unscale_once,
+)
+from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import ExtraSyncs
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.core import CoreViews, StrategyCore
-from lightning_ddpopt.hooks.install import DEFAULT_COMM_HOOK
+from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
@@ -153,6 +161,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
             start_method=start_method,
             **kwargs,
         )
+        check_ddp_strategy_internals(self, FabricDDPStrategy, FABRIC_DDP_STRATEGY_INTERNALS)
         self._ddp_kwargs.update(self._core.ddp_flags)
         self._backward_sync_control = _SyncControl(self)
         #: Called with the optimizer before each optimizer step, its gradients unscaled (a Monitor's callbacks).
@@ -212,10 +221,9 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         self._core.install(
             model,
             backend=self._get_process_group_backend(),
+            timeout=self._timeout,
             device=self.root_device,
             loss_scale=self._loss_scale,
-            own_group=self._group_of_own,
-            new_group=self._new_group,
         )
         if self.optimizers:
             self._core.hooks.fit_to_optimizers(self.optimizers)
@@ -408,7 +416,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         self._between_steps = False
         if self._sync_blocked:  # fabric.no_backward_sync outranks local SGD's warm-up, which just allowed the sync
             assert isinstance(model, DistributedDataParallel)
-            model.require_backward_grad_sync = False
+            set_ddp_sync(model, gradients=False)
 
     @contextmanager
     def _blocking_sync(self, model: DistributedDataParallel) -> Iterator[None]:
@@ -435,7 +443,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         self._ddp_kwargs["bucket_cap_mb"] = cap_mb
         new = self._wrap(old.module)
         self._core.hooks.register(new)
-        if not _swap_submodule(old, new):
+        if not swap_submodule(old, new):
             raise RuntimeError("ddpopt: bucket_cap_mb='autotune' found no module holding the DDP-wrapped model")
         return new
 
@@ -447,17 +455,6 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         scaler = getattr(self.precision, "scaler", None)
         return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
-    def _new_group(self, ranks: list[int]) -> torch.distributed.ProcessGroup:
-        """A new process group over ``ranks``, on the strategy's backend and with its timeout (every rank calls it)."""
-        return torch.distributed.new_group(
-            ranks=ranks, backend=self._get_process_group_backend(), timeout=self._timeout
-        )
-
-    def _group_of_own(self) -> torch.distributed.ProcessGroup:
-        """A new process group over the model's ranks, on its backend, for traffic that must not interleave with it."""
-        assert self.model is not None
-        return group_like(self.model.process_group, self._get_process_group_backend(), self._timeout)
-
     def _close(self) -> None:
         """Our threads and groups go before the process group (Fabric calls no teardown; exit does this)."""
         if not self._closed:
@@ -466,7 +463,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
             self._core.close()
 
 
-class _SyncControl(_BackwardSyncControl):
+class _SyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync`` through the strategy, which knows when a micro-batch's sync is blocked."""
 
     def __init__(self, strategy: OptimizedDDPStrategy) -> None:
@@ -482,34 +479,6 @@ class _SyncControl(_BackwardSyncControl):
                 f"DistributedDataParallel. Got: {type(module).__name__}."
             )
         return self._strategy._blocking_sync(module)
-
-
-def _swap_submodule(old: Module, new: Module) -> int:
-    """Replace ``old`` by ``new`` in every module's registry of submodules (``_modules``); return how many held it."""
-    swapped = 0
-    for holder in gc.get_referrers(old):
-        if isinstance(holder, dict) and _is_submodule_registry(holder):
-            for name, value in list(holder.items()):
-                if value is old and name == "_orig_mod":
-                    # torch.compile's module bound its forward to the old DDP when it was built: no swap redirects it.
-                    raise RuntimeError(
-                        "ddpopt: bucket_cap_mb='autotune' cannot rewrap a model that Fabric compiled "
-                        "(torch.compile); use bucket_cap_mb='auto' or a number"
-                    )
-                if value is old:
-                    holder[name] = new
-                    swapped += 1
-    return swapped
-
-
-def _is_submodule_registry(candidate: dict) -> bool:
-    """Whether ``candidate`` is a module's ``_modules``: held under that name by the module or its ``__dict__``."""
-    for owner in gc.get_referrers(candidate):
-        if isinstance(owner, dict) and owner.get("_modules") is candidate:
-            return True
-        if isinstance(owner, Module) and owner._modules is candidate:
-            return True
-    return False
 
 
 if OptimizedDDPStrategy.strategy_name not in STRATEGY_REGISTRY:

@@ -20,13 +20,14 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt._compat import attached_comm_hook
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
+from lightning_ddpopt.hooks.arguments import HIERARCHICAL_HOOKS, validate_comm_hook, validate_hierarchical
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, flat_fp16_note
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
 from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
-from lightning_ddpopt.hooks.int8 import Int8Config, Int8State
+from lightning_ddpopt.hooks.int8 import Int8State
 from lightning_ddpopt.hooks.island import IslandState, island_hook
 from lightning_ddpopt.hooks.powersgd_config import CPUKernels, PowerSGDConfig, local_cpu_kernels
 from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
@@ -35,20 +36,13 @@ from lightning_ddpopt.hooks.registry import (
     WRITTEN_FOR_BACKENDS,
     HookSpec,
     get_hook_spec,
-    int8_spec,
-    powersgd_spec,
     validate_hook_callable,
 )
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.topology import TierGroups, Topology
 
-__all__ = ["DEFAULT_COMM_HOOK", "HIERARCHICAL_HOOKS", "HookInstaller", "validate_hierarchical"]
+__all__ = ["HookInstaller"]
 
-DEFAULT_COMM_HOOK = "allreduce"
-#: The registry hooks with a two-tier form: :mod:`lightning_ddpopt.hooks.hierarchical`'s (the dtype they cast to
-#: between nodes in ``_CAST``), :mod:`lightning_ddpopt.hooks.hierarchical_int8`'s and
-#: :mod:`lightning_ddpopt.hooks.hierarchical_powersgd`'s.
-HIERARCHICAL_HOOKS = ("allreduce", "fp16", "bf16", "int8", "powersgd", "powersgd_fp16", "powersgd_bf16")
 _CAST: dict[str, torch.dtype | None] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: What crosses nodes, in words, for the setup log line.
 _CROSSING = {
@@ -86,7 +80,7 @@ class HookInstaller:
         ddp_comm_wrapper: Callable | None,
         hierarchical: bool | Literal["auto"] = "auto",
     ) -> None:
-        self._spec, self._callable = _validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
+        self._spec, self._callable = validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
         self.hierarchical = validate_hierarchical(hierarchical, comm_hook, self._spec, ddp_comm_hook)
         self._tiers: TierGroups | None = None
         if ddp_comm_hook is not None:
@@ -441,74 +435,3 @@ def _agreed_cpu_kernels(model: DistributedDataParallel) -> CPUKernels:
     kernels = torch.tensor([order.index(local_cpu_kernels())])
     dist.all_reduce(kernels, op=dist.ReduceOp.MAX, group=model.process_group)
     return order[int(kernels)]
-
-
-def validate_hierarchical(
-    hierarchical: object, comm_hook: object, spec: HookSpec | None, ddp_comm_hook: Callable | None = None
-) -> bool | Literal["auto"]:
-    """Check ``hierarchical`` at construction: ``True``, ``False`` or ``"auto"``.
-
-    ``True`` needs a registry hook with a two-tier form (batched PowerSGD has none), or ``"auto"``.
-    """
-    if hierarchical is not True and hierarchical is not False and hierarchical != "auto":
-        raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto'")
-    if hierarchical is not True:
-        return "auto" if hierarchical == "auto" else False
-    forms = ", ".join(map(repr, HIERARCHICAL_HOOKS))
-    if ddp_comm_hook is not None:
-        raise ValueError(
-            f"hierarchical=True applies to the registry hooks with a two-tier form ({forms}), not to "
-            f"ddp_comm_hook={ddp_comm_hook!r}, which syncs as it is written"
-        )
-    if isinstance(comm_hook, AutoConfig) or (isinstance(comm_hook, str) and comm_hook == AUTO_HOOK):
-        return True  # every hook "auto" may choose has a two-tier form
-    if spec is None or spec.name not in HIERARCHICAL_HOOKS:
-        raise ValueError(
-            f"hierarchical=True needs a comm_hook with a hierarchical form ({forms}, or 'auto'), "
-            f"not comm_hook={comm_hook!r}"
-        )
-    if isinstance(comm_hook, PowerSGDConfig) and comm_hook.batched:
-        raise ValueError(
-            f"hierarchical=True with comm_hook={comm_hook!r}: batched PowerSGD makes one matrix of a whole bucket, "
-            "which has no two-tier form; pass batched=False or hierarchical='auto'"
-        )
-    return True
-
-
-def _validate_comm_hook(
-    comm_hook: object, comm_state: object, ddp_comm_hook: Callable | None
-) -> tuple[HookSpec | None, Callable | None]:
-    """Check ``comm_hook`` at construction; return its registry entry or the callable."""
-    if ddp_comm_hook is not None and comm_hook not in (None, DEFAULT_COMM_HOOK):
-        raise ValueError(
-            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_comm_hook!r} both given; pass one of them "
-            "(comm_hook takes a registry name or a callable)"
-        )
-    if isinstance(comm_hook, AutoConfig):
-        if comm_state is not None:
-            raise ValueError(f"comm_state={comm_state!r} is only used with a callable comm_hook, not with AutoConfig")
-        return None, None
-    if isinstance(comm_hook, PowerSGDConfig):
-        return powersgd_spec(comm_hook), None
-    if isinstance(comm_hook, Int8Config):
-        return int8_spec(comm_hook), None
-    if isinstance(comm_hook, str):
-        if comm_state is not None:
-            raise ValueError(
-                f"comm_state={comm_state!r} is only used with a callable comm_hook; registry hooks such as "
-                f"{comm_hook!r} build their own state"
-            )
-        if ddp_comm_hook is not None or comm_hook == AUTO_HOOK:
-            return None, None
-        return get_hook_spec(comm_hook), None
-    if comm_hook is None:
-        if comm_state is not None:
-            raise ValueError(f"comm_state={comm_state!r} given without a callable comm_hook to receive it")
-        return None, None
-    if not callable(comm_hook):
-        raise TypeError(
-            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, an Int8Config, an AutoConfig, "
-            "a callable hook(state, bucket), or None"
-        )
-    validate_hook_callable(comm_hook)
-    return None, comm_hook

@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddpopt._compat import say_during_training
+from lightning_ddpopt._compat import say_during_training, set_ddp_sync
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.localsgd.config import LocalSGDConfig
@@ -125,9 +125,7 @@ class LocalSGDDriver:
         """
         assert self.loop is not None
         sync = self.loop.before_batch()
-        model.require_backward_grad_sync = sync or self.groups is not None
-        if not sync:
-            model.require_forward_param_sync = False
+        set_ddp_sync(model, gradients=sync or self.groups is not None, buffers=None if sync else False)
 
     def after_optimizer_step(self, skipped: bool, ledger: CommLedger | None) -> None:
         """Count the optimizer step (``skipped``: the GradScaler skipped it) and record its sync in the ledger."""

@@ -25,14 +25,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
-from lightning_ddpopt._compat import sigterm_hooks
+from lightning_ddpopt._compat import SigtermPatch, replace_sigterm_hooks
 from lightning_ddpopt.deferred import DeferredRead, to_device
 
 __all__ = ["SigtermAtSyncs"]
@@ -49,8 +48,7 @@ class SigtermAtSyncs:
 
     def __init__(self, trainer: pl.Trainer, phase: Phase, device: torch.device) -> None:
         self.trainer, self.phase, self.device = trainer, phase, device
-        self.loop: Any = None
-        self.connector: Any = None
+        self._patch: SigtermPatch | None = None
         self.pending = False  # this rank received a SIGTERM
         # The local phase's meeting still travelling: its work and every rank's flag, all-reduced into it.
         self._travelling: DeferredRead | None = None
@@ -58,13 +56,8 @@ class SigtermAtSyncs:
 
     def install(self) -> bool:
         """Replace the check and the handler on this trainer (before Lightning registers its handlers)."""
-        hooks = sigterm_hooks(self.trainer)
-        if hooks is None:
-            return False
-        self.loop, self.connector = hooks
-        self.loop._broadcast_sigterm_tensor = self._check
-        self.connector._sigterm_notifier_fn = self._notify
-        return True
+        self._patch = replace_sigterm_hooks(self.trainer, self._check, self._notify)
+        return self._patch is not None
 
     def remove(self) -> None:
         """Lightning's own again (a registered handler stays registered until Lightning restores the old ones).
@@ -72,8 +65,8 @@ class SigtermAtSyncs:
         A meeting still travelling is dropped: every rank started it at the same batch, so it finishes without us.
         """
         self._travelling = None
-        self.loop.__dict__.pop("_broadcast_sigterm_tensor", None)
-        self.connector.__dict__.pop("_sigterm_notifier_fn", None)
+        if self._patch is not None:
+            self._patch.remove()
 
     def _check(self) -> None:
         local, window_starts, step = self.phase()
@@ -85,8 +78,11 @@ class SigtermAtSyncs:
             self._met_at_step = step
             self._meet_in_passing()
 
+    def _received(self) -> bool:
+        return self._patch is not None and self._patch.received_sigterm
+
     def _flag(self) -> torch.Tensor:
-        return to_device(torch.tensor([int(self.pending or self.connector.received_sigterm)]), self.device)
+        return to_device(torch.tensor([int(self.pending or self._received())]), self.device)
 
     def _meet(self) -> None:
         """Every rank's flag, all-reduced: if any rank received a SIGTERM, every rank stops after this batch."""
@@ -106,7 +102,8 @@ class SigtermAtSyncs:
     def _act_on(self, flag: torch.Tensor) -> None:
         if flag.item():
             # Every rank at this same batch: Lightning raises its SIGTERMException after the batch, on each of them.
-            self.connector.received_sigterm = True
+            assert self._patch is not None
+            self._patch.record_sigterm()
 
     def _notify(self, signum: int, frame: FrameType | None) -> None:
         log.info(
@@ -115,7 +112,7 @@ class SigtermAtSyncs:
                 self.trainer.local_rank,
             )
         )
-        if not self.pending and not self.connector.received_sigterm:
+        if not self.pending and not self._received():
             launcher = self.trainer.strategy.launcher
             if launcher is not None:
                 launcher.kill(signum)

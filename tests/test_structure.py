@@ -1,0 +1,163 @@
+"""The package's shape, as the design page states it: small modules, no import circle, private APIs in ``_compat``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from lightning_ddpopt import _compat
+
+pytestmark = pytest.mark.quick
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lightning_ddpopt"
+MAX_LINES = 500
+#: Attributes without a leading underscore that torch documents nowhere: set through ``_compat`` only.
+UNDOCUMENTED = {"require_backward_grad_sync", "require_forward_param_sync", "get_referrers"}
+#: What the strategies read of the ``DDPStrategy`` they subclass, declared and checked at construction in ``_compat``.
+INHERITED = set(_compat.DDP_STRATEGY_INTERNALS) | set(_compat.DDP_STRATEGY_ATTRIBUTES)
+
+
+def _modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.parse(path.read_text(), filename=str(path))
+    return found
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        path.relative_to(PACKAGE).as_posix(): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these by concern: {long}"
+
+
+def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports, ``TYPE_CHECKING`` and function-level imports included."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:  # relative: from the package of ``name``
+                package = name.split(".")[: -node.level] if not name.endswith("__init__") else name.split(".")
+                base = ".".join([*package, node.module])
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(target for target in targets if target in known and target != name)
+    return found
+
+
+def test_no_import_circle():
+    modules = _modules()
+    graph = {name: _imports(name, tree, set(modules)) for name, tree in modules.items()}
+    # A package imports what it re-exports; a circle through an __init__ is Python's own order, not ours.
+    packages = {name for name in modules if (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()}
+    graph = {name: {t for t in targets if t not in packages} for name, targets in graph.items()}
+    circles = []
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                circles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, circles
+
+
+def _defined_by_us(modules: dict[str, ast.Module]) -> set[str]:
+    """Every name the package defines: functions, classes, fields, ``self.x`` attributes, variables, arguments."""
+    names = set()
+    for tree in modules.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                names.add(node.attr)
+    return names
+
+
+def _private(name: str, ours: set[str]) -> bool:
+    return name in UNDOCUMENTED or (name.startswith("_") and not name.startswith("__") and name not in ours)
+
+
+def private_accesses(modules: dict[str, ast.Module]) -> list[str]:
+    """Where a module other than ``_compat`` touches a private attribute of torch, Lightning or Python."""
+    ours = _defined_by_us(modules) - UNDOCUMENTED
+    found = []
+    for name, tree in modules.items():
+        if name == "lightning_ddpopt._compat":
+            continue
+        for node in ast.walk(tree):
+            where = f"{name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and _private(node.attr, ours):
+                inherited = isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in INHERITED
+                if not inherited:
+                    found.append(f"{where} .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("lightning_ddpopt"):
+                private_module = any(
+                    part.startswith("_") and not part.startswith("__") for part in node.module.split(".")
+                )
+                for alias in node.names:
+                    if private_module or alias.name.startswith("_"):
+                        found.append(f"{where} from {node.module} import {alias.name}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value, ours)
+            ):
+                found.append(f"{where} {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_private_apis_are_touched_in_compat_only():
+    assert private_accesses(_modules()) == []
+
+
+def test_the_scan_finds_a_private_access():
+    # The scan above must be able to fail: each kind of access it looks for, in a module of its own.
+    source = """
+from torch.distributed.distributed_c10d import _get_default_store
+import torch
+
+def f(model, loop):
+    model.require_backward_grad_sync = False
+    loop._broadcast_sigterm_tensor = print
+    return getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+"""
+    found = private_accesses({**_modules(), "lightning_ddpopt.example": ast.parse(source)})
+    assert [entry.split(" ", 1)[1] for entry in found if entry.startswith("lightning_ddpopt.example:")] == [
+        "from torch.distributed.distributed_c10d import _get_default_store",
+        ".require_backward_grad_sync",
+        "._broadcast_sigterm_tensor",
+        "getattr(..., '_is_avx512_bf16_supported')",
+    ]
