@@ -102,13 +102,13 @@ class Probe(pl.Callback):
         self.params.append(_flat(pl_module))
         self.buffers.append([buffer.item() for buffer in pl_module.buffers()])
         loop = trainer.strategy.local_sgd  # type: ignore[attr-defined]
-        self.shard = loop.shard  # while training: after fit each rank holds the whole outer state
+        self.shard = loop.layout.bounds  # while training: after fit each rank holds the whole outer state
         self.sizes = {
             "anchor": loop.anchor.numel() if loop.anchor is not None else None,
             "momentum": loop.momentum.numel() if loop.momentum is not None else None,
             "work": loop._work.numel() if loop._work is not None else None,
-            "int8": [tuple(t.shape) for t in loop._int8] if loop._int8 is not None else None,
-            "full": loop._full.numel() if loop._full is not None else None,
+            "int8": [tuple(t.shape) for t in loop._int8._rows] if loop._int8 and loop._int8._rows else None,
+            "full": loop.layout._full.numel() if loop.layout._full is not None else None,
         }
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -13,6 +13,8 @@ from lightning_ddpopt.accumulation import AccumulationStep, next_accumulation_st
 from lightning_ddpopt.hooks import PowerSGDConfig
 from tests.helpers import ManualStackModel, StackModel, WarningsProbe, fit_ddp
 
+pytestmark = pytest.mark.quick
+
 BATCH = 4
 SAMPLES = 80  # 10 batches of 4 per rank per epoch: not divisible by 3 or 4
 BATCHES_PER_EPOCH = SAMPLES // (2 * BATCH)

@@ -9,6 +9,8 @@ import torch
 
 from lightning_ddpopt.affinity import CoreBinding, available_cores, cpu_layout, plan_core_sets, plan_given_cores
 
+pytestmark = pytest.mark.quick
+
 
 def _two_socket_smt(root):
     """A fake sysfs: 2 NUMA nodes of 4 physical cores, 2 threads each, numbered physical cores first (cpu i and i + 8

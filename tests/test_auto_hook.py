@@ -12,6 +12,8 @@ from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.hooks import AUTO_HOOK, AutoConfig, choose_hook
 from tests.helpers import fit_ddp
 
+pytestmark = pytest.mark.quick
+
 LOSSY_ALLOWED = AutoConfig(candidates=("allreduce", "fp16", "int8", "powersgd"))
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 _path = Path(__file__).parents[1] / "benchmarks" / "cluster.py"
 _spec = importlib.util.spec_from_file_location("bench_cluster", _path)
 cluster = importlib.util.module_from_spec(_spec)

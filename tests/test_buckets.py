@@ -25,6 +25,8 @@ from lightning_ddpopt.buckets import (
 )
 from lightning_ddpopt.units import MIB, format_bytes
 
+pytestmark = pytest.mark.quick
+
 
 def test_auto_targets_eight_buckets_between_the_latency_floor_and_the_ceiling():
     # 400 MiB of gradients on 2 ranks: 400 / 8 = 50 MiB, between the floor and 100 MiB.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -60,6 +61,7 @@ def test_states_travel_to_rank_0_on_the_cpu_one_rank_at_a_time(tmp_path):
         assert 0.9 * expected < size < 1.1 * expected
 
 
+@pytest.mark.quick
 def test_the_entry_holds_the_states_tensors_themselves_and_reads_back_plainly(tmp_path):
     # Rank 0 holds every rank's state while it writes the file: a deep copy would double that.
     errors = [{"weight": torch.randn(4, 3)} for _ in range(2)]

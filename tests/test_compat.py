@@ -20,6 +20,8 @@ from lightning_ddpopt import OptimizedDDPStrategy, _compat
 from lightning_ddpopt.hooks.compression import fp16_allreduce_hook
 from tests.helpers import StackModel, regression_data
 
+pytestmark = pytest.mark.quick
+
 
 def _ddp(bucket_cap_mb: float = 25.0) -> DistributedDataParallel:
     return DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), bucket_cap_mb=bucket_cap_mb)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -33,6 +34,7 @@ def test_fp16_hook_attached_on_gloo_with_planned_buckets(tmp_path):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_registry_name_runs_default_allreduce_with_exact_bytes(tmp_path):
     ranks = fit_ddp(tmp_path, "ddp_optimized_fork", max_steps=3)
 
@@ -43,6 +45,7 @@ def test_registry_name_runs_default_allreduce_with_exact_bytes(tmp_path):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_lightning_ddp_comm_hook_runs_on_cpu_and_none_means_builtin(tmp_path):
     # Lightning's DDPStrategy drops ddp_comm_hook on CPU; ours registers it on gloo.
     lightning_style = OptimizedDDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, start_method="fork")
@@ -62,6 +65,7 @@ def test_lightning_ddp_comm_hook_runs_on_cpu_and_none_means_builtin(tmp_path):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     def strategy():
         return OptimizedDDPStrategy(comm_hook="fp16", bucket_cap_mb=0.3, start_method="fork")
@@ -73,6 +77,7 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     assert len(resumed[0]["steps"]) == 4  # 64 samples / (8 x 2 ranks) steps in the resumed epoch only
 
 
+@pytest.mark.quick
 def test_cpu_affinity_gives_each_rank_its_own_cores(tmp_path):
     cores = available_cores()
     ranks = fit_ddp(tmp_path, OptimizedDDPStrategy(cpu_affinity=True, start_method="fork"), max_steps=1)
@@ -82,6 +87,7 @@ def test_cpu_affinity_gives_each_rank_its_own_cores(tmp_path):
     assert not set(ranks[0]["cores"]) & set(ranks[1]["cores"])
 
 
+@pytest.mark.quick
 def test_autotune_settles_on_a_cap_and_applies_it(tmp_path):
     strategy = OptimizedDDPStrategy(bucket_cap_mb="autotune", comm_hook="fp16", start_method="fork")
     ranks = fit_ddp(tmp_path, strategy, samples=30 * 16, max_steps=30)
@@ -100,6 +106,7 @@ def test_autotune_settles_on_a_cap_and_applies_it(tmp_path):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_the_flat_fp16_hook_says_what_it_loses_at_scale(tmp_path, monkeypatch):
     # From FP16_WARN_FROM_RANKS ranks (lowered to 2 here; the forked ranks inherit it) the flat fp16 hook warns once.
     from lightning_ddpopt.hooks import compression

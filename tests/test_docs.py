@@ -35,6 +35,7 @@ def _snippets() -> list[tuple[str, str, bool]]:
     return found
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("where", "code", "runs"), _snippets(), ids=[where for where, _, _ in _snippets()])
 def test_every_python_snippet_runs_or_compiles(where, code, runs):
     compiled = compile(textwrap.dedent(code), where, "exec")
@@ -42,6 +43,7 @@ def test_every_python_snippet_runs_or_compiles(where, code, runs):
         exec(compiled, {"__name__": "docs_snippet"})
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="argparse's help layout differs between Python releases")
 def test_the_command_line_page_is_the_parsers_help(monkeypatch):
     from lightning_ddpopt import cli
@@ -55,6 +57,7 @@ def test_the_command_line_page_is_the_parsers_help(monkeypatch):
         assert f"```text\n{shown.getvalue()}```" in page, f"docs/reference/cli.md is stale: ddpopt {command}"
 
 
+@pytest.mark.quick
 def test_the_reference_lists_every_registry_hook():
     from lightning_ddpopt.hooks import COMM_HOOKS
 
@@ -67,6 +70,7 @@ def test_the_reference_lists_every_registry_hook():
 QUICKSTART = ROOT / "examples" / "quickstart.py"
 
 
+@pytest.mark.quick
 def test_the_readmes_quickstart_is_the_example_file():
     # The README and getting-started show examples/quickstart.py from its first import on, unchanged.
     code = QUICKSTART.read_text()
@@ -144,6 +148,7 @@ def _referenced() -> set[str]:
     return {rendered for path, members in _directives() for rendered in [path, *(f"{path}.{m}" for m in members or [])]}
 
 
+@pytest.mark.quick
 def test_the_reference_renders_every_public_name():
     referenced = _referenced()
     for path, obj in _public_names().items():
@@ -196,6 +201,7 @@ def _whole_classes() -> dict[str, type]:
     return whole
 
 
+@pytest.mark.quick
 def test_every_public_argument_is_in_its_docstring():
     # The package's public names, every function and method the reference renders by name, and every public method
     # with a docstring of a class it renders whole.

@@ -17,6 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 from lightning_ddpopt import OptimizedDDPStrategy
 from tests.helpers import StackModel, fit_ddp, stack_gradient_bytes
 
+pytestmark = pytest.mark.quick
+
 KIND = inspect.Parameter
 
 

@@ -208,6 +208,7 @@ def assert_ranks_identical(ranks: list[dict[str, Any]]) -> None:
 # --- without processes ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_the_trainer_names_are_registered_for_fabric():
     for name in ("ddp_optimized", "ddp_optimized_spawn", "ddp_optimized_fork", "ddp_optimized_fp16"):
         assert name in STRATEGY_REGISTRY
@@ -218,6 +219,7 @@ def test_the_trainer_names_are_registered_for_fabric():
     assert strategy._start_method == "spawn"
 
 
+@pytest.mark.quick
 def test_bad_arguments_fail_at_construction_as_on_the_trainer():
     with pytest.raises(ValueError, match="comm_hook='gzip' is not"):
         OptimizedDDPStrategy(comm_hook="gzip")
@@ -227,6 +229,7 @@ def test_bad_arguments_fail_at_construction_as_on_the_trainer():
         OptimizedDDPStrategy(checkpoint_timeout=-1)
 
 
+@pytest.mark.quick
 def test_the_monitor_needs_the_strategy_and_a_model():
     with pytest.raises(TypeError, match="this Fabric runs DDPStrategy"):
         Monitor(Fabric(accelerator="cpu", devices=2, strategy="ddp"))
@@ -237,6 +240,7 @@ def test_the_monitor_needs_the_strategy_and_a_model():
 # --- 2 processes ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("hook", "devices"), [("allreduce", 2), ("allreduce", 3), ("fp16", 2), ("int8", 3), ("powersgd", 2)]
 )
@@ -278,6 +282,7 @@ def test_every_hook_family_syncs_once_per_step_with_no_backward_sync(tmp_path, h
     assert all(rank["report"] is None for rank in ranks[1:])  # rank 0 writes it
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_local_sgd_with_the_monitor_meets_only_at_syncs_and_ends_averaged(tmp_path, overlap):
     config = LocalSGDConfig.diloco(4, overlap_steps=overlap)
@@ -295,6 +300,7 @@ def test_local_sgd_with_the_monitor_meets_only_at_syncs_and_ends_averaged(tmp_pa
     assert report["summary"]["stragglers"]["last"] is not None
 
 
+@pytest.mark.quick
 def test_a_loop_that_syncs_every_micro_batch_is_warned_once(tmp_path):
     ranks = launch(Run(str(tmp_path), no_sync=False, steps=4, callbacks=[]))
     assert [s["sync_rounds"] for s in ranks[0]["steps"]] == [2] * 4
@@ -307,6 +313,7 @@ def test_a_loop_that_syncs_every_micro_batch_is_warned_once(tmp_path):
     assert not [w for w in ranks[1]["warnings"] if w.startswith("ddpopt: this Fabric loop")]  # rank 0 warns
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "case",
     [
@@ -359,6 +366,7 @@ def test_a_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, case):
         assert len(saved["hook_states"]) == 2
 
 
+@pytest.mark.quick
 def test_reading_a_checkpoint_whole_says_once_that_our_state_stays_behind(tmp_path):
     # fabric.load(path) without objects returns the checkpoint for the caller to apply; ours is not in it (the
     # strategy's own key is taken out), and that is said once.
@@ -376,6 +384,7 @@ def test_reading_a_checkpoint_whole_says_once_that_our_state_stays_behind(tmp_pa
     ]
 
 
+@pytest.mark.quick
 def test_no_backward_sync_holds_in_local_sgds_warm_up(tmp_path):
     # Local SGD allows the gradient sync in its warm-up batches; fabric.no_backward_sync still skips it on every
     # micro-batch but a step's last: one round per warm-up step, then the parameter syncs (steps 6 and 10).
@@ -386,6 +395,7 @@ def test_no_backward_sync_holds_in_local_sgds_warm_up(tmp_path):
     assert_ranks_identical(ranks)
 
 
+@pytest.mark.quick
 def test_a_second_model_and_static_graph_under_no_backward_sync_are_refused():
     # No process group in this process: ranks forked by later tests would inherit its threads. A DDP object that was
     # never initialised is enough, as both checks come first.
@@ -420,6 +430,7 @@ def test_a_slow_rank_is_named_in_the_report(tmp_path, slow):
     assert stragglers["status"] == "problem" and f"rank {rank}" in stragglers["evidence"]
 
 
+@pytest.mark.quick
 def test_validation_between_batches_is_not_data_time(tmp_path):
     # Rank 0 spends 50 ms after each step's validation forward: on the Trainer an epoch boundary, not data time.
     ranks = launch(Run(str(tmp_path), steps=12, slow=(0, "validation", 0.05), validate=True))

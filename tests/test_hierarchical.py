@@ -293,6 +293,7 @@ def _one_rank_group(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.quick
 def test_the_topology_of_one_rank_and_its_words(tmp_path):
     _one_rank_group(tmp_path)
     try:
@@ -311,6 +312,7 @@ def test_the_topology_of_one_rank_and_its_words(tmp_path):
     ) == (1, 1)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("claims", "message"),
     [
@@ -340,6 +342,7 @@ def _user_hook(state, bucket):
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -540,6 +543,7 @@ def _fp16_tiers_worker(rank: int, world_size: int, port: int, out: str, factor: 
     destroy_all_groups()
 
 
+@pytest.mark.quick
 def test_fp16_between_nodes_does_not_underflow_at_a_large_world_size(tmp_path):
     # 4 ranks standing for 256 (a world-size factor of 64): the mean of gradients from 1e-8 to 1e2 over 256 ranks.
     out = str(tmp_path / "fp16")
@@ -688,6 +692,7 @@ def _powersgd_intra_bytes(
     return total
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("loops", [True, False], ids=["numba", "torch"])
 def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path, loops):
     if loops:

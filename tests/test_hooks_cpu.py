@@ -47,6 +47,7 @@ def reference(tmp_path_factory):
     return fit_ddp(tmp_path_factory.mktemp("allreduce"), strategy, max_steps=4)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("name", "rtol"), [("fp16", 1e-3), ("bf16", 8e-3)])
 def test_cast_hooks_match_allreduce_and_send_half(tmp_path, reference, name, rtol):
     strategy = OptimizedDDPStrategy(comm_hook=name, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
@@ -60,6 +61,7 @@ def test_cast_hooks_match_allreduce_and_send_half(tmp_path, reference, name, rto
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(PSGD_VARIANTS))
 def test_powersgd_exact_before_start_then_formula_bytes(tmp_path, reference, name):
     config = PSGD_VARIANTS[name]
@@ -73,6 +75,7 @@ def test_powersgd_exact_before_start_then_formula_bytes(tmp_path, reference, nam
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_registry_presets_use_the_documented_configs():
     assert COMM_HOOKS["powersgd"].summary == powersgd_spec(PowerSGDConfig()).summary
     assert "P/Q sent in fp16" in COMM_HOOKS["powersgd_fp16"].summary
@@ -124,6 +127,7 @@ def test_every_powersgd_variant_runs_multi_bucket_on_gloo(tmp_path):
         assert result == {"identical": True, "finite": True, "buckets": 6, "compressed_steps": 28}, name
 
 
+@pytest.mark.quick
 def test_loading_state_of_another_config_is_refused(gloo_group):
     state = PowerSGDState(config=PowerSGDConfig(rank=2))
     other = PowerSGDState(config=PowerSGDConfig(rank=4))
@@ -131,6 +135,7 @@ def test_loading_state_of_another_config_is_refused(gloo_group):
         other.load_state_dict(state.state_dict())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -147,6 +152,7 @@ def test_bad_powersgd_configs(kwargs, message):
         PowerSGDConfig(**kwargs)
 
 
+@pytest.mark.quick
 def test_start_iter_below_two_is_fine_without_state():
     assert PowerSGDConfig(start_iter=0, error_feedback=False, warm_start=False).start_iter == 0
 

@@ -81,6 +81,7 @@ def _parity_worker(rank: int, world_size: int, port: int, out: str) -> None:
     destroy_all_groups()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_one_step_is_within_one_quantisation_step_of_the_mean_with_exact_bytes(tmp_path, world_size):
     out = str(tmp_path / "parity.pt")
@@ -109,6 +110,7 @@ def test_one_step_is_within_one_quantisation_step_of_the_mean_with_exact_bytes(t
     assert len(result["bucket_sizes"]) == 3
 
 
+@pytest.mark.quick
 def test_int8_in_a_lightning_run_sends_a_quarter_and_keeps_ranks_identical(tmp_path):
     strategy = OptimizedDDPStrategy(comm_hook="int8", bucket_cap_mb=0.3, start_method="fork")
     ranks = fit_ddp(tmp_path, strategy, max_steps=4)
@@ -136,6 +138,7 @@ class _ExchangeProbe(pl.Callback):
         torch.save(record, self.out / f"exchange{trainer.global_rank}.pt")
 
 
+@pytest.mark.quick
 def test_strategy_exchanges_int8_point_to_point_in_a_group_of_its_own(tmp_path):
     # With find_unused_parameters=True DDP all-reduces its unused-parameter map on the model's group, on the
     # backward thread, while the workers still exchange: on a group of the hook's own, nothing interleaves.
@@ -149,6 +152,7 @@ def test_strategy_exchanges_int8_point_to_point_in_a_group_of_its_own(tmp_path):
         assert record == {"own_group": True, "workers": ["ddpopt-int8-gather", "ddpopt-int8-reduce"], "iteration": 12}
 
 
+@pytest.mark.quick
 def test_registry_entry_and_bad_configs():
     assert COMM_HOOKS["int8"].summary == (
         "block-wise int8 (blocks of 1024), with error feedback: a quarter of the bytes"
@@ -161,6 +165,7 @@ def test_registry_entry_and_bad_configs():
         Int8Config(error_feedback="yes")
 
 
+@pytest.mark.quick
 def test_loading_state_of_another_config_is_refused(gloo_group):
     state = Int8State(config=Int8Config(block_size=256))
     other = Int8State(config=Int8Config(block_size=1024))
@@ -168,6 +173,7 @@ def test_loading_state_of_another_config_is_refused(gloo_group):
         other.load_state_dict(state.state_dict())
 
 
+@pytest.mark.quick
 def test_blocks_too_small_for_their_scale_quantise_to_zero_and_stay_finite():
     from lightning_ddpopt.hooks.int8_codec import dequantize_blocks, quantize_blocks, quantize_into
 
@@ -185,6 +191,7 @@ def test_blocks_too_small_for_their_scale_quantise_to_zero_and_stay_finite():
     assert not bool(bad.isfinite().any())
 
 
+@pytest.mark.quick
 def test_auto_skips_int8_for_a_model_smaller_than_one_block(gloo_group):
     from lightning_ddpopt.hooks.auto import measure_hook_costs
 
@@ -224,6 +231,7 @@ def _paths_worker(rank: int, world_size: int, port: int, out: str, loops: bool) 
     destroy_all_groups()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_numba_loops_send_and_decode_the_same_bytes_as_torch(tmp_path, world_size):
     pytest.importorskip("numba")
@@ -309,6 +317,7 @@ def test_point_to_point_exchange_gives_the_collectives_bits_whatever_the_timing(
             torch.testing.assert_close(exchanged["errors"][name], collective["errors"][name], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_numba_block_quantisation_matches_torch_on_edge_cases():
     pytest.importorskip("numba")
     import lightning_ddpopt.hooks._kernels as kernels
@@ -339,6 +348,7 @@ def test_numba_block_quantisation_matches_torch_on_edge_cases():
     torch.testing.assert_close(errors, expected_errors, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world_size", [2, 3, 20])
 def test_the_owners_sum_is_the_same_bytes_through_numba_and_torch(world_size):
     pytest.importorskip("numba")
@@ -359,6 +369,7 @@ def test_the_owners_sum_is_the_same_bytes_through_numba_and_torch(world_size):
     assert fast[0, per_rank * block :].view(torch.float32)[2].item() == 0.0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_packed_rows_and_their_mean_are_the_same_bits_through_numba_and_torch(monkeypatch, ranks):
     # Local SGD's int8 changes: each rank packs its blocks (payloads, then scales) and every rank averages the

@@ -183,6 +183,7 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
             assert torch.equal(resumed["params"][1], uninterrupted["params"][5])
 
 
+@pytest.mark.quick
 def test_replica_layouts_and_their_errors():
     nodes = Topology(rank=3, nodes=((0, 1), (2, 3)))
     auto = plan_islands("auto", nodes, 4, 3)

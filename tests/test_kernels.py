@@ -25,6 +25,7 @@ def _factors(rows: int, cols: int, rank: int, seed: int = 0) -> tuple[torch.Tens
     return m, p, local_q, q
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("rows", "cols", "rank"), [(64, 96, 4), (67, 33, 1), (130, 70, 3), (9, 2048, 8)])
 def test_the_loops_compute_what_torch_computes(rows, cols, rank):
     m, p, local_q, q = _factors(rows, cols, rank)
@@ -44,6 +45,7 @@ def test_the_loops_compute_what_torch_computes(rows, cols, rank):
     torch.testing.assert_close(target, p @ q.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_non_finite_values_come_through():
     m, p, local_q, q = _factors(8, 16, 2)
     m[3, 5] = float("inf")
@@ -54,6 +56,7 @@ def test_non_finite_values_come_through():
     assert error[1].isnan().all() and m[1].isnan().all() and m[0].isfinite().all()
 
 
+@pytest.mark.quick
 def test_only_row_major_fp32_cpu_matrices_fit():
     m = torch.zeros(4, 6)
     assert kernels.fits(m, m[1:3])
@@ -61,6 +64,7 @@ def test_only_row_major_fp32_cpu_matrices_fit():
     assert not kernels.fits(m.double()) and not kernels.fits(m.half()) and not kernels.fits(m.flatten())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", ["numba", "blocked", "blas"])
 def test_error_feedback_keeps_every_gradient_on_every_path(gloo_group, path):
     """Sum of the applied gradients + the last error = the sum of the true gradients, conv kernels included.
@@ -93,6 +97,7 @@ def test_error_feedback_keeps_every_gradient_on_every_path(gloo_group, path):
     del model
 
 
+@pytest.mark.quick
 def test_the_strategy_agrees_one_path_across_ranks(tmp_path):
 
     class WithoutNumbaOnRank1(pl.Callback):
@@ -156,6 +161,7 @@ def test_numba_loops_run_whatever_the_thread_count_with_the_same_bits_on_every_r
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("true_rank", [4, 2])
 def test_orthogonalize_gives_orthonormal_columns_even_below_full_rank(true_rank):
     """Gram-Schmidt with a second pass: orthonormal to rounding, as QR is, also when P has lower rank than its
@@ -172,6 +178,7 @@ def test_orthogonalize_gives_orthonormal_columns_even_below_full_rank(true_rank)
     assert torch.equal(zero, torch.zeros(64, 2))
 
 
+@pytest.mark.quick
 def test_orthogonalize_adds_epsilon_to_each_norm_as_the_torch_path_does():
     p = torch.tensor([[3.0, 1.0], [4.0, 0.0]])
     kernels.orthogonalize(p, 1.0)  # the first column's norm is 5: divided by 6

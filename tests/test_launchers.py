@@ -189,6 +189,7 @@ def test_every_launcher(tmp_path, launcher):
     torch.testing.assert_close(localsgd[0]["anchor"], localsgd[1]["anchor"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "options",
     [

@@ -10,6 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt.hooks import COMM_HOOKS
 from lightning_ddpopt.ledger import CommLedger
 
+pytestmark = pytest.mark.quick
+
 
 def _ddp_with_hook(name: str, ledger: CommLedger) -> DistributedDataParallel:
     torch.manual_seed(0)

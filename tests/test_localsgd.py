@@ -99,6 +99,7 @@ def _sent(compression: str, ranks: int = 2) -> int:
     return blocks * 1024 + blocks * 4
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("compression", ["fp16", "int8"])
 @pytest.mark.parametrize("devices", [2, 3])
 def test_ranks_train_alone_and_are_identical_after_every_sync(tmp_path, devices, compression):
@@ -139,6 +140,7 @@ def test_islands_of_two_ranks_on_one_node(tmp_path):
         torch.testing.assert_close(record["final"], ranks[0]["final"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
@@ -164,6 +166,7 @@ def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):
     assert local.syncs == 3
 
 
+@pytest.mark.quick
 def test_post_local_sgd_moves_every_rank_to_the_anchor_plus_the_mean_change(gloo_group):
     module = nn.Linear(2, 1)
     local = LocalSGD(LocalSGDConfig.post_local_sgd(sync_every=1), module)
@@ -273,6 +276,7 @@ def test_a_second_fit_of_one_trainer_resumes_its_outer_loop(tmp_path):
         assert torch.load(tmp_path / f"syncs{rank}.pt") == 2  # the first fit's sync, restored, and the second's
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overflowing", [0, 1])
 def test_an_overflow_on_one_rank_skips_its_step_and_the_ranks_still_sync_together(tmp_path, overflowing):
     # fp16 AMP, local from the start, H = 4; one rank (rank 0 as well as another) overflows at the second step of
@@ -294,6 +298,7 @@ def test_an_overflow_on_one_rank_skips_its_step_and_the_ranks_still_sync_togethe
     assert all(record["local"]["syncs"] == 2 for record in ranks)
 
 
+@pytest.mark.quick
 def test_manual_optimization_with_accumulation(tmp_path):
     # 4 micro-batches per rank and epoch, accumulate(every=2): 2 optimizer steps per epoch, H = 2.
     ranks = _fit(tmp_path, LocalSGDConfig.post_local_sgd(sync_every=2), model=ManualStackModel(every=2), max_epochs=2)
@@ -304,6 +309,7 @@ def test_manual_optimization_with_accumulation(tmp_path):
     assert not torch.equal(ranks[0]["params"][-2], ranks[1]["params"][-2])  # between syncs: their own
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -322,6 +328,7 @@ def test_bad_config_is_refused(kwargs, message):
         LocalSGDConfig(**kwargs)
 
 
+@pytest.mark.quick
 def test_combinations_that_cannot_apply_are_refused():
     with pytest.raises(ValueError, match=r"comm_hook='fp16' would never run: with local_sgd and warmup_steps=0"):
         OptimizedDDPStrategy(comm_hook="fp16", local_sgd=LocalSGDConfig())
@@ -337,6 +344,7 @@ def test_combinations_that_cannot_apply_are_refused():
     OptimizedDDPStrategy(comm_hook="fp16", local_sgd=LocalSGDConfig(warmup_steps=10))
 
 
+@pytest.mark.quick
 def test_presets():
     assert LocalSGDConfig.diloco(32) == LocalSGDConfig(
         sync_every=32, outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression="fp16"
@@ -344,10 +352,12 @@ def test_presets():
     assert LocalSGDConfig.post_local_sgd(8, warmup_steps=100) == LocalSGDConfig(sync_every=8, warmup_steps=100)
 
 
+@pytest.mark.quick
 def test_stack_model_has_no_buffers():
     assert not list(StackModel().buffers())  # the byte counts above rely on it
 
 
+@pytest.mark.quick
 def test_int8_mean_is_within_half_a_quantisation_step(gloo_group):
     torch.manual_seed(0)
     module = nn.Linear(100, 30)  # 3030 parameters: 3 blocks, the last one padded
@@ -461,6 +471,7 @@ def test_validation_between_syncs_runs_and_the_ranks_still_meet(tmp_path):
     assert torch.equal(ranks[0]["params"][-1], ranks[1]["params"][-1])  # step 12 is a sync
 
 
+@pytest.mark.quick
 def test_saved_state_of_another_config_is_refused_with_the_reason(gloo_group):
     local = LocalSGD(LocalSGDConfig.diloco(16), nn.Linear(2, 2))
     saved = LocalSGD(LocalSGDConfig.diloco(8), nn.Linear(2, 2)).state_dict()
@@ -494,6 +505,7 @@ def _int8_round_trip(delta: torch.Tensor) -> torch.Tensor:
     return blocks.view(-1)[: delta.numel()].clone()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("compression", ["fp32", "int8"])
 def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_learned(gloo_group, compression):
     torch.manual_seed(0)
@@ -537,6 +549,7 @@ def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_lea
     torch.testing.assert_close(local.anchor, _flat(module))
 
 
+@pytest.mark.quick
 def test_overlap_needs_fewer_steps_than_a_window():
     with pytest.raises(ValueError, match=r"overlap_steps=4 must be below sync_every=4"):
         LocalSGDConfig.diloco(sync_every=4, overlap_steps=4)
@@ -876,6 +889,7 @@ def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, la
         assert record["comm"]["step_time_ms"] > 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overlap", [0, 2], ids=["plain", "overlapped"])
 def test_a_nan_between_syncs_is_reported_at_a_sync_on_every_rank_and_stops_all(tmp_path, overlap):
     # The NaN at step 5 stays on rank 1 (no gradient sync), which then trains on NaN weights. The ranks do not meet
@@ -911,6 +925,7 @@ def test_a_nan_between_syncs_is_reported_at_a_sync_on_every_rank_and_stops_all(t
             assert record["warned"] == []
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("steps_per_batch", [1, 2])
 def test_the_schedule_says_where_the_ranks_meet_whatever_the_steps_per_batch(gloo_group, steps_per_batch):
     # Warm-up 2, H = 3: syncs at optimizer step calls 5, 8, 11, ... The callbacks ask before a step whether it meets

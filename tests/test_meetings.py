@@ -9,6 +9,8 @@ import torch.distributed as dist
 from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.meetings import Exchange
 
+pytestmark = pytest.mark.quick
+
 
 def test_a_gather_in_passing_arrives_at_the_next_meeting(gloo_group):
     exchange = Exchange()

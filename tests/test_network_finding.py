@@ -61,6 +61,7 @@ def _completed():
     return future
 
 
+@pytest.mark.quick
 def test_ledger_times_the_span_the_exposed_part_and_the_busy_time():
     # Three buckets: handed over at 0, 10 and 50 (the backward pass computes in between), done at 4, 30 and 60.
     # Bucket 1's transfer (10-30) and bucket 0's (0-4) leave the link idle 4-10 and 30-50.
@@ -75,6 +76,7 @@ def test_ledger_times_the_span_the_exposed_part_and_the_busy_time():
     assert record.busy_time_s == 4.0 + 20.0 + 10.0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("intervals", "exposed", "busy"),
     [
@@ -124,6 +126,7 @@ def _network(summary: dict):
     return diagnose(summary)[0]
 
 
+@pytest.mark.quick
 def test_a_busy_backward_over_an_idle_link_is_compute_not_network():
     finding = _network(_summary("allreduce", 0.02))
     assert finding.status == "ok" and finding.recommendation == ""
@@ -134,6 +137,7 @@ def test_a_busy_backward_over_an_idle_link_is_compute_not_network():
     )
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("hook", "extra", "key"),
     [
@@ -164,12 +168,14 @@ def test_each_hook_gets_the_advice_of_the_one_table(hook, extra, key):
         assert "rank" not in finding.recommendation.replace("sets PowerSGD's rank", "")
 
 
+@pytest.mark.quick
 def test_int8_is_the_first_compression_advised():
     assert NETWORK_ADVICE["allreduce"].startswith("use comm_hook='int8'")
     assert NETWORK_ADVICE["cast"].startswith("use comm_hook='int8'")
     assert "powersgd" in NETWORK_ADVICE["int8"] and "LocalSGDConfig" in NETWORK_ADVICE["int8"]
 
 
+@pytest.mark.quick
 def test_an_exposed_sync_that_does_not_fill_the_measured_link_is_not_sent_to_compression():
     summary = _summary("allreduce", 0.5)
     summary["comm"]["link_busbw_gbps"] = 1.0  # the probe's; the run reached 0.11 of it
@@ -178,6 +184,7 @@ def test_an_exposed_sync_that_does_not_fill_the_measured_link_is_not_sent_to_com
     assert finding.recommendation.startswith("the exposed sync does not fill the link, so fewer bytes help little")
 
 
+@pytest.mark.quick
 def test_ranks_waiting_for_the_last_one_are_said_apart():
     summary = _summary("allreduce", 0.1)
     # 3 ranks: the last to reach the sync waits 10 ms, the two others 85 each (they wait 75 ms for it); mean 60.
@@ -192,6 +199,7 @@ def test_ranks_waiting_for_the_last_one_are_said_apart():
     assert "compute-bound" not in finding.evidence
 
 
+@pytest.mark.quick
 def test_the_troubleshooting_page_shows_the_advice_table():
     page = (ROOT / "docs" / "guides" / "troubleshooting.md").read_text()
     for key, advice in NETWORK_ADVICE.items():
@@ -267,6 +275,7 @@ def test_a_slow_link_is_a_network_problem_even_behind_a_busy_backward(tmp_path, 
     assert comm["algbw_gbps"] * 1e9 < rate
 
 
+@pytest.mark.quick
 def test_a_report_of_an_earlier_release_is_not_judged_on_its_span():
     summary = {"comm_hook": "allreduce", "comm": {"sync_time_ms": 83.7, "transfer_share": 0.85, "step_time_ms": 98.0}}
     finding = _network(summary)

@@ -144,6 +144,7 @@ def _scaled_steps(scales: list[float], config: PowerSGDConfig) -> tuple[list[tor
     return unscaled, state
 
 
+@pytest.mark.quick
 def test_error_feedback_follows_the_loss_scale(gloo_group):
     config = PowerSGDConfig(rank=1, start_iter=2)
     steady, _ = _scaled_steps([1024.0] * 8, config)
@@ -181,6 +182,7 @@ def _fp16_sum_worker(rank: int, port: int, seed: int, scale: float, out: str) ->
     destroy_all_groups()
 
 
+@pytest.mark.quick
 def test_fp16_factors_are_averaged_before_the_sum(tmp_path):
     # Every rank's gradient is scale * ones(4, 256), so P = M q has every entry scale * sum(q). Pick the seed and
     # scale so that P's entries are 26000: fp16 holds one rank's P and the mean, but not a 3-rank sum (78000).
@@ -253,6 +255,7 @@ def _resume(tmp_path: Path, checkpoint: Path, comm_hook: object, devices: int = 
     return ranks, [w for w in torch.load(warnings_out) if w.startswith("ddpopt:")]
 
 
+@pytest.mark.quick
 def test_resume_with_another_config_warns_and_trains_on(tmp_path):
     checkpoint = _first_epoch(tmp_path, PowerSGDConfig(rank=2, start_iter=2))
     ranks, warnings = _resume(tmp_path, checkpoint, PowerSGDConfig(rank=4, start_iter=2))
@@ -263,6 +266,7 @@ def test_resume_with_another_config_warns_and_trains_on(tmp_path):
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["powersgd", "batched_powersgd", "int8"])
 def test_resume_on_three_ranks_keeps_what_is_shared(tmp_path, name):
     checkpoint = _first_epoch(tmp_path, VARIANTS[name])
@@ -284,6 +288,7 @@ def test_resume_on_three_ranks_keeps_what_is_shared(tmp_path, name):
     assert bool(ranks[0]["params"].isfinite().all())
 
 
+@pytest.mark.quick
 def test_resume_with_another_hook_warns(tmp_path):
     checkpoint = _first_epoch(tmp_path, "powersgd")
     _, warnings = _resume(tmp_path, checkpoint, "batched_powersgd")
@@ -346,11 +351,13 @@ def test_checkpoint_saved_on_one_rank_fails_fast_and_clearly(tmp_path):
     assert not (tmp_path / "lone.ckpt").exists()
 
 
+@pytest.mark.quick
 def test_bad_checkpoint_timeout():
     with pytest.raises(ValueError, match="checkpoint_timeout=0 must be a positive number"):
         OptimizedDDPStrategy(checkpoint_timeout=0)
 
 
+@pytest.mark.quick
 def test_errors_saved_without_loss_scales_are_added_as_they_are(gloo_group):
     # Checkpoints of the previous release hold errors but no error_scales: never multiply them by today's scale.
     from lightning_ddpopt.hooks.feedback import SyncRound
@@ -365,6 +372,7 @@ def test_errors_saved_without_loss_scales_are_added_as_they_are(gloo_group):
     assert torch.equal(gradient, torch.full((4, 4), 1.5))
 
 
+@pytest.mark.quick
 def test_batched_q_memories_of_an_old_layout_are_dropped(gloo_group):
     from lightning_ddpopt.hooks.feedback import SyncRound
 
@@ -379,6 +387,7 @@ def test_batched_q_memories_of_an_old_layout_are_dropped(gloo_group):
     assert sorted(state.q_memories) == ["b|c", "d|e"]
 
 
+@pytest.mark.quick
 def test_error_buffers_alternate_and_a_non_finite_round_leaves_the_committed_errors_alone(gloo_group):
     # Two buffers per key: the committed errors' and the one the next round writes. A round that is not finite
     # wrote into the spare one, so the committed errors are untouched; a finite one makes the old buffer spare.

@@ -126,6 +126,7 @@ def test_logged_bytes_are_the_exact_gradient_bytes(profiled_run):
         assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2)
 
 
+@pytest.mark.quick
 def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
     hook, tmp_path = profiled_run
     (path,) = tmp_path.glob("logs/version_*/ddpopt_report.json")
@@ -166,6 +167,7 @@ def test_report_json_has_the_documented_fields_and_plots(profiled_run, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+@pytest.mark.quick
 def test_tensorboard_shows_the_scalars_a_layout_and_the_findings(profiled_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
@@ -233,6 +235,7 @@ def test_straggler_is_named_with_its_phase(tmp_path):
     assert last["per_rank_ms"]["0"]["wait"] > 150
 
 
+@pytest.mark.quick
 def test_healthy_run_names_no_straggler(tmp_path):
     detector = StragglerDetector(every_n_steps=4)
     fit_ddp(
@@ -244,6 +247,7 @@ def test_healthy_run_names_no_straggler(tmp_path):
     assert torch.load(tmp_path / "detector.pt")["is_straggler"] is False
 
 
+@pytest.mark.quick
 def test_single_device_warns_once_and_steps_aside(tmp_path):
     profiler, detector = CommProfiler(), StragglerDetector()
     trainer = pl.Trainer(
@@ -270,6 +274,7 @@ def test_single_device_warns_once_and_steps_aside(tmp_path):
     assert findings["stragglers"]["evidence"] == "no verdict: one process: no other rank to compare with"
 
 
+@pytest.mark.quick
 def test_plan_matches_the_ring_allreduce_formula(capsys):
     assert ddpopt(["plan", "--params", "100M", "--world-size", "16", "--link", "10gbe", "--json"]) == 0
     rows = {row["hook"]: row for row in json.loads(capsys.readouterr().out)}
@@ -286,6 +291,7 @@ def test_plan_matches_the_ring_allreduce_formula(capsys):
         assert rows[hook]["comm_s"] == pytest.approx(expected)
 
 
+@pytest.mark.quick
 def test_plan_efficiency_and_custom_link(capsys):
     args = ["plan", "--params", "25M", "--world-size", "2", "--gbps", "1", "--latency-us", "0"]
     assert ddpopt([*args, "--step-compute-ms", "100", "--hook", "allreduce", "--json"]) == 0
@@ -298,6 +304,7 @@ def test_plan_efficiency_and_custom_link(capsys):
     assert "allreduce" in capsys.readouterr().out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -321,6 +328,7 @@ def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -366,6 +374,7 @@ def test_plan_world_size_and_codec_errors_exactly(args, message, capsys):
     assert captured.err == f"ddpopt plan: error: {message}\n" and captured.out == ""
 
 
+@pytest.mark.quick
 def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
     flat = ["plan", "--params", "100M", "--world-size", "16", "--link", "10gbe", "--step-compute-ms", "120"]
     nodes = ["plan", "--params", "100M", "--nodes", "2", "--gpus-per-node", "8", "--link", "10gbe"]
@@ -404,6 +413,7 @@ def test_plan_nodes_times_gpus_per_node_is_the_world_size(capsys):
     assert tiered["powersgd"] == pytest.approx(inside + factors / (10e9 / 8) + 2 * 50e-6)
 
 
+@pytest.mark.quick
 def test_plan_json_fields_and_per_rank_bytes(capsys):
     params = 25_000_000
     assert ddpopt(["plan", "--params", "25M", "--world-size", "2", "--gbps", "1", "--json"]) == 0
@@ -431,6 +441,7 @@ def test_plan_json_fields_and_per_rank_bytes(capsys):
     assert int8["sent_bytes_per_rank"] == pytest.approx(2 * 3 / 4 * 1e6 * (1 + 4 / 1024))  # a byte + a scale per 1024
 
 
+@pytest.mark.quick
 def test_plan_efficiency_includes_the_compression_compute(capsys):
     # 25M parameters, 2 ranks, 1 Gbit/s, no latency: int8 sends 25.1 MB in 0.2008 s; at 10 GB/s its codec takes
     # 100 MB / 10 GB/s = 10 ms on the device that also runs the 100 ms of compute.
@@ -457,6 +468,7 @@ def test_plan_efficiency_includes_the_compression_compute(capsys):
 CLUSTER_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cluster.json"
 
 
+@pytest.mark.quick
 def test_plan_agrees_with_the_cluster_benchmark():
     """The cost model against the bench it was written for: ``benchmarks/results/cluster.json``.
 
@@ -498,6 +510,7 @@ CLUSTER_2X2_RESULTS = CLUSTER_RESULTS.with_name("cluster_2x2.json")
 LOOPBACK_GLOO_GBPS = 3.7
 
 
+@pytest.mark.quick
 def test_plan_agrees_with_the_two_tier_benchmark():
     """The flat and two-tier model against ``benchmarks/results/cluster_2x2.json`` (2 hosts x 2 ranks on 1 Gbit).
 
@@ -534,6 +547,7 @@ def test_plan_agrees_with_the_two_tier_benchmark():
     assert step["ours"] < step["ours_flat"] and step["fp16_hier"] < step["fp16"]
 
 
+@pytest.mark.quick
 def test_plan_without_compute_time_shows_no_efficiency_and_says_why(capsys):
     assert ddpopt(["plan", "--params", "25M", "--world-size", "2", "--gbps", "1"]) == 0
     out = capsys.readouterr().out
@@ -545,6 +559,7 @@ def test_plan_without_compute_time_shows_no_efficiency_and_says_why(capsys):
     assert [line.split()[0] for line in out.splitlines()[2:6]] == ["allreduce", "fp16", "int8", "powersgd"]
 
 
+@pytest.mark.quick
 def test_unknown_link_preset_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as exit_info:
         ddpopt(["plan", "--params", "1M", "--world-size", "2", "--link", "5gbe"])
@@ -552,6 +567,7 @@ def test_unknown_link_preset_is_refused_by_the_parser(capsys):
     assert "invalid choice: '5gbe'" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_report_of_something_that_is_not_a_report(tmp_path, capsys):
     bogus = tmp_path / "notes.json"
     bogus.write_text("[1, 2, 3]")
@@ -563,6 +579,7 @@ def test_report_of_something_that_is_not_a_report(tmp_path, capsys):
     assert "no ddpopt_report.json under" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_diagnosis_order_and_recommendations():
     summary = {
         "comm_hook": "allreduce",
@@ -630,6 +647,7 @@ def test_diagnosis_order_and_recommendations():
     assert "PROBLEM" in format_findings(findings)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("hook", "optimizers", "error", "status", "advice"),
     [
@@ -660,6 +678,7 @@ def test_compression_finding_by_hook_and_optimizer(hook, optimizers, error, stat
     assert finding.recommendation.startswith(advice)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("rank", "max_error", "status", "text"),
     [
@@ -684,6 +703,7 @@ def test_compression_finding_for_powersgds_error_bound(rank, max_error, status, 
     assert text in (finding.evidence if status == "ok" else finding.recommendation)
 
 
+@pytest.mark.quick
 def test_compression_finding_without_a_measurement_and_for_local_sgd():
     unknown = diagnose({"comm_hook": "int8"})[1]
     assert (unknown.status, unknown.evidence) == ("unknown", "hook int8: no compression error measured")
@@ -717,6 +737,7 @@ def test_compression_finding_without_a_measurement_and_for_local_sgd():
     assert drifting.recommendation == "sync more often (sync_every below 16) or lower the inner learning rate"
 
 
+@pytest.mark.quick
 def test_bad_callback_arguments():
     with pytest.raises(ValueError, match="every_n_steps=0 must be an int >= 1"):
         CommProfiler(every_n_steps=0)
@@ -728,6 +749,7 @@ def test_bad_callback_arguments():
         StragglerDetector(min_excess_ms=-1)
 
 
+@pytest.mark.quick
 def test_report_series_stay_bounded_on_long_runs():
     from lightning_ddpopt.callbacks.comm import _thin
 
@@ -852,6 +874,7 @@ def test_callbacks_with_lightnings_stock_strategy(tmp_path):
     assert any("it can name only ranks that are slow in data loading" in w for w in warned)
 
 
+@pytest.mark.quick
 def test_a_hook_that_reports_no_bytes_still_profiles(tmp_path):
     """A user's own hook (torch's allreduce_hook) says nothing about bytes: sync times are logged, bytes are not."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -870,6 +893,7 @@ def test_a_hook_that_reports_no_bytes_still_profiles(tmp_path):
     assert "ddpopt/comm/bytes_sent" not in metrics and "ddpopt/comm/busbw_gbps" not in metrics
 
 
+@pytest.mark.quick
 def test_builtin_allreduce_is_not_reported_as_a_free_network(tmp_path):
     """comm_hook=None runs DDP's C++ allreduce, which nothing sees: no sync figures, an unknown network finding
     (not "0% of the step"), and a warning that says how to see it."""
@@ -929,17 +953,20 @@ def test_one_time_work_in_the_first_steps_is_not_jitter(tmp_path, skip, jitters)
     assert metrics["step_time_ms"] > 3000 / 16  # the mean still holds the slow step
 
 
+@pytest.mark.quick
 def test_bad_jitter_skip_steps():
     with pytest.raises(ValueError, match="jitter_skip_steps=-1 must be an int >= 0"):
         CommProfiler(jitter_skip_steps=-1)
 
 
+@pytest.mark.quick
 def test_a_bare_ddpopt_prints_its_help(capsys):
     assert ddpopt([]) == 2
     out = capsys.readouterr().out
     assert out.startswith("usage: ddpopt") and "plan" in out and "report" in out
 
 
+@pytest.mark.quick
 def test_report_of_a_directory_with_several_reports_says_which_it_read(tmp_path, capsys):
     import os
 

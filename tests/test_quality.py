@@ -41,6 +41,7 @@ def _sync(hook, state, ledger: CommLedger, bucket: _ProbeBucket, values: torch.T
     return record
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("hook", "dtype"), [(fp16_allreduce_hook, torch.float16), (bf16_allreduce_hook, torch.bfloat16)]
 )
@@ -56,6 +57,7 @@ def test_a_cast_hooks_error_is_what_the_cast_dropped(gloo_group, hook, dtype):
     assert record.error_feedback == 0.0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("loops", [True, False], ids=["numba", "torch"])
 def test_int8s_error_and_error_fed_back_are_exact(gloo_group, monkeypatch, loops):
     if loops and not _kernels.available():
@@ -82,6 +84,7 @@ def test_int8s_error_and_error_fed_back_are_exact(gloo_group, monkeypatch, loops
     assert 0.001 < record.compression_error < 0.05
 
 
+@pytest.mark.quick
 def test_ledger_samples_rounds_every_error_every(gloo_group):
     torch.manual_seed(0)
     bucket = _ProbeBucket([(1024,)], torch.device("cpu"))
@@ -130,6 +133,7 @@ def _restored(
     return state
 
 
+@pytest.mark.quick
 def test_powersgds_error_is_the_kept_error_and_the_same_without_error_feedback(gloo_group):
     torch.manual_seed(0)
     bucket = _ProbeBucket([(64, 48)], torch.device("cpu"))
@@ -147,6 +151,7 @@ def test_powersgds_error_is_the_kept_error_and_the_same_without_error_feedback(g
     assert bare.compression_error == pytest.approx(record.compression_error, rel=1e-4)
 
 
+@pytest.mark.quick
 def test_powersgd_raises_its_rank_while_the_error_is_above_max_error_and_resumes_exactly(gloo_group):
     torch.manual_seed(0)
     bucket = _ProbeBucket([(96, 64)], torch.device("cpu"))
@@ -184,6 +189,7 @@ def test_powersgd_raises_its_rank_while_the_error_is_above_max_error_and_resumes
     assert torch.equal(after.errors["probe0"], state.errors["probe0"])
 
 
+@pytest.mark.quick
 def test_a_fixed_rank_never_changes_and_bad_bounds_fail_at_construction(gloo_group):
     bucket, ledger, state = _matrix(PowerSGDConfig(rank=1, max_error=None, start_iter=2))
     _random_rounds(state, ledger, bucket, 3 * RANK_WINDOW)
@@ -192,6 +198,7 @@ def test_a_fixed_rank_never_changes_and_bad_bounds_fail_at_construction(gloo_gro
         PowerSGDConfig(max_error=1.5)
 
 
+@pytest.mark.quick
 def test_local_drift_is_the_spread_of_the_changes_around_their_mean():
     torch.manual_seed(0)
     changes = [torch.randn(100, dtype=torch.float64) + 1 for _ in range(3)]
@@ -240,6 +247,7 @@ def test_a_low_rank_with_adam_is_reported_with_its_error_and_the_advice(tmp_path
     )
 
 
+@pytest.mark.quick
 def test_local_sgds_drift_is_logged_and_reported(tmp_path):
     fit_ddp(
         tmp_path,
@@ -260,6 +268,7 @@ def test_local_sgds_drift_is_logged_and_reported(tmp_path):
     )
 
 
+@pytest.mark.quick
 def test_a_non_finite_probe_round_raises_nothing(gloo_group):
     # The probe round's gradients overflow: its measurement is NaN on every rank, so no verdict; the next probe's is.
     config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=2, start_iter=2)
@@ -277,6 +286,7 @@ def test_a_non_finite_probe_round_raises_nothing(gloo_group):
     assert [(step, old, new) for step, _, old, new in state.rank_changes] == [(next_verdict, 1, 2)]
 
 
+@pytest.mark.quick
 def test_the_error_bound_may_change_on_a_resume_and_older_states_load(gloo_group):
     config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=4, start_iter=2)
     bucket, ledger, state = _matrix(config)
@@ -306,6 +316,7 @@ def test_the_error_bound_may_change_on_a_resume_and_older_states_load(gloo_group
         PowerSGDConfig(rank=4, max_rank=2)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("optimizer", "bound"), [("adam", 0.6), ("sgd", 0.9)])
 def test_the_default_bound_follows_the_optimizer(tmp_path, optimizer, bound):
     # max_error="auto": AdamW-like optimizers lose more to the same error (transformer_quality), so they get 0.6.
@@ -319,6 +330,7 @@ def test_the_default_bound_follows_the_optimizer(tmp_path, optimizer, bound):
     assert ERROR_BOUNDS == {"adaptive": 0.6, "other": 0.9}
 
 
+@pytest.mark.quick
 def test_without_the_strategy_the_default_bound_is_the_adaptive_one(gloo_group):
     state = PowerSGDState(config=PowerSGDConfig())
     assert state.error_bound == 0.6
@@ -329,6 +341,7 @@ def test_without_the_strategy_the_default_bound_is_the_adaptive_one(gloo_group):
     assert fixed.error_bound == 0.3  # a number is kept whatever the optimizer
 
 
+@pytest.mark.quick
 def test_a_lower_ceiling_on_resume_drops_a_measurement_made_at_another_rank(gloo_group):
     config = PowerSGDConfig(rank=1, max_error=0.3, max_rank=8, start_iter=2)
     bucket, ledger, state = _matrix(config)
@@ -341,6 +354,7 @@ def test_a_lower_ceiling_on_resume_drops_a_measurement_made_at_another_rank(gloo
     assert lower.rank == 2 and lower.rank_changes == state.rank_changes  # no rise logged, none recorded
 
 
+@pytest.mark.quick
 def test_a_matrix_a_raised_rank_no_longer_compresses_sends_its_stored_error(gloo_group):
     # 20 x 16 compresses up to rank 4 (320 >= 36 x r x 2); the bound raises the rank from 2 to 4 to 8, where the
     # matrix goes exactly: its kept error must go with it (on one rank the result is the gradient plus that error).
@@ -358,6 +372,7 @@ def test_a_matrix_a_raised_rank_no_longer_compresses_sends_its_stored_error(gloo
     assert "probe0" not in state.errors  # nothing left to feed back
 
 
+@pytest.mark.quick
 def test_adaptive_optimizers_are_recognised_by_name_and_base_class():
     parameters = [torch.nn.Parameter(torch.zeros(1))]
 

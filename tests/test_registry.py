@@ -12,6 +12,7 @@ from lightning_ddpopt.hooks import get_hook_spec
 from tests.helpers import StackModel
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("name", "start_method", "hook"),
     [
@@ -31,12 +32,14 @@ def test_registered_names_resolve(name, start_method, hook):
     assert strategy._core.hooks.spec is get_hook_spec(hook)
 
 
+@pytest.mark.quick
 def test_trainer_accepts_the_name():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_optimized_spawn_fp16", logger=False)
     assert isinstance(trainer.strategy, OptimizedDDPStrategy)
     assert trainer.strategy._core.hooks.spec is COMM_HOOKS["fp16"]
 
 
+@pytest.mark.quick
 def test_ddpopt_names_lists_every_registered_name_and_suggests_for_a_misspelt_one(capsys):
     from lightning_ddpopt._registration import strategy_names
     from lightning_ddpopt.cli import main as ddpopt
@@ -63,6 +66,7 @@ def test_ddpopt_names_lists_every_registered_name_and_suggests_for_a_misspelt_on
     assert "the names are ddp_optimized, ddp_optimized_spawn," in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_hook_registry_names():
     assert {"allreduce", "fp16", "bf16"} <= set(COMM_HOOKS)
     for name, spec in COMM_HOOKS.items():
@@ -70,6 +74,7 @@ def test_hook_registry_names():
         assert spec.unsupported_reason("gloo") is None
 
 
+@pytest.mark.quick
 def test_lightning_cli_yaml_configures_the_strategy(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -98,6 +103,7 @@ trainer:
     assert strategy._ddp_kwargs["find_unused_parameters"] is True
 
 
+@pytest.mark.quick
 def test_lightning_cli_rejects_a_bad_value():
     with pytest.raises(ValueError, match=r"bucket_cap_mb=-3.0 must be a positive, finite number of MiB"):
         LightningCLI(
@@ -168,6 +174,7 @@ def test_the_names_are_registered_whatever_the_package_gives_first():
         assert light == str(first == "import lightning_ddpopt"), f"{first}: torch imported? {light}"
 
 
+@pytest.mark.quick
 def test_the_command_line_plans_without_torch():
     out = _fresh_python(
         "import sys\nfrom lightning_ddpopt.cli import main\n"
@@ -177,6 +184,7 @@ def test_the_command_line_plans_without_torch():
     assert out.strip().endswith("False")
 
 
+@pytest.mark.quick
 def test_the_command_lines_report_name_is_the_diagnosis_one():
     from lightning_ddpopt import cli, diagnosis
 

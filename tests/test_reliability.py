@@ -40,6 +40,7 @@ def _callbacks() -> list[pl.Callback]:
     return [CommProfiler(every_n_steps=2), StragglerDetector(every_n_steps=2), AMPMonitor()]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_that_raises_ends_every_rank_with_its_error(tmp_path, rank):
     strategy = OptimizedDDPStrategy(comm_hook="fp16", start_method="fork", timeout=TIMEOUT)
@@ -49,6 +50,7 @@ def test_a_rank_that_raises_ends_every_rank_with_its_error(tmp_path, rank):
     assert time.perf_counter() - start < TIMEOUT.total_seconds()
 
 
+@pytest.mark.quick
 def test_a_killed_rank_ends_the_run_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
     strategy = OptimizedDDPStrategy(comm_hook=PowerSGDConfig(start_iter=2), start_method="fork", timeout=TIMEOUT)
     every_2 = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
@@ -69,6 +71,7 @@ def test_a_killed_rank_ends_the_run_with_a_clear_error_and_keeps_the_checkpoint(
     assert [state["iteration"] for state in checkpoint["ddpopt"]["hook_states"]] == [2, 2]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("owned", [True, False])
 def test_teardown_releases_the_process_group_it_holds(gloo_group, owned):
     from lightning.fabric.plugins.environments import LightningEnvironment
@@ -101,6 +104,7 @@ class NonfiniteProbe(pl.Callback):
         torch.save((self.monitor.steps, self.monitor.nonfinite_steps), self.out / f"amp{trainer.global_rank}.pt")
 
 
+@pytest.mark.quick
 def test_amp_monitor_check_joins_the_reduce_on_a_rank_without_gradients(tmp_path):
     monitor = AMPMonitor()
     strategy = OptimizedDDPStrategy(start_method="fork", timeout=TIMEOUT)
@@ -116,6 +120,7 @@ def test_amp_monitor_check_joins_the_reduce_on_a_rank_without_gradients(tmp_path
         assert torch.load(tmp_path / f"amp{rank}.pt") == (4, 0)
 
 
+@pytest.mark.quick
 def test_bf16_hook_refuses_emulated_bf16_on_nccl(monkeypatch):
     # A pre-A100 GPU: torch runs bf16 there by emulation, which the hook's promised clear error must not count.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -12,6 +12,8 @@ from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.timing import CudaTimeline, HostTimeline, timeline_for
 from tests.helpers import LaggingTimeline
 
+pytestmark = pytest.mark.quick
+
 
 def test_host_timeline_resolves_at_once():
     timeline = timeline_for(torch.device("cpu"))

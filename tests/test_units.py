@@ -13,6 +13,8 @@ from lightning_ddpopt.cli import main as ddpopt
 from lightning_ddpopt.units import MIB, byte_unit, format_bytes
 from tests.helpers import StackModel
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.mark.parametrize(
     ("nbytes", "text"),

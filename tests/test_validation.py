@@ -15,6 +15,8 @@ from lightning_ddpopt import COMM_HOOKS, OptimizedDDPStrategy
 from lightning_ddpopt.affinity import available_cores
 from tests.helpers import StackModel, regression_data
 
+pytestmark = pytest.mark.quick
+
 
 def test_unknown_hook_name_lists_the_choices():
     with pytest.raises(ValueError, match=re.escape("comm_hook='fp8' is not a known hook; choose one of")) as error:
