@@ -151,11 +151,14 @@ class StrategyCore:
         timeout: timedelta | None,
         device: torch.device,
         loss_scale: Callable[[], torch.Tensor | None],
+        measured: bool = True,
     ) -> None:
         """Register the hook on the freshly wrapped ``model``, start local SGD over it, restore what waited for them.
 
         Groups of our own (a hook's beside the backward pass, the tiers', the islands') are made on the strategy's
-        ``backend`` with its ``timeout``; every rank makes them in one order.
+        ``backend`` with its ``timeout``; every rank makes them in one order. ``measured``: something of the front
+        end's reads the ledger's syncs (the Fabric strategy cannot know before a ``Monitor`` attaches: it passes
+        ``True``); autotune and local SGD read them too.
         """
         assert self.ledger is not None, "start() first"
 
@@ -181,6 +184,7 @@ class StrategyCore:
             topology=self.topology,
             new_group=new_group,
             island=island,
+            observed=measured or self.buckets.requested == "autotune" or self.local_sgd is not None,
         )
         if self.hooks.registered is not None:
             self._restore_hook_state()

@@ -6,6 +6,8 @@ instead, on a stream of its own that waits for the tensor (and for the collectiv
 into pinned host memory, and records an event; :meth:`DeferredRead.read`, called a step or a meeting later, finds the
 event long passed. The compute stream never waits for the collective: a rank that is early does not stall its device
 for the others. On a CPU it reads the tensor (after the collective) when asked.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ has long sent its part.
 
 Where DDP synchronised the gradients with a hook whose result every rank shares (:func:`gradients_identical`), a
 check of the gradients decides alike on every rank without any collective.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

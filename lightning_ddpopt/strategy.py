@@ -42,6 +42,7 @@ from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
+from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.precision import current_loss_scale
 
 __all__ = ["OptimizedDDPStrategy"]
@@ -256,6 +257,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
             timeout=self._timeout,
             device=self.root_device,
             loss_scale=self._loss_scale,
+            measured=self._ledger_read(),
         )
 
     @override
@@ -383,6 +385,14 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
         self.model = super()._setup_model(self.model.module)
         self._core.hooks.register(self.model)
         return self.model
+
+    def _ledger_read(self) -> bool:
+        """Whether this fit reads the ledger's syncs: a measuring callback, or manual optimization's per-step check."""
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization:
+            return True
+        callbacks = module.trainer.callbacks  # type: ignore[attr-defined]
+        return any(isinstance(c, MeasuringCallback) for c in callbacks)
 
     def _say(self, message: str) -> None:
         say_during_training(self.lightning_module, self.is_global_zero, message)

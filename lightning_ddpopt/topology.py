@@ -11,6 +11,8 @@ per node (its M ranks: one for the sum, one for the gather) and one *cross-node*
 that local rank, one per node). Every rank takes part in making every group (torch's rule for ``new_group``), in one
 order: nodes by node rank, then local ranks. What grows with the world: the topology itself is O(world) integers per
 rank; every rank makes 2N + M groups and belongs to three.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

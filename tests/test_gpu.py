@@ -79,13 +79,25 @@ def test_ledger_on_cuda_takes_no_host_sync_per_step(tmp_path):
 
 
 @two_gpus
-@pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16"])
+@pytest.mark.parametrize("measured", [False, True], ids=["alone", "with_comm_profiler"])
+def test_the_default_allreduce_on_nccl_is_ddps_own_unless_something_measures(tmp_path, measured):
+    # Nothing reads the ledger: DDP's C++ allreduce, no Python call per bucket. A CommProfiler: our hook, measured.
+    strategy = OptimizedDDPStrategy(bucket_cap_mb=0.3, start_method="spawn")
+    callbacks = [CommProfiler(every_n_steps=1, probe_link=False, report=False)] if measured else []
+    ranks = fit_ddp(tmp_path, strategy, accelerator="gpu", max_steps=3, callbacks=callbacks)
+    for record in ranks:
+        assert record["ddp_comm_hook"] == ("allreduce_mean_hook" if measured else None)
+        assert [s["wire_bytes"] for s in record["steps"]] == ([stack_gradient_bytes()] * 3 if measured else [])
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
+
+
+@two_gpus
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_cast_hooks_on_nccl(tmp_path, hook):
     strategy = OptimizedDDPStrategy(comm_hook=hook, bucket_cap_mb=0.3, start_method="spawn")
     ranks = fit_ddp(tmp_path, strategy, accelerator="gpu", max_steps=3)
-    width = 4 if hook == "allreduce" else 2
     for record in ranks:
-        assert [s["wire_bytes"] for s in record["steps"]] == [stack_gradient_bytes() // 4 * width] * 3
+        assert [s["wire_bytes"] for s in record["steps"]] == [stack_gradient_bytes() // 2] * 3
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 

@@ -189,3 +189,18 @@ def test_the_command_lines_report_name_is_the_diagnosis_one():
     from lightning_ddpopt import cli, diagnosis
 
     assert cli.REPORT_NAME == diagnosis.REPORT_NAME
+
+
+@pytest.mark.quick
+def test_nccl_keeps_ddps_own_allreduce_only_where_nothing_needs_our_hook():
+    from lightning_ddpopt.hooks.install import builtin_allreduce_suffices
+
+    allreduce, fp16 = get_hook_spec("allreduce"), get_hook_spec("fp16")
+    alone = {"tiered": False, "island": False, "observed": False}
+    assert builtin_allreduce_suffices(allreduce, "nccl", **alone)
+    # gloo keeps our hook (the CPU suite runs every path through it), and so does any other hook or a callable.
+    assert not builtin_allreduce_suffices(allreduce, "gloo", **alone)
+    assert not builtin_allreduce_suffices(fp16, "nccl", **alone)
+    assert not builtin_allreduce_suffices(None, "nccl", **alone)
+    for needs in ("tiered", "island", "observed"):
+        assert not builtin_allreduce_suffices(allreduce, "nccl", **{**alone, needs: True}), needs

@@ -12,6 +12,8 @@ gradient. Two things keep that state sound under fp16 AMP:
 
 Errors are keyed by parameter name (not bucket index), so they survive DDP's bucket rebuild after the first step
 and a resume into another bucket layout.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -20,7 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt._compat import attached_comm_hook
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
-from lightning_ddpopt.hooks.arguments import HIERARCHICAL_HOOKS, validate_comm_hook, validate_hierarchical
+from lightning_ddpopt.hooks.arguments import (
+    DEFAULT_COMM_HOOK,
+    HIERARCHICAL_HOOKS,
+    validate_comm_hook,
+    validate_hierarchical,
+)
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, flat_fp16_note
@@ -41,7 +46,7 @@ from lightning_ddpopt.hooks.registry import (
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.topology import TierGroups, Topology
 
-__all__ = ["HookInstaller"]
+__all__ = ["HookInstaller", "builtin_allreduce_suffices"]
 
 _CAST: dict[str, torch.dtype | None] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: What crosses nodes, in words, for the setup log line.
@@ -117,6 +122,7 @@ class HookInstaller:
         topology: Topology | None = None,
         new_group: Callable[[list[int]], dist.ProcessGroup] | None = None,
         island: tuple[Callable[[], dist.ProcessGroup | None], Callable[[], bool]] | None = None,
+        observed: bool = True,
     ) -> None:
         """Build the hook and register it on ``model`` (none: DDP's built-in allreduce).
 
@@ -124,13 +130,22 @@ class HookInstaller:
         ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies; ``topology`` (the ranks of each
         node) decides whether the sync is hierarchical, and ``new_group`` makes its groups (on the strategy's backend,
         with its timeout). ``island``: local SGD's island group and whether it trains apart now; the hook is then
-        wrapped in :func:`~lightning_ddpopt.hooks.island.island_hook`.
+        wrapped in :func:`~lightning_ddpopt.hooks.island.island_hook`. ``observed``: something reads the ledger's
+        syncs (a measuring callback, autotune); without it, ``comm_hook="allreduce"`` on NCCL leaves DDP's own C++
+        allreduce in place (:func:`builtin_allreduce_suffices`).
         """
         self._check_post_local_sgd(device)
         if self.choosing:
             self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
         # Decided before the hook is built: a two-tier int8 sync needs no exchange group of its own.
         tiered = self._spec is not None and self._two_tiers(topology, model, backend)
+        if builtin_allreduce_suffices(self._spec, backend, tiered=tiered, island=island is not None, observed=observed):
+            rank_zero_info(
+                f"ddpopt: comm_hook='allreduce' on {backend}: DDP's own C++ allreduce syncs the gradients (nothing "
+                "needs a hook of ours: no measuring callback, manual optimization, autotune, two-tier sync or local "
+                "SGD); the ledger sees no sync"
+            )
+            return
         hook = self._build(model, backend, ledger, device, loss_scale, own_group, beside_backward=not tiered)
         if hook is not None and self._spec is None:
             self._two_tiers(topology, model, backend)  # says why a user's hook stays flat
@@ -435,3 +450,17 @@ def _agreed_cpu_kernels(model: DistributedDataParallel) -> CPUKernels:
     kernels = torch.tensor([order.index(local_cpu_kernels())])
     dist.all_reduce(kernels, op=dist.ReduceOp.MAX, group=model.process_group)
     return order[int(kernels)]
+
+
+def builtin_allreduce_suffices(
+    spec: HookSpec | None, backend: str, *, tiered: bool, island: bool, observed: bool
+) -> bool:
+    """Whether DDP's own allreduce does all ``comm_hook="allreduce"`` would: on NCCL, with nothing needing our hook.
+
+    Our ``allreduce`` hook is DDP's mean allreduce run from Python, reporting each bucket to the ledger; on NCCL that is
+    a Python call and a ledger entry per bucket for nothing when no callback or autotune reads the ledger, and no
+    two-tier sync or local SGD island wraps it. On gloo it stays: the CPU tests run every path through it.
+    """
+    return (
+        backend == "nccl" and spec is not None and spec.name == DEFAULT_COMM_HOOK and not (tiered or island or observed)
+    )

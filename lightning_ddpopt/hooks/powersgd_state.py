@@ -3,6 +3,8 @@
 The hook (:mod:`lightning_ddpopt.hooks.powersgd`) runs the chains; this state holds what lives between steps and what
 a checkpoint keeps. How a round's state is committed, on the host and on a GPU alike, is
 :class:`~lightning_ddpopt.hooks.feedback.ErrorFeedbackState`'s rule; the Q memories follow it here.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ fast link inside it, and the replicas sync their parameters every ``H`` steps ov
 for the setup log line; :class:`IslandGroups` makes their process groups, the same way on every rank, through
 :class:`~lightning_ddpopt.topology.TierGroups` (an island is a node to them): the island's gradient group, its
 gather group (the outer step's shards), and the group across the islands of this rank's island rank.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Local SGD's outer loop: each rank's parameter change averaged every ``H`` steps, the outer step, the anchor.
 
 See :mod:`lightning_ddpopt.localsgd` for the method; :class:`LocalSGD` is driven by
-:class:`~lightning_ddpopt.localsgd.driver.LocalSGDDriver`.
+:class:`~lightning_ddpopt.localsgd.driver.LocalSGDDriver`. Terms (meeting, travel, island): the design page's glossary.
 """
 
 from __future__ import annotations
