@@ -31,7 +31,7 @@ from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, 
 from lightning_ddpopt.precision import OptimizerSteps
 from lightning_ddpopt.records import StepRecord
 from lightning_ddpopt.timing import timeline_for
-from lightning_ddpopt.topology import Topology, discover
+from lightning_ddpopt.topology import TierGroups, Topology, discover
 
 __all__ = ["CoreViews", "StrategyCore"]
 
@@ -434,6 +434,11 @@ class CoreViews:
     def comm_state(self) -> object | None:
         """The comm hook's state (``None`` without one)."""
         return self._core.hooks.comm_state
+
+    @property
+    def comm_tiers(self) -> TierGroups | None:
+        """The intra- and cross-node groups of a two-tier sync (``None`` for a flat one)."""
+        return self._core.hooks.tiers
 
     @property
     def comm_hook_name(self) -> str | None:

@@ -232,10 +232,12 @@ def test_a_busy_backward_over_loopback_is_not_a_network_problem(tmp_path):
     assert comm["link_busy_ms"] < 0.5 * comm["sync_time_ms"]
     assert network["status"] == "ok", network
     assert "the backward pass hides" in network["evidence"]
-    # Compute-bound, unless a rank came late to the sync (on this loaded 2-core machine it can, by a few ms): then
-    # the finding says the others waited for it and does not call the step compute-bound.
+    # Compute-bound where the exposed sync is under half the problem share and no rank came late to the sync. On this
+    # loaded 2-core machine a rank can come late by a few ms, or the exposed part can reach 15% of the step: then the
+    # finding says the others waited, or leaves the verdict out, and never calls the step compute-bound.
     waited = "the other ranks wait" in network["evidence"]
-    assert ("the step is compute-bound" in network["evidence"]) is not waited, network["evidence"]
+    compute_bound = comm["exposed_share"] < COMM_SHARE_PROBLEM / 2 and not waited
+    assert ("the step is compute-bound" in network["evidence"]) is compute_bound, (comm["exposed_share"], network)
     series = report["series"]["0"]
     assert len(series["exposed_time_ms"]) == len(series["sync_time_ms"]) == 8
     assert all(e <= s for e, s in zip(series["exposed_time_ms"], series["sync_time_ms"], strict=True))

@@ -26,7 +26,6 @@ from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
 from lightning_ddpopt.records import QUALITY_FIELDS, StepRecord, local_drift, run_quality
 from lightning_ddpopt.timing import median_seconds
-from lightning_ddpopt.topology import TierGroups
 from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = ["CommProfiler"]
@@ -222,9 +221,8 @@ class CommProfiler(MeasuringCallback):
         self._cursor.start(trainer)  # the strategy has registered its hook by now
         # A two-tier sync's bytes_sent cross the nodes in rings of one rank per node, M of which share each node's
         # link: the link's bus bandwidth is M times one ring's.
-        state = trainer.strategy.comm_state if isinstance(trainer.strategy, CoreViews) else None
-        tiers = getattr(state, "tiers", None)  # a two-tier hook's state (fp32/fp16/bf16 or int8)
-        if isinstance(tiers, TierGroups):
+        tiers = trainer.strategy.comm_tiers if isinstance(trainer.strategy, CoreViews) else None
+        if tiers is not None:
             topology = tiers.topology
             self._ring_ranks, self._rings_per_link = topology.num_nodes, topology.ranks_per_node
         else:

@@ -108,6 +108,11 @@ class HookInstaller:
         self._registered_state: object | None = None
         self._group: dist.ProcessGroup | None = None
 
+    @property
+    def tiers(self) -> TierGroups | None:
+        """The intra- and cross-node groups of a two-tier sync (``None`` for a flat one)."""
+        return self._tiers
+
     def install(
         self,
         model: DistributedDataParallel,
