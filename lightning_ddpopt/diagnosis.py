@@ -9,6 +9,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 
 from lightning_ddpopt.core import CoreViews
+from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, is_adaptive
 from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.measuring import FrontEnd, MeasuringCallback
@@ -130,7 +131,12 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
     state = strategy.comm_state if isinstance(strategy, CoreViews) else None
     if isinstance(state, PowerSGDState):  # the rank in use, and the config's bound
         config = state.config
-        summary["powersgd"] = {"rank": state.rank, "max_rank": config.max_rank, "max_error": state.error_bound}
+        summary["powersgd"] = {
+            "rank": state.rank,  # the highest of the matrices' ranks
+            "lowest_rank": state.ranks.lowest,
+            "max_rank": config.max_rank,
+            "max_error": state.error_bound,
+        }
     ledger = strategy.ledger if isinstance(strategy, CoreViews) else None
     if ledger is not None and ledger.recording and ledger.total_steps:
         steps = list(ledger.steps)
@@ -319,7 +325,15 @@ def _compression(summary: dict[str, Any]) -> Finding:
         evidence += f"; over the run {_error(quality['compression_error'])} ({measured:g} measured syncs)"
     powersgd = summary.get("powersgd")
     if powersgd is not None:
-        evidence += f"; rank {powersgd['rank']}"
+        highest, lowest = powersgd["rank"], powersgd.get("lowest_rank", powersgd["rank"])  # earlier: one rank
+        evidence += f"; rank {highest}" if lowest == highest else f"; ranks {lowest}-{highest} per matrix"
+    int8_bytes = _int8_bytes(comm) if family == "powersgd" else None
+    if int8_bytes is not None and comm["bytes_sent"] > int8_bytes:
+        evidence += (
+            f"; it sends {format_bytes(comm['bytes_sent'])} per step, more than int8's {format_bytes(int8_bytes)} would"
+        )
+        advice = "use comm_hook='int8': fewer bytes than PowerSGD at the ranks these gradients need, near-lossless"
+        return Finding("compression", "problem", evidence, advice)
     if error <= limit:
         return Finding("compression", "ok", evidence)
     who = ", ".join(optimizers) or "this optimizer"
@@ -345,6 +359,17 @@ def _compression(summary: dict[str, Any]) -> Finding:
     else:
         advice = f"the rank reached max_rank={rank}: raise PowerSGDConfig(max_rank=...), or use comm_hook='int8'"
     return Finding("compression", "problem", evidence, advice)
+
+
+def _int8_bytes(comm: dict[str, Any]) -> float | None:
+    """What flat int8 would send per step for the same (fp32) gradients: a byte per value, 4 bytes per block's scale.
+
+    ``None`` where the bytes are not measured, or for a two-tier sync (its bytes between nodes are this rank's share).
+    """
+    if "bytes_sent" not in comm or "bytes_uncompressed" not in comm or comm.get("bytes_sent_intra_node"):
+        return None
+    values = comm["bytes_uncompressed"] / 4
+    return values * (1 + 4 / Int8Config().block_size)
 
 
 def _error(value: float) -> str:

@@ -659,7 +659,7 @@ def _powersgd_tiers_worker(rank: int, world_size: int, port: int, out: str, loop
             "errors": dict(state.errors),
             "q": dict(state.q_memories),
             "skipped": state.skipped_rounds,
-            "rank_changes": [(step, old, new) for step, _, old, new in state.rank_changes],
+            "rank_changes": [(step, old, new) for step, _, old, new, _ in state.rank_changes],
             "bytes": [(s.wire_bytes, s.intra_node_bytes) for s in ledger.steps],
             "config": state.state_dict()["config"],
             "owners": getattr(state, "owners", None),

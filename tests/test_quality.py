@@ -166,11 +166,11 @@ def test_powersgd_raises_its_rank_while_the_error_is_above_max_error_and_resumes
     sent = run(range(len(gradients)), state, ledger)
     # Measured at the window's last round, applied two rounds later: 1 -> 2 -> 4 (max_rank), then no more probes.
     first = config.start_iter + RANK_WINDOW - 1 + 2
-    assert [(step, old, new) for step, _, old, new in state.rank_changes] == [
+    assert [(step, old, new) for step, _, old, new, _ in state.rank_changes] == [
         (first, 1, 2),
         (first + RANK_WINDOW, 2, 4),
     ]
-    assert all(error > 0.3 for _, error, _, _ in state.rank_changes)
+    assert all(error > 0.3 for _, error, _, _, _ in state.rank_changes)
     rank_bytes = (96 + 64) * 4  # P and Q of rank 1, fp32
     start = config.start_iter
     assert sent[first - start - 1] == rank_bytes and sent[first - start] == 2 * rank_bytes
@@ -283,7 +283,7 @@ def test_a_non_finite_probe_round_raises_nothing(gloo_group):
     assert not math.isfinite(records[probe_round].compression_error)  # CommProfiler leaves it out
     assert state.skipped_rounds == 1
     next_verdict = config.start_iter + 2 * RANK_WINDOW - 1 + 2
-    assert [(step, old, new) for step, _, old, new in state.rank_changes] == [(next_verdict, 1, 2)]
+    assert [(step, old, new) for step, _, old, new, _ in state.rank_changes] == [(next_verdict, 1, 2)]
 
 
 @pytest.mark.quick
@@ -306,11 +306,20 @@ def test_the_error_bound_may_change_on_a_resume_and_older_states_load(gloo_group
     assert loaded(max_error=None).rank == 1  # a fixed rank is the config's
     # A state saved before the bound existed: no rank, no max_error or max_rank in its config.
     older = {**saved, "config": {k: v for k, v in saved["config"].items() if k not in ("max_error", "max_rank")}}
-    for key in ("rank", "rank_changes", "rank_probe"):
+    for key in [key for key in saved if key.startswith(("rank", "default_rank", "matrix_ranks"))]:
         older.pop(key)
     fresh = PowerSGDState(config=config, cpu_kernels="blocked")
     fresh.load_state_dict(older)
     assert (fresh.rank, fresh.rank_changes, fresh.iteration) == (1, [], saved["iteration"])
+    # A state of the release with one rank for every matrix: every matrix takes its rank; its probe decides nothing.
+    single = {key: value for key, value in older.items()}
+    single.update(
+        rank=4, rank_changes=[[8, 0.7, 1, 2], [13, 0.5, 2, 4]], rank_probe={"norms": [1.0, 0.5], "decide_at": 18}
+    )
+    restored = _restored(config, single, bucket)
+    assert (restored.rank, restored.rank_of("probe0"), restored.ranks.lowest) == (4, 4, 4)
+    assert [tuple(change) for change in restored.rank_changes] == [(8, 0.7, 1, 2, "*"), (13, 0.5, 2, 4, "*")]
+    assert restored.ranks.state_dict()["rank_probe"] is None
     assert PowerSGDConfig(rank=128, max_error=None).rank == 128  # max_rank bounds only a rising rank
     with pytest.raises(ValueError, match="max_rank=2 must be at least rank=4"):
         PowerSGDConfig(rank=4, max_rank=2)

@@ -75,8 +75,6 @@ class HierarchicalPowerSGDState(PowerSGDState):
         q_memories: the warm-start Q of each compressed matrix this rank owns.
         pipelined: run the buckets' chains on a worker thread (CPU only); the strategy sets it on CPUs.
         cpu_kernels: numba's fused loops, agreed on by every rank (the strategy sets them); ``None``: torch's.
-        rank: the rank in use; 0 starts at ``config.rank``.
-        rank_changes: ``(step, error, old rank, new rank)`` for each rise of the rank, in order.
 
     Raises:
         ValueError: without ``tiers``, or with ``config.batched``.
@@ -129,11 +127,10 @@ class HierarchicalPowerSGDState(PowerSGDState):
         Args:
             device: where a rank that compressed nothing makes its zeros.
         """
-        sums = self.ranks.take()
-        if sums is None:
+        total = self.ranks.take(device)
+        if total is None:
             return
         assert self.tiers is not None
-        total = sums[0].clone() if sums else torch.zeros(2, dtype=torch.float64, device=device)
         self.wait(dist.all_reduce(total, group=self.tiers.cross, async_op=True))
         work = dist.all_reduce(total, group=self.tiers.intra, async_op=True)
         self.ranks.expect(DeferredRead(total, work), self.iteration)
@@ -165,7 +162,7 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
     compressing = state.iteration >= state.config.start_iter
     if compressing and bucket.index() == 0:
         state.ranks.adapt(state.iteration)
-    layout = _payload_layout(state, gradients, owners, compressing)
+    layout = _payload_layout(state, names, gradients, owners, compressing)
     state.record_wire_bytes(bucket, 0)  # between nodes: what it owns, if anything, is added as it is sent
     sent_inside = _node_mean(state, gradients, owners, mine) + max(layout.sizes)  # the all-to-all, then the gather
     state.record_wire_bytes(bucket, sent_inside * buffer.element_size(), intra_node=True)
@@ -209,15 +206,19 @@ class _Layout:
 
 
 def _payload_layout(
-    state: HierarchicalPowerSGDState, gradients: list[torch.Tensor], owners: list[int], compressing: bool
+    state: HierarchicalPowerSGDState,
+    names: list[str],
+    gradients: list[torch.Tensor],
+    owners: list[int],
+    compressing: bool,
 ) -> _Layout:
     layout = _Layout()
     layout.sizes = [0] * state.ranks_per_node
-    for gradient, owner in zip(gradients, owners, strict=True):
+    for name, gradient, owner in zip(names, gradients, owners, strict=True):
         rows, cols = gradient.shape[0] if gradient.dim() else 1, gradient[0].numel() if gradient.dim() else 1
         shapes = None
-        if compressing and gradient.dim() > 1 and state.config.compresses(rows, cols, state.rank):
-            rank = min(rows, cols, state.rank)
+        if compressing and gradient.dim() > 1 and state.config.compresses(rows, cols, state.rank_of(name)):
+            rank = min(rows, cols, state.rank_of(name))
             shapes = ((rows, rank), (cols, rank))
         layout.entries.append((owner, layout.sizes[owner], shapes))
         layout.sizes[owner] += (rows + cols) * shapes[0][1] if shapes is not None else gradient.numel()

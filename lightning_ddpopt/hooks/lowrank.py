@@ -22,7 +22,7 @@ from lightning_ddpopt.hooks.orthogonal import orthogonalize, random_q
 from lightning_ddpopt.hooks.powersgd_config import MATRIX_DTYPES
 from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 
-__all__ = ["decompress", "low_rank_allreduce"]
+__all__ = ["decompress", "low_rank_allreduce", "strongest_columns"]
 # Values of M per row block of the one-thread error-and-decompression pass: 32768 fp32 values, 128 KiB.
 _CACHE_BLOCK_ELEMENTS = 32768
 
@@ -52,8 +52,10 @@ def low_rank_allreduce(
     fused = state.kernels() == "numba" and _kernels.fits(*matrices)
     qs = []
     for matrix, key in zip(matrices, keys, strict=True):
-        shape = (matrix.shape[1], min(*matrix.shape, state.rank))
+        shape = (matrix.shape[1], min(*matrix.shape, state.rank_of(key)))
         q = state.q_memories.get(key) if config.warm_start else None
+        if q is not None and q.shape[0] == shape[0] and q.shape[1] > shape[1]:
+            q = strongest_columns(q, shape[1])  # the matrix's rank fell: start from what it kept
         if q is None or q.shape != shape:
             # Drawn on the CPU (the same bits on every rank, whatever its GPU) and copied without a host wait.
             q = to_device(random_q(config, state.iteration, key, shape, fused), matrix.device)
@@ -75,7 +77,9 @@ def low_rank_allreduce(
         local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
     # The matrices hold the error fed back now: what the compression is given.
     measuring_error = state.ranks.measuring
-    given_sq = squared_norm(*matrices) if state.measuring or measuring_error else None
+    # Each matrix's squared norm, summed in order: the same bits as squared_norm(*matrices).
+    given_each = [squared_norm(m) for m in matrices] if state.measuring or measuring_error else None
+    given_sq = sum(given_each, torch.zeros_like(given_each[0])) if given_each else None
     ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
     finite = round_.check(ps)
     for p in ps:
@@ -103,16 +107,45 @@ def low_rank_allreduce(
         else:
             torch.matmul(p, q.t(), out=m)
     if given_sq is not None:
+        assert given_each is not None
         # Without error feedback no error is formed: M - P P^T M is orthogonal to P P^T M, whose norm is local Q's.
         dropped_sq = squared_norm(*errors) if errors else (given_sq - squared_norm(*local_qs)).clamp_(min=0)
         if measuring_error:
-            state.ranks.add(given_sq, dropped_sq)
+            _measure_ranks(state, matrices, keys, qs, local_qs, errors, given_each)
         if state.measuring:
             fed_back = fed_back if fed_back is not None else fed_back_sq(feedback)
             state.record_compression(bucket, given_sq, dropped_sq, fed_back)
     if config.warm_start:
         round_.q_memories.update(zip(keys, qs, strict=True))
     return errors
+
+
+def strongest_columns(q: torch.Tensor, keep: int) -> torch.Tensor:
+    """The ``keep`` columns of ``q`` with the largest norms, in their order (the same on every rank: Q is reduced)."""
+    order = torch.sort(q.norm(dim=0), descending=True, stable=True).indices[:keep]
+    return q[:, torch.sort(order).values]
+
+
+def _measure_ranks(
+    state: PowerSGDState,
+    matrices: list[torch.Tensor],
+    keys: list[str],
+    qs: list[torch.Tensor],
+    local_qs: list[torch.Tensor],
+    errors: list[torch.Tensor],
+    given_each: list[torch.Tensor],
+) -> None:
+    """Each matrix's squared norms for its rank: given, dropped, and dropped were its rank halved.
+
+    Halving keeps the columns of P whose reduced Q columns are strongest (as the next round's warm start would); what
+    this rank's approximation loses with the others is its ``M^T P`` columns' energy (P is orthonormal).
+    """
+    for index, (m, key, q, local_q, given) in enumerate(zip(matrices, keys, qs, local_qs, given_each, strict=True)):
+        dropped = squared_norm(errors[index]) if errors else (given - squared_norm(local_q)).clamp_(min=0)
+        keep = state.ranks.halved(key, m.shape[0], m.shape[1])
+        weakest = torch.sort(q.norm(dim=0), descending=True, stable=True).indices[keep:]
+        lost = local_q.index_select(1, weakest).double().square().sum() if weakest.numel() else torch.zeros_like(given)
+        state.ranks.add(key, given, dropped, dropped + lost)
 
 
 def decompress(state: PowerSGDState, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:

@@ -225,7 +225,7 @@ def compress_listed(
     matrices, keys, others, other_names = [], [], [], []
     for name, gradient in zip(names, gradients, strict=True):
         matrix = gradient.view(gradient.shape[0], -1) if gradient.dim() > 1 else None
-        if matrix is not None and config.compresses(matrix.shape[0], matrix.shape[1], state.rank):
+        if matrix is not None and config.compresses(matrix.shape[0], matrix.shape[1], state.rank_of(name)):
             matrices.append(matrix)
             keys.append(name)
         else:
@@ -326,7 +326,7 @@ def _compress_as_square(
     """
     numel = flat.numel()
     side = _square_side(numel)
-    if not state.config.compresses(side, side, state.rank):
+    if not state.config.compresses(side, side, state.rank_of("|".join(names))):
         allreduce_mean_inplace(state, bucket, flat)
         round_.check([flat])
         round_.sent_exactly.update(names)

@@ -1,18 +1,29 @@
-"""PowerSGD's rank under an error bound (``PowerSGDConfig.max_error``): measured, summed over the ranks, applied later.
+"""PowerSGD's rank per matrix under an error bound (``PowerSGDConfig.max_error``): measured, summed, applied later.
 
-Every ``RANK_WINDOW``-th compressed round measures its relative compression error: the hook adds each bucket's two
-squared norms (what the compression was given, what it dropped) with :meth:`RankController.add`, and after the
-round's last bucket the state all-reduces the sums on its group (one more small collective, in the same place of the
-chain on every rank). ``RANK_DECISION_LAG`` rounds later every rank reads the sum (on a GPU through a
-:class:`~lightning_ddpopt.deferred.DeferredRead`, long arrived unless the host runs two syncs ahead of the device)
-and doubles the rank if the error is above the bound. A non-finite round's measurement decides nothing. Every
-decision is taken from all-reduced values, so the rank is the same on every rank.
+Every ``RANK_WINDOW``-th compressed round measures each matrix's relative compression error: the hook adds, per
+matrix, three squared norms with :meth:`RankController.add` (what the compression was given, what it dropped, and
+what it would drop at half the rank: the dropped part plus the weakest columns of this rank's ``M^T P``, the columns
+being chosen by the reduced Q's norms, the same on every rank). After the round's last bucket the state all-reduces
+the table (one row per parameter of the model, O(parameters) values whatever the world size; one more small
+collective, in the same place of the chain on every rank). ``RANK_DECISION_LAG`` rounds later every rank reads the sum
+(on a GPU through a :class:`~lightning_ddpopt.deferred.DeferredRead`, long arrived unless the host runs two syncs
+ahead of the device) and decides per matrix:
+
+- **rise**: the error is above the bound: the matrix's rank doubles, up to ``max_rank``;
+- **fall**: the error at half the rank would stay under ``FALL_MARGIN`` x the bound in ``patience`` measurements in a
+  row (``FALL_PATIENCE`` at first): the rank halves, down to ``config.rank``. A matrix that rises back to a rank it
+  fell from doubles its patience (hysteresis: a matrix near the bound does not swing every window), and a warm-up
+  spike that raised a rank does not keep it there.
+
+A non-finite round's measurement decides nothing. Every decision is taken from all-reduced values, so every matrix's
+rank is the same on every rank. A matrix that a raised rank no longer compresses is sent exactly and measured no more.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -20,114 +31,244 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig, is_adaptive
 
-__all__ = ["RANK_DECISION_LAG", "RANK_WINDOW", "RankController"]
+__all__ = ["FALL_MARGIN", "FALL_PATIENCE", "RANK_DECISION_LAG", "RANK_WINDOW", "RankChange", "RankController"]
 
-#: Syncs between two measurements of the compression error that may raise the rank (``PowerSGDConfig.max_error``).
+#: Syncs between two measurements of the compression error that may change a matrix's rank.
 RANK_WINDOW = 5
 #: A measurement's verdict is applied this many syncs later: on a GPU its value has reached the host by then.
 RANK_DECISION_LAG = 2
+#: A matrix's rank halves when its error at half the rank would stay under this fraction of the bound ...
+FALL_MARGIN = 0.8
+#: ... in this many measurements in a row (doubled each time the matrix rises back to a rank it fell from).
+FALL_PATIENCE = 2
+#: The most measurements in a row a fall may wait for.
+_MAX_PATIENCE = 64
+
+
+class RankChange(NamedTuple):
+    """One change of a matrix's rank."""
+
+    #: The sync round from which the new rank applies.
+    step: int
+    #: The measured relative error: at the old rank for a rise, predicted at the new one for a fall.
+    error: float
+    old: int
+    new: int
+    #: The matrix's key (its parameter's name; batched: the bucket's names joined by ``|``); ``"*"`` for a change
+    #: saved by an earlier release, which had one rank for every matrix.
+    key: str
 
 
 @dataclass(kw_only=True)
 class RankController:
-    """The rank PowerSGD compresses at: ``config.rank``, doubled while the measured error is above the bound.
+    """The rank each matrix compresses at: ``config.rank``, moved per matrix by the measured error (module doc).
 
     Args:
         config: the rank, the bound (``max_error``) and the highest rank (``max_rank``).
     """
 
     config: PowerSGDConfig
-    #: The rank in use; the same on every rank.
-    rank: int = field(default=0, init=False)
+    #: The rank of a matrix without a rank of its own (``config.rank``; a state of an earlier release: its rank).
+    default_rank: int = field(default=0, init=False)
+    #: Each measured matrix's rank, by key; the same on every rank.
+    matrix_ranks: dict[str, int] = field(default_factory=dict, init=False)
     #: The error bound in use: ``config.max_error``, ``"auto"`` resolved (see :meth:`fit_bound_to`).
     bound: float | None = field(default=None, init=False)
-    #: ``(step, error, old rank, new rank)`` for each rise of the rank, in order.
-    changes: list[tuple[int, float, int, int]] = field(default_factory=list, init=False)
-    #: This round's squared norms (given, dropped) while it measures; ``None`` otherwise.
-    _sums: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
-    #: A measurement on its way: the norms summed over the ranks, and the sync round that applies its verdict.
+    #: Every change of a matrix's rank, in order.
+    changes: list[RankChange] = field(default_factory=list, init=False)
+    #: Per key: measurements in a row that would allow a fall, and how many a fall needs.
+    calm: dict[str, int] = field(default_factory=dict, init=False)
+    patience: dict[str, int] = field(default_factory=dict, init=False)
+    #: Per key: the rank it last fell from (rising back to it doubles its patience).
+    fell_from: dict[str, int] = field(default_factory=dict, init=False)
+    #: The parameter names of the model in order: a key's row in the measured table is its (first) name's index.
+    _slot_of: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    #: The keys this rank measured, by row.
+    _key_at: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    _names: list[str] = field(default_factory=list, init=False, repr=False)
+    #: This round's table while it measures (``None`` before its first matrix); ``_measuring`` marks the round.
+    _table: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _measuring: bool = field(default=False, init=False, repr=False)
+    #: A measurement on its way: the table summed over the ranks, and the sync round that applies its verdict.
     _pending: tuple[DeferredRead, int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.rank = self.config.rank
+        self.default_rank = self.config.rank
         bound = self.config.max_error
         self.bound = ERROR_BOUNDS["adaptive"] if bound == "auto" else bound
+
+    def bind(self, names: list[str]) -> None:
+        """Learn the model's parameter names, in order: the rows of the measured table."""
+        self._names = list(names)
+        self._slot_of = {name: index for index, name in enumerate(self._names)}
 
     def fit_bound_to(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Resolve ``max_error="auto"``: the adaptive bound if any optimizer is adaptive, else the other."""
         if self.config.max_error == "auto":
             self.bound = ERROR_BOUNDS["adaptive" if any(map(is_adaptive, optimizers)) else "other"]
 
+    def rank_of(self, key: str) -> int:
+        """The rank matrix ``key`` compresses at this round."""
+        return self.matrix_ranks.get(key, self.default_rank)
+
+    @property
+    def highest(self) -> int:
+        """The highest rank in use (for reports)."""
+        return max([self.default_rank, *self.matrix_ranks.values()]) if self.bound is not None else self.default_rank
+
+    @property
+    def lowest(self) -> int:
+        """The lowest rank in use (for reports)."""
+        return min(self.matrix_ranks.values(), default=self.default_rank)
+
     @property
     def measuring(self) -> bool:
-        """Whether the open round measures its compression error (set at its first bucket)."""
-        return self._sums is not None
+        """Whether the open round measures its compression errors (set at its first bucket)."""
+        return self._measuring
+
+    def halved(self, key: str, rows: int, cols: int) -> int:
+        """The columns matrix ``key`` (``rows`` x ``cols``) would keep if its rank fell now."""
+        return min(rows, cols, max(self.config.rank, self.rank_of(key) // 2))
 
     def _due(self, iteration: int) -> bool:
         config = self.config
-        if self.bound is None or self.rank >= config.max_rank or iteration < config.start_iter:
+        if self.bound is None or iteration < config.start_iter or not self._slot_of:
             return False
         return (iteration - config.start_iter) % RANK_WINDOW == RANK_WINDOW - 1
 
-    def add(self, given_sq: torch.Tensor, dropped_sq: torch.Tensor) -> None:
-        """Add a bucket's squared norms (what its compression was given, what it dropped) to the measurement."""
-        pair = torch.stack([given_sq, dropped_sq])
-        self._sums = [pair] if not self._sums else [self._sums[0] + pair]
+    def add(self, key: str, given_sq: torch.Tensor, dropped_sq: torch.Tensor, halved_sq: torch.Tensor) -> None:
+        """Add a matrix's squared norms (given, dropped, dropped at half the rank) to the measurement's table."""
+        slot = self._slot_of[key.split("|", 1)[0]]
+        if self._table is None:
+            self._table = torch.zeros(len(self._names), 3, dtype=torch.float64, device=given_sq.device)
+        self._table[slot] += torch.stack([given_sq, dropped_sq, halved_sq]).to(torch.float64)
+        self._key_at[slot] = key
 
-    def take(self) -> list[torch.Tensor] | None:
-        """At the round's last bucket: its sums to all-reduce; ``None`` when it did not measure.
+    def take(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """At the round's last bucket: its table to all-reduce; ``None`` when it did not measure.
 
-        Empty when it measured and compressed nothing (the same on every rank).
+        ``device``: where a rank that compressed nothing makes its zeros (a two-tier sync: every rank takes part);
+        without it such a round gives ``None`` (a flat sync compresses the same matrices on every rank).
         """
-        sums, self._sums = self._sums, None
-        return sums
+        table, measuring = self._table, self._measuring
+        self._table, self._measuring = None, False
+        if not measuring:
+            return None
+        if table is None and device is not None:
+            table = torch.zeros(len(self._names), 3, dtype=torch.float64, device=device)
+        return table
 
     def expect(self, read: DeferredRead, iteration: int) -> None:
-        """The sums of round ``iteration``, all-reduced over the ranks: decided ``RANK_DECISION_LAG`` rounds later."""
+        """The table of round ``iteration``, all-reduced over the ranks: decided ``RANK_DECISION_LAG`` rounds later."""
         self._pending = (read, iteration + RANK_DECISION_LAG)
 
     def adapt(self, iteration: int) -> None:
         """At round ``iteration``'s first bucket: start a measurement if one is due, apply one whose round came."""
-        if self._due(iteration):
-            self._sums = []
+        self._measuring = self._due(iteration)
         if self._pending is None or iteration < self._pending[1]:
             return
         read, _ = self._pending
         self._pending = None
-        given, dropped = read.read().tolist()
-        error = math.sqrt(dropped / given) if given > 0 else math.nan
-        assert self.bound is not None
-        new_rank = min(2 * self.rank, self.config.max_rank)
-        if math.isfinite(error) and error > self.bound and new_rank > self.rank:
-            self.changes.append((iteration, error, self.rank, new_rank))
+        rows = read.read().tolist()
+        if len(rows) != len(self._names):  # measured on another model (a resume that changed it): decides nothing
+            return
+        changed = [self._decide(iteration, slot, *row) for slot, row in enumerate(rows) if row[0] > 0]
+        made = [change for change in changed if change is not None]
+        if made:
+            rises = sum(change.new > change.old for change in made)
             rank_zero_info(
-                f"ddpopt: PowerSGD's compression error {error:.2f} is above max_error {self.bound:g} at "
-                f"rank {self.rank}: rank {new_rank} from sync {iteration}"
+                f"ddpopt: PowerSGD at sync {iteration}: {rises} matrices' rank raised (error above max_error "
+                f"{self.bound:g}), {len(made) - rises} lowered (error at half the rank under {FALL_MARGIN:g} x it); "
+                f"ranks now {self.lowest}-{self.highest}"
             )
-            self.rank = new_rank
+
+    def _decide(self, iteration: int, slot: int, given: float, dropped: float, halved: float) -> RankChange | None:
+        assert self.bound is not None
+        key = self._key_at.get(slot, self._names[slot])
+        error, error_halved = math.sqrt(dropped / given), math.sqrt(halved / given)
+        if not (math.isfinite(error) and math.isfinite(error_halved)):
+            return None
+        rank = self.rank_of(key)
+        self.matrix_ranks[key] = rank
+        if error > self.bound:
+            self.calm[key] = 0
+            new = min(2 * rank, self.config.max_rank)
+            if new == rank:
+                return None
+            if self.fell_from.pop(key, None) == new:
+                self.patience[key] = min(2 * self.patience.get(key, FALL_PATIENCE), _MAX_PATIENCE)
+            return self._change(RankChange(iteration, error, rank, new, key))
+        new = max(self.config.rank, rank // 2)
+        if new == rank or error_halved >= FALL_MARGIN * self.bound:
+            self.calm[key] = 0
+            return None
+        self.calm[key] = self.calm.get(key, 0) + 1
+        if self.calm[key] < self.patience.get(key, FALL_PATIENCE):
+            return None
+        self.calm[key], self.fell_from[key] = 0, rank
+        return self._change(RankChange(iteration, error_halved, rank, new, key))
+
+    def _change(self, change: RankChange) -> RankChange:
+        self.changes.append(change)
+        self.matrix_ranks[change.key] = change.new
+        return change
 
     def state_dict(self) -> dict[str, object]:
-        """The rank in use, its rises, and a measurement on its way (read now: a save may wait for the device)."""
+        """The ranks in use, their changes, the fall counters, and a measurement on its way (read now)."""
         probe = None
         if self._pending is not None:
             read, decide_at = self._pending
-            probe = {"norms": read.read().tolist(), "decide_at": decide_at}
-        return {"rank": self.rank, "rank_changes": list(self.changes), "rank_probe": probe}
+            probe = {"table": read.read().tolist(), "keys": dict(self._key_at), "decide_at": decide_at}
+        return {
+            "rank": self.highest,
+            "default_rank": self.default_rank,
+            "matrix_ranks": dict(self.matrix_ranks),
+            "rank_changes": [tuple(change) for change in self.changes],
+            "rank_calm": dict(self.calm),
+            "rank_patience": dict(self.patience),
+            "rank_fell_from": dict(self.fell_from),
+            "rank_probe": probe,
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore :meth:`state_dict`: the rank reached, within this config's bound, and a measurement on its way.
+        """Restore :meth:`state_dict`: the ranks reached, within this config's bounds, and a measurement on its way.
 
-        Without ``max_error`` the rank is the config's; with it, the saved one (a state saved before the rank could
-        change: the config's), at least ``rank`` and at most ``max_rank``.
+        Without ``max_error`` every rank is the config's; with it, the saved ones, each at least ``rank`` and at most
+        ``max_rank``. A state of an earlier release (one rank for every matrix) gives every matrix its rank.
         """
         config = self.config
-        saved, changes = state.get("rank", config.rank), state.get("rank_changes", [])
-        probe = state.get("rank_probe")
+        saved = state.get("default_rank", state.get("rank", config.rank))
+        changes = state.get("rank_changes", [])
         assert isinstance(saved, int) and isinstance(changes, list)
-        self.changes, self._sums, self._pending = [tuple(change) for change in changes], None, None
+        self.changes = [_saved_change(change) for change in changes]
+        self._table, self._measuring, self._pending = None, False, None
+        self.matrix_ranks, self.calm, self.patience, self.fell_from = {}, {}, {}, {}
         if config.max_error is None:
-            self.rank = config.rank
+            self.default_rank = config.rank
             return
-        self.rank = min(max(saved, config.rank), config.max_rank)
-        if isinstance(probe, dict) and self.rank == saved:  # a measurement at another rank decides nothing here
-            self._pending = (DeferredRead(torch.tensor(probe["norms"], dtype=torch.float64)), int(probe["decide_at"]))
+
+        def clamp(rank: int) -> int:
+            return min(max(rank, config.rank), config.max_rank)
+
+        self.default_rank = clamp(saved)
+        ranks = state.get("matrix_ranks", {})
+        assert isinstance(ranks, dict)
+        self.matrix_ranks = {key: clamp(rank) for key, rank in ranks.items()}
+        for name, table in (("rank_calm", self.calm), ("rank_patience", self.patience)):
+            found = state.get(name, {})
+            assert isinstance(found, dict)
+            table.update(found)
+        fell_from = state.get("rank_fell_from", {})
+        assert isinstance(fell_from, dict)
+        self.fell_from.update(fell_from)
+        probe = state.get("rank_probe")
+        unchanged = self.default_rank == saved and all(ranks[key] == rank for key, rank in self.matrix_ranks.items())
+        if isinstance(probe, dict) and "table" in probe and unchanged:  # measured at other ranks: decides nothing here
+            self._key_at = {int(slot): key for slot, key in probe["keys"].items()}
+            self._pending = (DeferredRead(torch.tensor(probe["table"], dtype=torch.float64)), int(probe["decide_at"]))
+
+
+def _saved_change(saved: tuple | list) -> RankChange:
+    """A saved change; one of an earlier release (one rank for every matrix) has no key: ``"*"``."""
+    step, error, old, new, *key = saved
+    return RankChange(int(step), float(error), int(old), int(new), str(key[0]) if key else "*")

@@ -20,7 +20,7 @@ from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, config_mismatch
 from lightning_ddpopt.hooks.orthogonal import random_q
 from lightning_ddpopt.hooks.powersgd_config import CPUKernels, PowerSGDConfig, local_cpu_kernels
-from lightning_ddpopt.hooks.powersgd_rank import RankController
+from lightning_ddpopt.hooks.powersgd_rank import RankChange, RankController
 
 __all__ = ["PowerSGDState"]
 
@@ -79,7 +79,7 @@ class PowerSGDState(ErrorFeedbackState):
     q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
     pipelined: bool = False
     cpu_kernels: CPUKernels | None = None
-    #: The rank in use and its error bound (:mod:`~lightning_ddpopt.hooks.powersgd_rank`); the same on every rank.
+    #: Each matrix's rank and the error bound (:mod:`~lightning_ddpopt.hooks.powersgd_rank`); the same on every rank.
     ranks: RankController = field(init=False)
     _regroup: _Regroup | None = field(default=None, repr=False)
     _worker: Worker | None = field(default=None, repr=False)
@@ -90,12 +90,16 @@ class PowerSGDState(ErrorFeedbackState):
 
     @property
     def rank(self) -> int:
-        """The rank in use: ``config.rank``, raised by ``config.max_error``; the same on every rank."""
-        return self.ranks.rank
+        """The highest rank in use (``config.rank``, moved per matrix by ``config.max_error``); alike on every rank."""
+        return self.ranks.highest
+
+    def rank_of(self, key: str) -> int:
+        """The rank matrix ``key`` (a parameter's name; batched: the bucket's names joined by ``|``) compresses at."""
+        return self.ranks.rank_of(key)
 
     @property
-    def rank_changes(self) -> list[tuple[int, float, int, int]]:
-        """``(step, error, old rank, new rank)`` for each rise of the rank, in order."""
+    def rank_changes(self) -> list[RankChange]:
+        """``(step, error, old rank, new rank, matrix key)`` for each change of a matrix's rank, in order."""
         return self.ranks.changes
 
     @property
@@ -113,10 +117,9 @@ class PowerSGDState(ErrorFeedbackState):
 
     def send_measurement(self) -> None:
         """At the round's last bucket: sum the round's error measurement over the ranks, to be read two rounds later."""
-        sums = self.ranks.take()
-        if not sums:  # not measured, or nothing compressed this round (the same on every rank)
+        total = self.ranks.take()
+        if total is None:  # not measured, or nothing compressed this round (the same on every rank)
             return
-        total = sums[0].clone()
         work = dist.all_reduce(total, group=self.process_group, async_op=True)
         self.ranks.expect(DeferredRead(total, work), self.iteration)
 
@@ -149,6 +152,7 @@ class PowerSGDState(ErrorFeedbackState):
             module: the module DDP wraps.
         """
         super().bind_module(module)
+        self.ranks.bind(list(self._names.values()))
         if self._regroup is not None:
             self._plan_regroup(list(self._regroup.groups))
 
@@ -192,7 +196,9 @@ class PowerSGDState(ErrorFeedbackState):
         self.ranks.load_state_dict(state)
         if self.config.batched:
             self._plan_regroup([tuple(key.split("|")) for key in self.q_memories])
-        return f"the step count ({iteration}), the rank ({self.rank}) and the warm-start Q memories are kept"
+        lowest = self.ranks.lowest
+        ranks = f"the rank ({self.rank})" if lowest == self.rank else f"the ranks per matrix ({lowest}-{self.rank})"
+        return f"the step count ({iteration}), {ranks} and the warm-start Q memories are kept"
 
     def _plan_regroup(self, groups: list[tuple[str, ...]]) -> None:
         known = set(self._names.values())
