@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy  # noqa: E402
-from lightning_ddpopt.hooks import PowerSGDConfig  # noqa: E402
+from lightning_ddpopt.hooks import PowerSGDConfig, PowerSGDState  # noqa: E402
 from lightning_ddpopt.records import local_drift  # noqa: E402
 from lightning_ddpopt.units import format_bytes  # noqa: E402
 
@@ -156,7 +156,7 @@ class HeldOut(pl.Callback):
         drift = [s.drift_ratio for s in steps if s.drift_ratio is not None]
         last = list(steps)[-50:]  # after PowerSGD's rank has settled
         state = trainer.strategy.comm_state
-        rank = getattr(state, "rank", None)
+        ranks = state.ranks if isinstance(state, PowerSGDState) else None
         self.out.write_text(
             json.dumps(
                 {
@@ -165,8 +165,10 @@ class HeldOut(pl.Callback):
                     "error_feedback": sum(feedback) / len(feedback) if feedback else math.nan,
                     "drift_ratio": sum(drift) / len(drift) if drift else math.nan,
                     "bytes_per_step": sum(s.wire_bytes or 0 for s in last) / len(last),
-                    "rank": rank if isinstance(rank, int) else None,
-                    "rank_changes": [change[0] for change in getattr(state, "rank_changes", [])],
+                    "rank": ranks.highest if ranks is not None else None,
+                    "lowest_rank": ranks.lowest if ranks is not None else None,
+                    "rises": sum(c.new > c.old for c in ranks.changes) if ranks is not None else 0,
+                    "falls": sum(c.new < c.old for c in ranks.changes) if ranks is not None else 0,
                 }
             )
         )
@@ -222,18 +224,20 @@ def main() -> None:
         f"Command: `{' '.join(['benchmarks/transformer_quality.py', *sys.argv[1:]])}`",
         f"Run {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores, one torch thread per rank. Compression error: "
         "the mean over every 5th step of rank 0's relative error (local SGD: the drift of the ranks' changes at a "
-        "sync); rank: PowerSGD's at the end, and the steps it was raised at; sent per step: rank 0's mean over the "
-        "last 50 steps.",
+        "sync); ranks: PowerSGD's matrices' lowest-highest at the end, and its rises / falls of a matrix's rank; sent "
+        "per step: rank 0's mean over the last 50 steps.",
         "",
-        "| variant | held-out loss | vs allreduce | compression error | error fed back | rank (raised at step) "
+        "| variant | held-out loss | vs allreduce | compression error | error fed back | ranks (rises / falls) "
         "| sent per step | fit s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         change = (row["held_out"] / baseline - 1) * 100 if baseline == baseline else math.nan
-        rank = "-" if row["rank"] is None else str(row["rank"])
-        if row["rank_changes"]:
-            rank += f" ({', '.join(str(step) for step in row['rank_changes'])})"
+        rank = "-"
+        if row["rank"] is not None:
+            rank = str(row["rank"]) if row["lowest_rank"] == row["rank"] else f"{row['lowest_rank']}-{row['rank']}"
+        if row["rises"] or row["falls"]:
+            rank += f" ({row['rises']} / {row['falls']})"
         error = "-" if math.isnan(row["error"]) else f"{row['error']:.3f}"
         fed_back = "-" if math.isnan(row["error_feedback"]) else f"{row['error_feedback']:.3f}"
         if not math.isnan(row["drift_ratio"]):

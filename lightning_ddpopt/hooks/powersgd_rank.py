@@ -98,7 +98,11 @@ class RankController:
         self.bound = ERROR_BOUNDS["adaptive"] if bound == "auto" else bound
 
     def bind(self, names: list[str]) -> None:
-        """Learn the model's parameter names, in order: the rows of the measured table."""
+        """Learn the model's parameter names, in order: the rows of the measured table.
+
+        Args:
+            names: the names of the parameters that get gradients, in the module's order.
+        """
         self._names = list(names)
         self._slot_of = {name: index for index, name in enumerate(self._names)}
 
@@ -108,7 +112,11 @@ class RankController:
             self.bound = ERROR_BOUNDS["adaptive" if any(map(is_adaptive, optimizers)) else "other"]
 
     def rank_of(self, key: str) -> int:
-        """The rank matrix ``key`` compresses at this round."""
+        """The rank a matrix compresses at this round.
+
+        Args:
+            key: the matrix's key (its parameter's name; batched: the bucket's names joined by ``|``).
+        """
         return self.matrix_ranks.get(key, self.default_rank)
 
     @property
@@ -127,7 +135,13 @@ class RankController:
         return self._measuring
 
     def halved(self, key: str, rows: int, cols: int) -> int:
-        """The columns matrix ``key`` (``rows`` x ``cols``) would keep if its rank fell now."""
+        """The columns a matrix would keep if its rank fell now.
+
+        Args:
+            key: the matrix's key.
+            rows: its rows.
+            cols: its columns.
+        """
         return min(rows, cols, max(self.config.rank, self.rank_of(key) // 2))
 
     def _due(self, iteration: int) -> bool:
@@ -137,7 +151,14 @@ class RankController:
         return (iteration - config.start_iter) % RANK_WINDOW == RANK_WINDOW - 1
 
     def add(self, key: str, given_sq: torch.Tensor, dropped_sq: torch.Tensor, halved_sq: torch.Tensor) -> None:
-        """Add a matrix's squared norms (given, dropped, dropped at half the rank) to the measurement's table."""
+        """Add a matrix's squared norms to the measurement's table.
+
+        Args:
+            key: the matrix's key.
+            given_sq: what its compression was given.
+            dropped_sq: what it dropped.
+            halved_sq: what it would drop at half the rank.
+        """
         slot = self._slot_of[key.split("|", 1)[0]]
         if self._table is None:
             self._table = torch.zeros(len(self._names), 3, dtype=torch.float64, device=given_sq.device)
@@ -147,8 +168,9 @@ class RankController:
     def take(self, device: torch.device | None = None) -> torch.Tensor | None:
         """At the round's last bucket: its table to all-reduce; ``None`` when it did not measure.
 
-        ``device``: where a rank that compressed nothing makes its zeros (a two-tier sync: every rank takes part);
-        without it such a round gives ``None`` (a flat sync compresses the same matrices on every rank).
+        Args:
+            device: where a rank that compressed nothing makes its zeros (a two-tier sync: every rank takes part);
+                without it such a round gives ``None`` (a flat sync compresses the same matrices on every rank).
         """
         table, measuring = self._table, self._measuring
         self._table, self._measuring = None, False
@@ -159,11 +181,20 @@ class RankController:
         return table
 
     def expect(self, read: DeferredRead, iteration: int) -> None:
-        """The table of round ``iteration``, all-reduced over the ranks: decided ``RANK_DECISION_LAG`` rounds later."""
+        """The table of a round, all-reduced over the ranks: decided ``RANK_DECISION_LAG`` rounds later.
+
+        Args:
+            read: the all-reduced table, on its way.
+            iteration: the round it was measured in.
+        """
         self._pending = (read, iteration + RANK_DECISION_LAG)
 
     def adapt(self, iteration: int) -> None:
-        """At round ``iteration``'s first bucket: start a measurement if one is due, apply one whose round came."""
+        """At a round's first bucket: start a measurement if one is due, apply one whose round came.
+
+        Args:
+            iteration: the round.
+        """
         self._measuring = self._due(iteration)
         if self._pending is None or iteration < self._pending[1]:
             return

@@ -94,7 +94,11 @@ class PowerSGDState(ErrorFeedbackState):
         return self.ranks.highest
 
     def rank_of(self, key: str) -> int:
-        """The rank matrix ``key`` (a parameter's name; batched: the bucket's names joined by ``|``) compresses at."""
+        """The rank a matrix compresses at this round.
+
+        Args:
+            key: the matrix's key: its parameter's name (batched: the bucket's names joined by ``|``).
+        """
         return self.ranks.rank_of(key)
 
     @property
