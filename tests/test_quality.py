@@ -248,6 +248,27 @@ def test_a_low_rank_with_adam_is_reported_with_its_error_and_the_advice(tmp_path
 
 
 @pytest.mark.quick
+def test_powersgd_sending_more_than_int8_would_is_reported_with_int8_as_the_advice(tmp_path):
+    # Rank 64 of 256 x 256 layers: (256 + 256) x 64 fp32 values per matrix, twice int8's byte per value.
+    fit_ddp(
+        tmp_path,
+        OptimizedDDPStrategy(comm_hook=PowerSGDConfig(rank=64, max_error=None, start_iter=2), start_method="fork"),
+        model=StackModel(),
+        callbacks=[CommProfiler(every_n_steps=4, error_every=2)],
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        samples=128,
+    )
+    report, findings = _report(tmp_path)
+    comm = report["summary"]["comm"]
+    assert comm["bytes_sent"] > comm["bytes_uncompressed"] / 4 * (1 + 4 / Int8Config().block_size)
+    compression = findings["compression"]
+    assert compression["status"] == "problem", compression
+    assert "more than int8's" in compression["evidence"]
+    assert compression["recommendation"].startswith("use comm_hook='int8': fewer bytes than PowerSGD")
+
+
+@pytest.mark.quick
 def test_local_sgds_drift_is_logged_and_reported(tmp_path):
     fit_ddp(
         tmp_path,
