@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -86,6 +87,9 @@ COMPRESSION_ERROR_LIMITS = {
     "int8": (0.05, 0.05),
     "cast": (0.01, 0.01),
 }
+#: The compression finding advises int8 where flat PowerSGD sends more than this many times int8's bytes (its
+#: estimate leaves out the rounding of a bucket's blocks to the world size).
+INT8_MARGIN = 1.1
 #: Local SGD drift (spread of the ranks' changes around their mean, relative to it) above which a finding is raised.
 LOCAL_DRIFT_LIMIT = 1.0
 
@@ -136,6 +140,7 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
             "lowest_rank": state.ranks.lowest,
             "max_rank": config.max_rank,
             "max_error": state.error_bound,
+            "int8_bytes": Int8Config().wire_bytes(state.gradient_sizes) if state.gradient_sizes else None,
         }
     ledger = strategy.ledger if isinstance(strategy, CoreViews) else None
     if ledger is not None and ledger.recording and ledger.total_steps:
@@ -327,11 +332,10 @@ def _compression(summary: dict[str, Any]) -> Finding:
     if powersgd is not None:
         highest, lowest = powersgd["rank"], powersgd.get("lowest_rank", powersgd["rank"])  # earlier: one rank
         evidence += f"; rank {highest}" if lowest == highest else f"; ranks {lowest}-{highest} per matrix"
-    int8_bytes = _int8_bytes(comm) if family == "powersgd" else None
-    if int8_bytes is not None and comm["bytes_sent"] > int8_bytes:
-        evidence += (
-            f"; it sends {format_bytes(comm['bytes_sent'])} per step, more than int8's {format_bytes(int8_bytes)} would"
-        )
+    int8_bytes = _heavier_than_int8(summary, comm) if family == "powersgd" else None
+    if int8_bytes is not None:
+        sent = format_bytes(comm["bytes_sent"])
+        evidence += f"; it sends {sent} per step, more than int8's about {format_bytes(int8_bytes)} would"
         advice = "use comm_hook='int8': fewer bytes than PowerSGD at the ranks these gradients need, near-lossless"
         return Finding("compression", "problem", evidence, advice)
     if error <= limit:
@@ -361,15 +365,18 @@ def _compression(summary: dict[str, Any]) -> Finding:
     return Finding("compression", "problem", evidence, advice)
 
 
-def _int8_bytes(comm: dict[str, Any]) -> float | None:
-    """What flat int8 would send per step for the same (fp32) gradients: a byte per value, 4 bytes per block's scale.
+def _heavier_than_int8(summary: dict[str, Any], comm: dict[str, Any]) -> int | None:
+    """int8's bytes where flat PowerSGD sent over ``INT8_MARGIN`` x them per step, else ``None``.
 
-    ``None`` where the bytes are not measured, or for a two-tier sync (its bytes between nodes are this rank's share).
+    ``None`` also where the bytes are not measured, for a two-tier sync (its bytes between nodes are this rank's
+    share) and for an interval that compressed nothing (warm-up steps: ``bytes_sent`` is then the allreduce's).
     """
-    if "bytes_sent" not in comm or "bytes_uncompressed" not in comm or comm.get("bytes_sent_intra_node"):
+    int8 = (summary.get("powersgd") or {}).get("int8_bytes")
+    if int8 is None or "bytes_sent" not in comm or comm.get("bytes_sent_intra_node"):
         return None
-    values = comm["bytes_uncompressed"] / 4
-    return values * (1 + 4 / Int8Config().block_size)
+    if comm.get("compression_ratio", math.inf) <= 1.0:
+        return None
+    return int8 if comm["bytes_sent"] > INT8_MARGIN * int8 else None
 
 
 def _error(value: float) -> str:

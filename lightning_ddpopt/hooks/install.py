@@ -397,8 +397,9 @@ class HookInstaller:
             state.fit_bound_to(optimizers)
             names = ", ".join(type(optimizer).__name__ for optimizer in optimizers) or "no optimizer"
             rank_zero_info(
-                f"ddpopt: PowerSGD's error bound is {state.error_bound:g} for {names} (max_error='auto'); its rank "
-                f"starts at {state.rank} and doubles, up to {state.config.max_rank}, while the error is above it"
+                f"ddpopt: PowerSGD's error bound is {state.error_bound:g} for {names} (max_error='auto'); every "
+                f"matrix's rank starts at {state.rank}, doubles, up to {state.config.max_rank}, while its error is "
+                "above it, and halves again when half would stay well under it"
             )
 
     def restore(self, saved: SavedRun, world_size: int, rank: int) -> None:

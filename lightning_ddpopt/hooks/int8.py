@@ -94,6 +94,17 @@ class Int8Config:
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"Int8Config error_feedback={self.error_feedback!r} must be a bool")
 
+    def wire_bytes(self, sizes: list[int]) -> int:
+        """What a flat sync sends per step for gradients of these element counts, at least.
+
+        Whole blocks of a byte per value and 4 bytes of scale each, every parameter in blocks of its own; a bucket's
+        blocks are also rounded up to a multiple of the world size, which this leaves out.
+
+        Args:
+            sizes: each gradient's element count.
+        """
+        return sum(math.ceil(size / self.block_size) for size in sizes) * (self.block_size + 4)
+
 
 @dataclass(kw_only=True)
 class Int8State(ErrorFeedbackState):

@@ -109,9 +109,13 @@ def low_rank_allreduce(
     if given_sq is not None:
         assert given_each is not None
         # Without error feedback no error is formed: M - P P^T M is orthogonal to P P^T M, whose norm is local Q's.
-        dropped_sq = squared_norm(*errors) if errors else (given_sq - squared_norm(*local_qs)).clamp_(min=0)
+        dropped_each = [squared_norm(e) for e in errors]  # summed in order: the bits of squared_norm(*errors)
+        if errors:
+            dropped_sq = sum(dropped_each, torch.zeros_like(given_sq))
+        else:
+            dropped_sq = (given_sq - squared_norm(*local_qs)).clamp_(min=0)
         if measuring_error:
-            _measure_ranks(state, matrices, keys, qs, local_qs, errors, given_each)
+            _measure_ranks(state, matrices, keys, qs, local_qs, dropped_each, given_each)
         if state.measuring:
             fed_back = fed_back if fed_back is not None else fed_back_sq(feedback)
             state.record_compression(bucket, given_sq, dropped_sq, fed_back)
@@ -132,7 +136,7 @@ def _measure_ranks(
     keys: list[str],
     qs: list[torch.Tensor],
     local_qs: list[torch.Tensor],
-    errors: list[torch.Tensor],
+    dropped_each: list[torch.Tensor],
     given_each: list[torch.Tensor],
 ) -> None:
     """Each matrix's squared norms for its rank: given, dropped, and dropped were its rank halved.
@@ -141,7 +145,7 @@ def _measure_ranks(
     this rank's approximation loses with the others is its ``M^T P`` columns' energy (P is orthonormal).
     """
     for index, (m, key, q, local_q, given) in enumerate(zip(matrices, keys, qs, local_qs, given_each, strict=True)):
-        dropped = squared_norm(errors[index]) if errors else (given - squared_norm(local_q)).clamp_(min=0)
+        dropped = dropped_each[index] if dropped_each else (given - squared_norm(local_q)).clamp_(min=0)
         keep = state.ranks.halved(key, m.shape[0], m.shape[1])
         weakest = torch.sort(q.norm(dim=0), descending=True, stable=True).indices[keep:]
         lost = local_q.index_select(1, weakest).double().square().sum() if weakest.numel() else torch.zeros_like(given)

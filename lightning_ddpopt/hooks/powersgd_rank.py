@@ -13,7 +13,7 @@ ahead of the device) and decides per matrix:
 - **fall**: the error at half the rank would stay under ``FALL_MARGIN`` x the bound in ``patience`` measurements in a
   row (``FALL_PATIENCE`` at first): the rank halves, down to ``config.rank``. A matrix that rises back to a rank it
   fell from doubles its patience (hysteresis: a matrix near the bound does not swing every window), and a warm-up
-  spike that raised a rank does not keep it there.
+  spike that raised a rank does not keep it there (unless it raised it past what compresses: see below).
 
 A non-finite round's measurement decides nothing. Every decision is taken from all-reduced values, so every matrix's
 rank is the same on every rank. A matrix that a raised rank no longer compresses is sent exactly and measured no more.
@@ -121,8 +121,8 @@ class RankController:
 
     @property
     def highest(self) -> int:
-        """The highest rank in use (for reports)."""
-        return max([self.default_rank, *self.matrix_ranks.values()]) if self.bound is not None else self.default_rank
+        """The highest rank in use (for reports): of the measured matrices, else the default."""
+        return max(self.matrix_ranks.values(), default=self.default_rank)
 
     @property
     def lowest(self) -> int:
@@ -146,7 +146,7 @@ class RankController:
 
     def _due(self, iteration: int) -> bool:
         config = self.config
-        if self.bound is None or iteration < config.start_iter or not self._slot_of:
+        if self.bound is None or config.rank >= config.max_rank or iteration < config.start_iter or not self._slot_of:
             return False
         return (iteration - config.start_iter) % RANK_WINDOW == RANK_WINDOW - 1
 

@@ -81,6 +81,8 @@ class PowerSGDState(ErrorFeedbackState):
     cpu_kernels: CPUKernels | None = None
     #: Each matrix's rank and the error bound (:mod:`~lightning_ddpopt.hooks.powersgd_rank`); the same on every rank.
     ranks: RankController = field(init=False)
+    #: The element count of each parameter that gets a gradient, in the module's order (set by :meth:`bind_module`).
+    gradient_sizes: list[int] = field(default_factory=list, init=False, repr=False)
     _regroup: _Regroup | None = field(default=None, repr=False)
     _worker: Worker | None = field(default=None, repr=False)
 
@@ -157,6 +159,7 @@ class PowerSGDState(ErrorFeedbackState):
         """
         super().bind_module(module)
         self.ranks.bind(list(self._names.values()))
+        self.gradient_sizes = [param.numel() for param in module.parameters() if param.requires_grad]
         if self._regroup is not None:
             self._plan_regroup(list(self._regroup.groups))
 
