@@ -28,6 +28,7 @@ __all__ = [
     "BackwardSyncControl",
     "DDP_STRATEGY_ATTRIBUTES",
     "DDP_STRATEGY_INTERNALS",
+    "FABRIC_DDP_STRATEGY_ATTRIBUTES",
     "FABRIC_DDP_STRATEGY_INTERNALS",
     "LIGHTNING_TESTED_RANGE",
     "PathType",
@@ -65,6 +66,8 @@ DDP_STRATEGY_INTERNALS = (
 FABRIC_DDP_STRATEGY_INTERNALS = ("_get_process_group_backend",)
 #: Instance attributes of either ``DDPStrategy`` the strategies read or write.
 DDP_STRATEGY_ATTRIBUTES = ("_ddp_kwargs", "_timeout")
+#: Fabric's: those, and the backward-sync control ``fabric.no_backward_sync`` asks (the strategy sets its own).
+FABRIC_DDP_STRATEGY_ATTRIBUTES = (*DDP_STRATEGY_ATTRIBUTES, "_backward_sync_control")
 
 _TORCH_GREATER_EQUAL_2_4 = compare_version("torch", lambda a, b: a >= b, "2.4.0")
 
@@ -100,17 +103,21 @@ def check_versions() -> None:
 
 
 def check_ddp_strategy_internals(
-    strategy: object, base: type = DDPStrategy, methods: tuple[str, ...] = DDP_STRATEGY_INTERNALS
+    strategy: object,
+    base: type = DDPStrategy,
+    methods: tuple[str, ...] = DDP_STRATEGY_INTERNALS,
+    attributes: tuple[str, ...] = DDP_STRATEGY_ATTRIBUTES,
 ) -> None:
     """Once ``base.__init__`` ran: raise if a ``DDPStrategy`` internal the strategy relies on is gone.
 
-    ``base``: the Trainer's ``DDPStrategy`` (whose ``methods`` are :data:`DDP_STRATEGY_INTERNALS`) or Fabric's
-    (:data:`FABRIC_DDP_STRATEGY_INTERNALS`); the instance attributes are :data:`DDP_STRATEGY_ATTRIBUTES` in both.
+    ``base``: the Trainer's ``DDPStrategy`` (whose ``methods`` are :data:`DDP_STRATEGY_INTERNALS` and instance
+    ``attributes`` :data:`DDP_STRATEGY_ATTRIBUTES`) or Fabric's (:data:`FABRIC_DDP_STRATEGY_INTERNALS`,
+    :data:`FABRIC_DDP_STRATEGY_ATTRIBUTES`).
     """
     for name in methods:
         if not callable(getattr(base, name, None)):
             raise _changed("lightning", f"{base.__qualname__}.{name}", "the strategy overrides or calls it")
-    for name in DDP_STRATEGY_ATTRIBUTES:
+    for name in attributes:
         if not hasattr(strategy, name):
             raise _changed("lightning", f"{base.__qualname__}.{name}", "set by its __init__, read by the strategy")
 

@@ -25,6 +25,8 @@ after ``timeout_s`` without progress.
 A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook
 afresh; another world size keeps what is the same on every rank (PowerSGD's step count and Q memories) and
 restarts the per-rank rest, and re-measures the ``"auto"`` / ``"autotune"`` decisions.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ subclasses the Trainer's, :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` 
 one :class:`StrategyCore`, which owns the components (the hook installer, the bucket controller, the ledger, the
 checkpoint gathers, local SGD's driver, the core binding) and calls them in the order their rules need, so the two
 front ends cannot drift apart. :class:`CoreViews` gives both strategies the same public properties over it.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

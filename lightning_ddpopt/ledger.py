@@ -4,6 +4,8 @@ Times are taken on a :mod:`~lightning_ddpopt.timing` timeline: host clocks on CP
 host clocks would time the queueing of kernels, not the transfer). A closed step becomes a :class:`StepRecord`
 once every mark in it has resolved, which on a GPU is a step or so later; nothing here waits for the device
 except :meth:`CommLedger.flush`.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ class MeasuringCallback(Callback):
     report: bool = True
     #: Every rank's series for the report's plots (``CommProfiler``'s, gathered at the end of fit), else ``None``.
     report_series: dict[str, Any] | None = None
+    #: Its section of TensorBoard's Custom Scalars layout: a title and its charts' tags (``_tensorboard.charts``).
+    tensorboard_charts: ClassVar[tuple[str, dict[str, list[str]]]]
 
     def summary(self) -> dict[str, Any]:
         """What it measured, JSON-ready, for the report's findings."""

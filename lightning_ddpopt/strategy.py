@@ -7,7 +7,6 @@ to resume from is loaded before ``setup``; its parts wait for the components tha
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -37,18 +36,19 @@ from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
-from lightning_ddpopt.core import CoreViews, StrategyCore
+from lightning_ddpopt.core import StrategyCore
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.precision import current_loss_scale
+from lightning_ddpopt.strategy_base import CoreStrategy
 
 __all__ = ["OptimizedDDPStrategy"]
 
 
-class OptimizedDDPStrategy(CoreViews, DDPStrategy):
+class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
     """A drop-in :class:`~lightning.pytorch.strategies.DDPStrategy` that makes data-parallel training scale.
 
     Differences from the stock strategy:
@@ -202,14 +202,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._core.start(
-            self.root_device,
-            local_rank=self.local_rank,
-            local_world_size=self.num_processes,
-            node_rank=self.node_rank,
-            world_size=self.world_size,
-            rank=self.global_rank,
-        )
+        self._start_core()
 
     @override
     def setup_distributed(self) -> None:
@@ -236,9 +229,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # the optimizers are set up by now, after the hook was registered
             self._core.hooks.fit_to_optimizers(self.optimizers)
-        if self.world_size > 1:
-            # Names this run's checkpoint meetings on the store, which outlives a Trainer in the same processes.
-            self._core.name_run(self.broadcast(secrets.token_hex(8)))
+        self._name_run()
         if self._core.local_sgd is not None:
             self._core.local_sgd.setup(trainer, self.world_size, self.root_device)
 
@@ -251,14 +242,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         model = self.model
         assert isinstance(model, DistributedDataParallel)
-        self._core.install(
-            model,
-            backend=self._get_process_group_backend(),
-            timeout=self._timeout,
-            device=self.root_device,
-            loss_scale=self._loss_scale,
-            measured=self._ledger_read(),
-        )
+        self._install_hook(model, measured=self._ledger_read())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -354,8 +338,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
-            self._core.buckets.log_layout(self.ledger, self._say, self._core.local_phase, final=True)
+        self._log_final_layout(self.model, self._say)
         super().on_train_end()
 
     @override
@@ -381,9 +364,7 @@ class OptimizedDDPStrategy(CoreViews, DDPStrategy):
     def _rewrap(self, cap_mb: float) -> DistributedDataParallel:
         """Wrap the module in a new DDP with ``cap_mb``; the parameters, optimizer state and hook state stay."""
         assert isinstance(self.model, DistributedDataParallel)
-        self._ddp_kwargs["bucket_cap_mb"] = cap_mb
-        self.model = super()._setup_model(self.model.module)
-        self._core.hooks.register(self.model)
+        self.model = self._wrapped_again(self.model.module, cap_mb, super()._setup_model)
         return self.model
 
     def _ledger_read(self) -> bool:

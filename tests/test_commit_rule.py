@@ -1,8 +1,9 @@
 """One commit rule for a sync round, on the host and on the device: the same values, the same saved state, bit for bit.
 
 A round's verdict is read on the host for CPU flags; for CUDA flags it stays on the device and the round is committed
-by selection (``ErrorFeedbackState._commit``). Here both paths run on the CPU (``_verdict_on_device``) through the
-rounds where they once differed: an overflow right after a rank rise, an overflow on the first round after a resume,
+by selection (``ErrorFeedbackState._commit``) when the next round opens or the state is saved. Here both paths run on
+the CPU (``_verdict_on_device``: the device's selection and its delayed commit) through the rounds where they once
+differed: an overflow right after a rank rise, an overflow on the first round after a resume,
 and batched PowerSGD's regrouped Q memories.
 """
 
@@ -42,7 +43,11 @@ def _round(
 
 
 def _fed_back(state: ErrorFeedbackState, names: list[str], scale: float) -> list[torch.Tensor]:
-    """What each name's stored error adds to a gradient of ones at loss scale ``scale``."""
+    """What each name's stored error adds to a gradient of ones at loss scale ``scale``, in the next round.
+
+    The device path commits a round when the next one opens (the host's at once): that commit comes first here.
+    """
+    state._settle()
     gradients = [torch.ones(SHAPE) for _ in names]
     state.add_error_feedback(SyncRound(torch.tensor(scale)), names, gradients)
     return gradients
@@ -205,3 +210,14 @@ def test_errors_saved_without_a_loss_scale_take_the_first_rounds_scale_on_both_p
     assert torch.equal(host_added[0], torch.full(SHAPE, 1.5)) and torch.equal(device_added[0], host_added[0])
     assert torch.equal(host_added[1], torch.full(SHAPE, 1.25)) and torch.equal(device_added[1], host_added[1])
     assert host["error_scales"] == {"w": 1024.0}
+
+
+def test_the_device_path_commits_a_round_when_the_next_opens_as_on_a_gpu():
+    for on_device in (False, True):
+        state = _powersgd()()
+        state._verdict_on_device = on_device
+        _round(state, True, {"w": 0.5})
+        # The host commits at once; the device leaves the round sealed (a GPU's host never waits for its verdict).
+        assert (state._sealed is not None, "w" in state.errors) == (on_device, not on_device)
+        state._open_round()
+        assert state._sealed is None and torch.equal(state.errors["w"], torch.full(SHAPE, 0.5))

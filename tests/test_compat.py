@@ -49,8 +49,20 @@ def test_the_fabric_strategy_finds_fabrics_ddp_strategy_internals(monkeypatch):
     from lightning_ddpopt.fabric import OptimizedDDPStrategy as FabricStrategy
 
     strategy = FabricStrategy()
-    for name in _compat.DDP_STRATEGY_ATTRIBUTES:
+    for name in _compat.FABRIC_DDP_STRATEGY_ATTRIBUTES:
         assert hasattr(strategy, name)
+    # fabric.no_backward_sync asks the strategy's backward-sync control: a Fabric without one fails at construction.
+    assert FabricDDPStrategy().__dict__["_backward_sync_control"] is not None
+    original_init = FabricDDPStrategy.__init__
+
+    def without_control(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        del self._backward_sync_control
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FabricDDPStrategy, "__init__", without_control)
+        with pytest.raises(RuntimeError, match=r"lightning's private DDPStrategy\._backward_sync_control"):
+            FabricStrategy()
     monkeypatch.delattr(FabricDDPStrategy, "_get_process_group_backend")
     with pytest.raises(RuntimeError, match=r"lightning's private DDPStrategy\._get_process_group_backend"):
         FabricStrategy()
@@ -286,3 +298,32 @@ def test_lightning_internals_that_can_be_done_without_warn_once(recwarn):
     assert len(messages) == 2
     assert "StragglerDetector counts the whole gap as data time" in messages[0]
     assert "ranks meet before every batch" in messages[1]
+
+
+def test_a_fused_optimizer_is_told_by_the_attribute_torch_sets_and_left_to_unscale_itself():
+    parameter = nn.Parameter(torch.ones(4))
+    try:
+        fused = torch.optim.Adam([parameter], fused=True)
+    except RuntimeError as error:  # a torch without fused Adam on this device
+        pytest.skip(str(error))
+    assert fused._step_supports_amp_scaling is True
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(parameter.sum()).backward()
+    _compat.unscale_once(scaler, fused)  # GradScaler.step unscales inside a fused step: left scaled here
+    assert torch.equal(parameter.grad, torch.full((4,), 8.0))
+    _compat.unscale_once(scaler, torch.optim.SGD([parameter]))
+    assert torch.equal(parameter.grad, torch.ones(4))
+
+
+def test_a_compiled_module_holds_its_original_in_the_submodule_the_swap_refuses():
+    inner = nn.Linear(2, 2)
+    compiled = torch.compile(inner)  # nothing is compiled until it is called
+    assert compiled._modules["_orig_mod"] is inner
+    with pytest.raises(RuntimeError, match="cannot rewrap a model that Fabric compiled"):
+        _compat.swap_submodule(inner, nn.Linear(2, 2))
+
+
+def test_a_modules_trainer_is_where_the_progress_bar_is_looked_up():
+    module, trainer = StackModel(), pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    module.trainer = trainer
+    assert module._trainer is trainer  # what say_during_training reads (the public property raises without one)

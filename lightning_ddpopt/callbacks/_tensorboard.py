@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.fabric.loggers import TensorBoardLogger  # the base of the Trainer's too
 
 from lightning_ddpopt.diagnosis import FINDINGS_TITLE, Finding
+from lightning_ddpopt.measuring import MeasuringCallback
 
 __all__ = ["FINDINGS_TAG", "Charts", "charts", "findings_markdown", "write_findings", "write_layout_if_first"]
 
@@ -56,7 +57,7 @@ def write_layout_if_first(trainer: pl.Trainer, callback: object) -> bool:
 
     TensorBoard keeps one layout per run, so one callback writes the sections of all. Returns whether it was written.
     """
-    measuring = [c for c in trainer.callbacks if getattr(c, "tensorboard_charts", None) is not None]  # type: ignore[attr-defined]
+    measuring = [c for c in trainer.callbacks if isinstance(c, MeasuringCallback)]  # type: ignore[attr-defined]
     writers = _writers(trainer)
     if not writers or not measuring or measuring[0] is not callback:
         return False

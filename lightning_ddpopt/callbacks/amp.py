@@ -1,4 +1,7 @@
-"""AMPMonitor: loss scale, overflows, skipped steps and non-finite gradients inside Lightning's Trainer."""
+"""AMPMonitor: loss scale, overflows, skipped steps and non-finite gradients inside Lightning's Trainer.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""CommProfiler: sync time (its span and the part the step waits for), bytes, bandwidth and jitter, across ranks."""
+"""CommProfiler: sync time (its span and the part the step waits for), bytes, bandwidth and jitter, across ranks.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""StragglerDetector: which rank is slow, by how much, and in which phase: data, compute or the optimizer step."""
+"""StragglerDetector: which rank is slow, by how much, and in which phase: data, compute or the optimizer step.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+"""
 
 from __future__ import annotations
 

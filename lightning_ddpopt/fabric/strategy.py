@@ -18,7 +18,6 @@ and keep the same state. Where Fabric has no event of its own, the strategy make
 from __future__ import annotations
 
 import atexit
-import secrets
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,6 +41,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddpopt._compat import (
+    FABRIC_DDP_STRATEGY_ATTRIBUTES,
     FABRIC_DDP_STRATEGY_INTERNALS,
     BackwardSyncControl,
     PathType,
@@ -56,17 +56,18 @@ from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import ExtraSyncs
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
-from lightning_ddpopt.core import CoreViews, StrategyCore
+from lightning_ddpopt.core import StrategyCore
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
+from lightning_ddpopt.strategy_base import CoreStrategy
 
 __all__ = ["OptimizedDDPStrategy"]
 
 
-class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
+class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
     """Fabric's ``DDPStrategy`` with the comm hooks, bucket planning, local SGD, ledger and checkpoints of this package.
 
     The keyword arguments are those of the Trainer's :class:`lightning_ddpopt.OptimizedDDPStrategy`, with the same
@@ -161,7 +162,9 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        check_ddp_strategy_internals(self, FabricDDPStrategy, FABRIC_DDP_STRATEGY_INTERNALS)
+        check_ddp_strategy_internals(
+            self, FabricDDPStrategy, FABRIC_DDP_STRATEGY_INTERNALS, FABRIC_DDP_STRATEGY_ATTRIBUTES
+        )
         self._ddp_kwargs.update(self._core.ddp_flags)
         self._backward_sync_control = _SyncControl(self)
         #: Called with the optimizer before each optimizer step, its gradients unscaled (a Monitor's callbacks).
@@ -198,16 +201,8 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         # Registered after the process group's exit handler, so it runs first: our groups and threads go before it.
         # A weak reference: the handler does not keep the strategy (and its model) alive until the process ends.
         atexit.register(_close_at_exit, weakref.ref(self))
-        self._core.start(
-            self.root_device,
-            local_rank=self.local_rank,
-            local_world_size=self.num_processes,
-            node_rank=self.node_rank,
-            world_size=self.world_size,
-            rank=self.global_rank,
-        )
-        if self.world_size > 1:
-            self._core.name_run(self.broadcast(secrets.token_hex(8)))
+        self._start_core()
+        self._name_run()
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -218,13 +213,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
             )
         self._ddp_kwargs["bucket_cap_mb"] = self._core.bucket_cap(module, self.root_device)
         model = self._wrap(module)
-        self._core.install(
-            model,
-            backend=self._get_process_group_backend(),
-            timeout=self._timeout,
-            device=self.root_device,
-            loss_scale=self._loss_scale,
-        )
+        self._install_hook(model)
         if self.optimizers:
             self._core.hooks.fit_to_optimizers(self.optimizers)
         return model
@@ -265,8 +254,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         """
         if self._core.local_sgd is not None:
             self._core.local_sgd.finish(rank_zero_info)
-        if self.bucket_layout is None and self.model is not None:
-            self._core.buckets.log_layout(self.ledger, rank_zero_info, self._core.local_phase, final=True)
+        self._log_final_layout(self.model, rank_zero_info)
 
     @override
     def save_checkpoint(
@@ -440,9 +428,7 @@ class OptimizedDDPStrategy(CoreViews, FabricDDPStrategy):
         """
         old = self.model
         assert old is not None
-        self._ddp_kwargs["bucket_cap_mb"] = cap_mb
-        new = self._wrap(old.module)
-        self._core.hooks.register(new)
+        new = self._wrapped_again(old.module, cap_mb, self._wrap)
         if not swap_submodule(old, new):
             raise RuntimeError("ddpopt: bucket_cap_mb='autotune' found no module holding the DDP-wrapped model")
         return new

@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.hooks.base import CommHookState, squared_norm
 from lightning_ddpopt.hooks.streams import SideStreams
 
@@ -55,7 +56,11 @@ class SyncRound:
         return flag
 
     def seal(self) -> bool:
-        """End the round; return whether it can be committed at once (on a GPU: when the next round opens)."""
+        """End the round; return whether it can be committed at once.
+
+        A verdict on the device (a GPU's, or ``on_device=True`` on a CPU: the GPU path under test) is committed when
+        the next round opens or the state is saved, so that the host never waits for it.
+        """
         if self._flags:
             device = self._flags[0].device
             finite = torch.stack([flag.to(device) for flag in self._flags]).all()
@@ -64,7 +69,7 @@ class SyncRound:
         self._finite = finite
         if self.on_device is None:
             self.on_device = finite.is_cuda
-        return not finite.is_cuda
+        return not self.on_device
 
     @property
     def verdict(self) -> torch.Tensor:
@@ -366,8 +371,8 @@ class ErrorFeedbackState(CommHookState):
         error = self.errors.get(name)
         if error is None or error.shape not in (target.shape, target.reshape(target.shape[0], -1).shape):
             return None
-        if error.device != target.device:
-            error = self.errors[name] = error.to(target.device)
+        if error.device != target.device:  # restored on the CPU: copied without a host wait
+            error = self.errors[name] = to_device(error, target.device)
         error = error.reshape(target.shape)
         if name in self._scale_unknown:
             # Saved without its loss scale: taken to be in this round's units, and kept in them from now on.
@@ -379,7 +384,9 @@ class ErrorFeedbackState(CommHookState):
         if stored is None and round_.scale is None:
             return error, None
         current = round_.scale if round_.scale is not None else torch.ones((), device=target.device)
-        ratio = current / (stored.to(target.device) if stored is not None else 1.0)
+        if stored is not None and stored.device != target.device:
+            stored = self.error_scales[name] = to_device(stored, target.device)
+        ratio = current / (stored if stored is not None else 1.0)
         return error, ratio.to(target.dtype)
 
 

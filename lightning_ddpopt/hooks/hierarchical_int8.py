@@ -35,6 +35,8 @@ a group each; with numba the quantisation with error feedback and the dequantisa
 hook's fused loops (:mod:`lightning_ddpopt.hooks._kernels`). On CUDA the stages are issued in the hook call on a
 side stream. Memory beyond DDP's buckets, per bucket in flight: the padded bucket twice in fp32 (sent and received
 inside the node) and its int8 gather, O(P); the shard's errors (committed and being written), O(P / M).
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 import math

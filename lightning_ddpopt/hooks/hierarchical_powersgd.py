@@ -35,6 +35,8 @@ Each bucket's chain runs on one thread, as the flat hook's: on a CPU the state's
 pass, bucket after bucket in DDP's order; on CUDA in the hook call on the state's side stream. The ledger counts
 the factors and exact values sent between nodes as the hook's wire bytes, and the all-to-all's padded input (M x
 the widest owner's share of the bucket) and the gathered payload's (the widest owner's) as its intra-node bytes.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 import time

@@ -49,6 +49,8 @@ Ordering and overlap:
   order that side stream only, the backward pass's stream computes the next buckets' gradients meanwhile, and the
   bucket's CUDA-aware future makes it wait for the side stream only at DDP's end-of-backward wait. On a CPU the
   all-gather's result is dequantised into the bucket in a future callback.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 import math

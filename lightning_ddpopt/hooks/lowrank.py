@@ -59,6 +59,8 @@ def low_rank_allreduce(
         if q is None or q.shape != shape:
             # Drawn on the CPU (the same bits on every rank, whatever its GPU) and copied without a host wait.
             q = to_device(random_q(config, state.iteration, key, shape, fused), matrix.device)
+        elif q.device != matrix.device:  # restored on the CPU: copied without a host wait
+            q = to_device(q, matrix.device)
         qs.append(q.to(matrix))
 
     # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).

@@ -44,6 +44,8 @@ Under fp16 AMP two things keep the state sound:
 * **Error feedback is kept in the units of its loss scale.** Each stored error remembers the loss scale of the
   backward pass that produced it (``CommHookState.loss_scale``) and is rescaled to the current scale before it
   is added, so a GradScaler's growth or backoff does not inject it 2x too large or too small.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 import math

@@ -17,6 +17,8 @@ ahead of the device) and decides per matrix:
 
 A non-finite round's measurement decides nothing. Every decision is taken from all-reduced values, so every matrix's
 rank is the same on every rank. A matrix that a raised rank no longer compresses is sent exactly and measured no more.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

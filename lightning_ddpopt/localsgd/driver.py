@@ -6,6 +6,8 @@ check once a window (:mod:`lightning_ddpopt.localsgd.sigterm`); the loop's sched
 ranks meet (read through :mod:`lightning_ddpopt.meetings`), so that the measuring callbacks hold their own
 collectives until then. It also counts the steps a GradScaler skipped, records each sync in the ledger, averages the
 ranks at the end of fit, and carries each rank's inner optimizer state in checkpoints.
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

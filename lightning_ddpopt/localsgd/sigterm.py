@@ -18,6 +18,8 @@ deadlock), so with local SGD on more than one rank:
 
 Installed on one trainer's loop and signal connector (instance attributes) before Lightning registers its handlers,
 removed at teardown; with a Lightning that lacks either method nothing is changed (and a warning says so).
+
+The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
