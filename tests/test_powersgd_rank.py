@@ -15,6 +15,7 @@ from lightning_ddpopt.hooks.auto import _ProbeBucket
 from lightning_ddpopt.hooks.powersgd import powersgd_hook
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
 from lightning_ddpopt.hooks.powersgd_rank import (
+    EXACT_PATIENCE,
     FALL_MARGIN,
     FALL_PATIENCE,
     RANK_DECISION_LAG,
@@ -141,7 +142,7 @@ def _verdict(controller: RankController, iteration: int, error: float, error_hal
 
 def test_a_matrix_rising_back_to_a_rank_it_fell_from_waits_twice_as_long_to_fall_again():
     controller = RankController(config=PowerSGDConfig(rank=1, max_error=0.5, max_rank=8))
-    controller.bind(["w"])
+    controller.bind(["w"], [(256, 256)])
     step = iter(range(100, 1000, RANK_WINDOW))
     _verdict(controller, next(step), 0.6, 0.9)  # above the bound: 1 -> 2
     assert controller.rank_of("w") == 2
@@ -160,5 +161,21 @@ def test_a_matrix_rising_back_to_a_rank_it_fell_from_waits_twice_as_long_to_fall
     assert [(old, new) for _, _, old, new, _ in controller.changes] == [(1, 2), (2, 1), (1, 2), (2, 1)]
     # A fixed rank never moves, whatever it measures.
     fixed = RankController(config=PowerSGDConfig(rank=2, max_error=None))
-    fixed.bind(["w"])
+    fixed.bind(["w"], [(256, 256)])
     assert not fixed._due(fixed.config.start_iter + RANK_WINDOW - 1)
+
+
+def test_a_rise_that_would_send_a_matrix_exactly_waits_for_the_error_to_stay_above_the_bound():
+    # 64 x 64 compresses up to rank 16 (4096 >= 128 x 16 x 2): from 16 a rise sends it exactly, and for good.
+    controller = RankController(config=PowerSGDConfig(rank=16, max_error=0.5, max_rank=64))
+    controller.bind(["w"], [(64, 64)])
+    step = iter(range(100, 1000, RANK_WINDOW))
+    for _ in range(EXACT_PATIENCE - 1):  # a spike: above the bound, but not for EXACT_PATIENCE measurements in a row
+        _verdict(controller, next(step), 0.9, 0.95)
+    _verdict(controller, next(step), 0.3, 0.6)  # back under the bound: the count restarts
+    assert controller.rank_of("w") == 16 and "w" not in controller.over
+    for _ in range(EXACT_PATIENCE):
+        _verdict(controller, next(step), 0.9, 0.95)
+    assert controller.rank_of("w") == 32 and not controller.config.compresses(64, 64, 32)
+    saved = controller.state_dict()
+    assert saved["rank_over"] == {} and saved["matrix_ranks"] == {"w": 32}

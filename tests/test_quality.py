@@ -22,7 +22,7 @@ from lightning_ddpopt.hooks.compression import bf16_allreduce_hook, fp16_allredu
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
 from lightning_ddpopt.hooks.powersgd import powersgd_hook
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig, is_adaptive
-from lightning_ddpopt.hooks.powersgd_rank import RANK_WINDOW
+from lightning_ddpopt.hooks.powersgd_rank import EXACT_PATIENCE, RANK_WINDOW
 from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.records import local_drift
@@ -390,9 +390,10 @@ def test_a_lower_ceiling_on_resume_drops_a_measurement_made_at_another_rank(gloo
 def test_a_matrix_a_raised_rank_no_longer_compresses_sends_its_stored_error(gloo_group):
     # 20 x 16 compresses up to rank 4 (320 >= 36 x r x 2); the bound raises the rank from 2 to 4 to 8, where the
     # matrix goes exactly: its kept error must go with it (on one rank the result is the gradient plus that error).
+    # That last rise waits for EXACT_PATIENCE measurements above the bound in a row (13, 18, 23): not for a spike.
     bucket, ledger, state = _matrix(PowerSGDConfig(rank=2, max_error=0.01, max_rank=8, start_iter=2), (20, 16))
-    _random_rounds(state, ledger, bucket, 11)  # iterations 2 to 12: raised to 4 at 8; to 8 by the verdict at 13
-    assert state.rank == 4
+    _random_rounds(state, ledger, bucket, 21)  # iterations 2 to 22: raised to 4 at 8; to 8 by the verdict at 23
+    assert state.rank == 4 and state.ranks.over == {"probe0": EXACT_PATIENCE - 1}
     state.state_dict()  # commits the round
     kept = state.errors["probe0"].reshape(-1).clone()
     assert kept.norm() > 0

@@ -173,10 +173,11 @@ class _ProbeBucket:
         for shape in shapes:
             self._gradients.append(self._buffer[offset : offset + math.prod(shape)].view(shape))
             offset += math.prod(shape)
-        # Only their identities are used: the hooks key their state by the names of the bucket's parameters.
+        # The hooks key their state by the names of the bucket's parameters and read their shapes: parameters of the
+        # gradients' shapes on the meta device, which holds no values.
         self.module = torch.nn.Module()
-        for index in range(len(shapes)):
-            self.module.register_parameter(f"probe{index}", torch.nn.Parameter(torch.empty(0)))
+        for index, shape in enumerate(shapes):
+            self.module.register_parameter(f"probe{index}", torch.nn.Parameter(torch.empty(shape, device="meta")))
 
     def buffer(self) -> torch.Tensor:
         return self._buffer

@@ -13,10 +13,12 @@ ahead of the device) and decides per matrix:
 - **fall**: the error at half the rank would stay under ``FALL_MARGIN`` x the bound in ``patience`` measurements in a
   row (``FALL_PATIENCE`` at first): the rank halves, down to ``config.rank``. A matrix that rises back to a rank it
   fell from doubles its patience (hysteresis: a matrix near the bound does not swing every window), and a warm-up
-  spike that raised a rank does not keep it there (unless it raised it past what compresses: see below).
+  spike that raised a rank does not keep it there.
 
 A non-finite round's measurement decides nothing. Every decision is taken from all-reduced values, so every matrix's
-rank is the same on every rank. A matrix that a raised rank no longer compresses is sent exactly and measured no more.
+rank is the same on every rank. A matrix that a raised rank no longer compresses is sent exactly and measured no more,
+so that rise waits for ``EXACT_PATIENCE`` measurements above the bound in a row: a spike of a window or two does not
+send a matrix exactly for the rest of the run.
 
 The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
@@ -33,7 +35,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig, is_adaptive
 
-__all__ = ["FALL_MARGIN", "FALL_PATIENCE", "RANK_DECISION_LAG", "RANK_WINDOW", "RankChange", "RankController"]
+__all__ = [
+    "EXACT_PATIENCE",
+    "FALL_MARGIN",
+    "FALL_PATIENCE",
+    "RANK_DECISION_LAG",
+    "RANK_WINDOW",
+    "RankChange",
+    "RankController",
+]
 
 #: Syncs between two measurements of the compression error that may change a matrix's rank.
 RANK_WINDOW = 5
@@ -43,6 +53,9 @@ RANK_DECISION_LAG = 2
 FALL_MARGIN = 0.8
 #: ... in this many measurements in a row (doubled each time the matrix rises back to a rank it fell from).
 FALL_PATIENCE = 2
+#: A rise past the ranks at which a matrix compresses (it is then sent exactly, for good) waits for this many
+#: measurements above the bound in a row.
+EXACT_PATIENCE = 3
 #: The most measurements in a row a fall may wait for.
 _MAX_PATIENCE = 64
 
@@ -83,11 +96,15 @@ class RankController:
     patience: dict[str, int] = field(default_factory=dict, init=False)
     #: Per key: the rank it last fell from (rising back to it doubles its patience).
     fell_from: dict[str, int] = field(default_factory=dict, init=False)
+    #: Per key: measurements above the bound in a row while its next rise would stop its compression.
+    over: dict[str, int] = field(default_factory=dict, init=False)
     #: The parameter names of the model in order: a key's row in the measured table is its (first) name's index.
     _slot_of: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     #: The keys this rank measured, by row.
     _key_at: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     _names: list[str] = field(default_factory=list, init=False, repr=False)
+    #: Each parameter's gradient as the hook sees it compressed: ``(rows, columns)``, in ``_names`` order.
+    _shapes: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
     #: This round's table while it measures (``None`` before its first matrix); ``_measuring`` marks the round.
     _table: torch.Tensor | None = field(default=None, init=False, repr=False)
     _measuring: bool = field(default=False, init=False, repr=False)
@@ -99,13 +116,14 @@ class RankController:
         bound = self.config.max_error
         self.bound = ERROR_BOUNDS["adaptive"] if bound == "auto" else bound
 
-    def bind(self, names: list[str]) -> None:
-        """Learn the model's parameter names, in order: the rows of the measured table.
+    def bind(self, names: list[str], shapes: list[tuple[int, int]]) -> None:
+        """Learn the model's parameter names, in order (the rows of the measured table), and their gradients' shapes.
 
         Args:
             names: the names of the parameters that get gradients, in the module's order.
+            shapes: each one's gradient as a matrix: its first dimension by the rest (a 1-D one: by 1).
         """
-        self._names = list(names)
+        self._names, self._shapes = list(names), list(shapes)
         self._slot_of = {name: index for index, name in enumerate(self._names)}
 
     def fit_bound_to(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -228,9 +246,15 @@ class RankController:
             new = min(2 * rank, self.config.max_rank)
             if new == rank:
                 return None
+            if not self.config.compresses(*self._matrix_shape(key), new):  # sent exactly for good: not for a spike
+                self.over[key] = self.over.get(key, 0) + 1
+                if self.over[key] < EXACT_PATIENCE:
+                    return None
+            self.over.pop(key, None)
             if self.fell_from.pop(key, None) == new:
                 self.patience[key] = min(2 * self.patience.get(key, FALL_PATIENCE), _MAX_PATIENCE)
             return self._change(RankChange(iteration, error, rank, new, key))
+        self.over.pop(key, None)
         new = max(self.config.rank, rank // 2)
         if new == rank or error_halved >= FALL_MARGIN * self.bound:
             self.calm[key] = 0
@@ -240,6 +264,15 @@ class RankController:
             return None
         self.calm[key], self.fell_from[key] = 0, rank
         return self._change(RankChange(iteration, error_halved, rank, new, key))
+
+    def _matrix_shape(self, key: str) -> tuple[int, int]:
+        """The matrix ``key`` compresses: a parameter's gradient, or (batched) the square its names' values fill."""
+        names = key.split("|")
+        if len(names) == 1:
+            return self._shapes[self._slot_of[key]]
+        numel = sum(math.prod(self._shapes[self._slot_of[name]]) for name in names)
+        side = math.isqrt(numel - 1) + 1 if numel > 1 else 1
+        return side, side
 
     def _change(self, change: RankChange) -> RankChange:
         self.changes.append(change)
@@ -260,6 +293,7 @@ class RankController:
             "rank_calm": dict(self.calm),
             "rank_patience": dict(self.patience),
             "rank_fell_from": dict(self.fell_from),
+            "rank_over": dict(self.over),
             "rank_probe": probe,
         }
 
@@ -275,7 +309,7 @@ class RankController:
         assert isinstance(saved, int) and isinstance(changes, list)
         self.changes = [_saved_change(change) for change in changes]
         self._table, self._measuring, self._pending = None, False, None
-        self.matrix_ranks, self.calm, self.patience, self.fell_from = {}, {}, {}, {}
+        self.matrix_ranks, self.calm, self.patience, self.fell_from, self.over = {}, {}, {}, {}, {}
         if config.max_error is None:
             self.default_rank = config.rank
             return
@@ -287,7 +321,7 @@ class RankController:
         ranks = state.get("matrix_ranks", {})
         assert isinstance(ranks, dict)
         self.matrix_ranks = {key: clamp(rank) for key, rank in ranks.items()}
-        for name, table in (("rank_calm", self.calm), ("rank_patience", self.patience)):
+        for name, table in (("rank_calm", self.calm), ("rank_patience", self.patience), ("rank_over", self.over)):
             found = state.get(name, {})
             assert isinstance(found, dict)
             table.update(found)

@@ -158,8 +158,9 @@ class PowerSGDState(ErrorFeedbackState):
             module: the module DDP wraps.
         """
         super().bind_module(module)
-        self.ranks.bind(list(self._names.values()))
-        self.gradient_sizes = [param.numel() for param in module.parameters() if param.requires_grad]
+        trained = [param for param in module.parameters() if param.requires_grad]
+        self.ranks.bind(list(self._names.values()), [_matrix_shape(param) for param in trained])
+        self.gradient_sizes = [param.numel() for param in trained]
         if self._regroup is not None:
             self._plan_regroup(list(self._regroup.groups))
 
@@ -238,3 +239,9 @@ class PowerSGDState(ErrorFeedbackState):
                 return to_device(q, like.device).to(like.dtype)
 
             self._put("q", key, new, finite, fresh)
+
+
+def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
+    """The matrix PowerSGD compresses a parameter's gradient as: its first dimension by the rest (1-D: by 1)."""
+    rows = param.shape[0] if param.dim() else 1
+    return rows, param.numel() // max(rows, 1)
