@@ -60,10 +60,10 @@ class DeferredRead:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (on the CPU) on ``device``; to a GPU through pinned memory, so the host does not wait for the device.
+    """``tensor`` on ``device``; from the CPU to a GPU through pinned memory, so the host does not wait for the device.
 
     A copy from ordinary host memory to a GPU waits until the device has run what was queued before it.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -179,3 +179,13 @@ def test_a_rise_that_would_send_a_matrix_exactly_waits_for_the_error_to_stay_abo
     assert controller.rank_of("w") == 32 and not controller.config.compresses(64, 64, 32)
     saved = controller.state_dict()
     assert saved["rank_over"] == {} and saved["matrix_ranks"] == {"w": 32}
+
+
+def test_batched_matrices_are_the_squares_their_values_fill_even_of_one_parameter():
+    # Batched PowerSGD compresses a bucket of one (4096, 16) parameter as a 256 x 256 square, which compresses at
+    # rank 16 (65536 >= 512 x 16 x 2): the rise to 16 is no step to an exact sync, and waits for nothing.
+    controller = RankController(config=PowerSGDConfig(rank=8, max_error=0.5, max_rank=64, batched=True))
+    controller.bind(["w"], [(4096, 16)])
+    assert controller._matrix_shape("w") == (256, 256)
+    _verdict(controller, 100, 0.9, 0.95)
+    assert controller.rank_of("w") == 16 and "w" not in controller.over

@@ -268,7 +268,7 @@ class RankController:
     def _matrix_shape(self, key: str) -> tuple[int, int]:
         """The matrix ``key`` compresses: a parameter's gradient, or (batched) the square its names' values fill."""
         names = key.split("|")
-        if len(names) == 1:
+        if not self.config.batched:
             return self._shapes[self._slot_of[key]]
         numel = sum(math.prod(self._shapes[self._slot_of[name]]) for name in names)
         side = math.isqrt(numel - 1) + 1 if numel > 1 else 1
