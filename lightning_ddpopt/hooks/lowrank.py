@@ -128,8 +128,12 @@ def low_rank_allreduce(
 
 def strongest_columns(q: torch.Tensor, keep: int) -> torch.Tensor:
     """The ``keep`` columns of ``q`` with the largest norms, in their order (the same on every rank: Q is reduced)."""
-    order = torch.sort(q.norm(dim=0), descending=True, stable=True).indices[:keep]
-    return q[:, torch.sort(order).values]
+    return q[:, torch.sort(_strongest_first(q)[:keep]).values]
+
+
+def _strongest_first(q: torch.Tensor) -> torch.Tensor:
+    """``q``'s column indices by falling norm, ties in column order: the same on every rank (Q is reduced)."""
+    return torch.sort(q.norm(dim=0), descending=True, stable=True).indices
 
 
 def _measure_ranks(
@@ -149,7 +153,7 @@ def _measure_ranks(
     for index, (m, key, q, local_q, given) in enumerate(zip(matrices, keys, qs, local_qs, given_each, strict=True)):
         dropped = dropped_each[index] if dropped_each else (given - squared_norm(local_q)).clamp_(min=0)
         keep = state.ranks.halved(key, m.shape[0], m.shape[1])
-        weakest = torch.sort(q.norm(dim=0), descending=True, stable=True).indices[keep:]
+        weakest = _strongest_first(q)[keep:]
         lost = local_q.index_select(1, weakest).double().square().sum() if weakest.numel() else torch.zeros_like(given)
         state.ranks.add(key, given, dropped, dropped + lost)
 
