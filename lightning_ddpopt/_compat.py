@@ -39,6 +39,7 @@ __all__ = [
     "check_versions",
     "cpu_has_native_bf16",
     "data_fetcher",
+    "dcp_load_alone",
     "default_store",
     "found_inf_per_device",
     "unscale_once",
@@ -147,6 +148,27 @@ def default_store() -> dist.Store:
     if get_store is None:
         raise _changed("torch", "distributed_c10d._get_default_store", "for checkpoint meetings with a timeout")
     return get_store()
+
+
+def dcp_load_alone(state_dict: dict[str, Any], reader: Any) -> None:
+    """``torch.distributed.checkpoint.load`` on this rank alone (no collective), while a process group exists.
+
+    ``load`` takes ``no_dist`` from torch 2.5 on; torch 2.4's ``load`` is a collective whenever a group exists, and
+    its deprecated ``load_state_dict`` (which warns from torch 2.5 on) is the one that loads alone.
+    """
+    import inspect
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        # Alone on purpose: not the warning that a process without a group loads alone.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        if "no_dist" in inspect.signature(dcp.load).parameters:
+            dcp.load(state_dict, storage_reader=reader, no_dist=True)
+            return
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.load_state_dict(state_dict, storage_reader=reader, no_dist=True)
 
 
 def group_backends(group: dist.ProcessGroup) -> list[object]:

@@ -32,27 +32,31 @@ The terms used here (round, verdict, meeting, travel, island, ...) are defined i
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, Literal
+import os
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_ddpopt._compat import default_store
-from lightning_ddpopt._groups import destroy_owned_group
+from lightning_ddpopt._compat import PathType
+from lightning_ddpopt.checkpoint_meeting import RankStates
+from lightning_ddpopt.checkpoint_shards import (
+    SHARDS_SUFFIX,
+    ShardReader,
+    SlicedValues,
+    clear_partial,
+    shard_directory,
+    write_shards,
+)
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.base import CommHookState
 
-__all__ = ["CHECKPOINT_KEY", "RankStates", "SavedRun", "gather_hook_states", "restore_hook_state"]
+if TYPE_CHECKING:
+    from lightning_ddpopt.localsgd import LocalSGDDriver
+
+__all__ = ["CHECKPOINT_KEY", "SavedRun", "read_saved_run", "restore_hook_state", "write_rank_states"]
 
 CHECKPOINT_KEY = "ddpopt"
-#: Seconds between two beats of a rank that trains apart (see :meth:`RankStates.beat`).
-HEARTBEAT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +90,8 @@ class SavedRun:
     local_sgd_ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     grad_scaler: dict[str, Any] | None = None
     optimizer_steps: int | None = None
+    shards: dict[str, Any] | None = None
+    reader: ShardReader | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_checkpoint(self) -> dict[str, Any]:
         """Plain types only, so that ``torch.load(weights_only=True)`` reads it; the states' tensors as they are.
@@ -93,15 +99,57 @@ class SavedRun:
         Not ``dataclasses.asdict``: it deep-copies every tensor of every rank's state, on rank 0, which would then
         hold them twice while the checkpoint is written.
         """
-        entry = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        entry = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "reader"}
         if self.hook_choice is not None:
             entry["hook_choice"] = dataclasses.asdict(self.hook_choice)  # a few numbers and words
         return entry
 
+    @property
+    def has_hook_states(self) -> bool:
+        """Whether the checkpoint holds every rank's hook state (a stateful hook ran)."""
+        return bool(self.hook_states) or bool(self.shards and self.shards["hook"])
+
+    def hook_state(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s saved hook state (read from the shards, if there are any)."""
+        if self.shards is not None and self.reader is not None:
+            return self.reader.state(f"hook/{rank}")
+        return self.hook_states[rank]
+
+    def inner_states(self, rank: int) -> list[dict[str, Any]] | None:
+        """Local SGD's inner optimizer states saved for rank ``rank`` (its replica's); ``None``: none were saved."""
+        if self.shards is not None and self.reader is not None:
+            owners = self.shards["inner_owners"]
+            return self.reader.state(f"inner/{owners[rank]}") if owners else None
+        if len(self.local_sgd_ranks) != self.world_size:
+            return None
+        entry = self.local_sgd_ranks[rank]
+        if entry["optimizer_states"] is None:
+            entry = self.local_sgd_ranks[entry["same_as"]]
+        return entry["optimizer_states"]
+
     @classmethod
-    def from_checkpoint(cls, entry: dict[str, Any]) -> SavedRun:
-        """Read an entry written by :meth:`to_checkpoint` (or by an earlier release, without the decisions)."""
+    def from_checkpoint(cls, entry: dict[str, Any], path: PathType | None = None) -> SavedRun:
+        """Read an entry written by :meth:`to_checkpoint` (or by an earlier release, without the decisions).
+
+        ``path``: the checkpoint file, whose shards (if it has any) are read from the directory beside it.
+        """
         choice = entry.get("hook_choice")
+        shards, reader, local_sgd = entry.get("shards"), None, entry.get("local_sgd")
+        if shards is not None:
+            reader = ShardReader(shard_directory(path)) if path is not None else None
+            if reader is None or not reader.exists():
+                where = reader.directory if reader is not None else f"beside the file (*{SHARDS_SUFFIX})"
+                rank_zero_warn(
+                    f"ddpopt: the checkpoint's per-rank state (comm-hook state, local SGD's inner optimizer "
+                    f"states and island outer state) lives in the directory {where}, which is not there: copy or "
+                    "move it with the file. The hook starts afresh, every rank takes rank 0's optimizer state"
+                    + (" and the outer loop starts from the weights" if shards.get("outer_slices") else "")
+                )
+                shards = reader = None
+                if local_sgd is not None and entry["shards"].get("outer_slices"):
+                    local_sgd = None
+            elif local_sgd is not None and shards.get("outer_slices"):
+                local_sgd = _sliced_outer(local_sgd, reader, shards["outer_slices"])
         return cls(
             world_size=entry["world_size"],
             comm_hook=entry.get("comm_hook"),
@@ -109,10 +157,12 @@ class SavedRun:
             hook_choice=HookChoice(**choice) if choice else None,
             bucket_cap_mb=entry.get("bucket_cap_mb"),
             bucket_latency_s=entry.get("bucket_latency_s"),
-            local_sgd=entry.get("local_sgd"),
+            local_sgd=local_sgd,
             local_sgd_ranks=list(entry.get("local_sgd_ranks") or []),
             grad_scaler=entry.get("grad_scaler"),
             optimizer_steps=entry.get("optimizer_steps"),
+            shards=shards,
+            reader=reader,
         )
 
     def decision_note(self, world_size: int) -> str | None:
@@ -137,118 +187,11 @@ class SavedRun:
         return getattr(self, name)
 
 
-class RankStates:
-    """Gathers a per-rank state to rank 0 at a save; each gather's meeting has a name of its own on the store.
-
-    Args:
-        timeout_s: how long a gather waits for every rank before it raises.
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._run = ""
-        self._gathers = 0
-        self._beats = 0
-        self._last_beat = -math.inf
-        self._cpu_group: dist.ProcessGroup | None = None  # ours, when the default group serves no CPU tensors
-
-    def name_run(self, nonce: str) -> None:
-        """Name this run's meetings (the same ``nonce`` on every rank): the store outlives a Trainer."""
-        self._run = nonce
-
-    def beat(self, rank: int) -> None:
-        """Tell the store that this rank still trains (while local SGD trains apart), at most once per interval.
-
-        A save waits for a rank as long as its beats go on (see the module doc); a quarter of ``timeout_s`` apart at
-        most, so that a rank that trains on shows progress within every timeout.
-        """
-        now = time.monotonic()
-        if now - self._last_beat < min(HEARTBEAT_S, self.timeout_s / 4):
-            return
-        self._last_beat = now
-        self._beats += 1
-        default_store().set(_progress_key(self._run, rank), str(self._beats))
-
-    def agree(self, *, rank: int, world_size: int) -> None:
-        """Meet every rank as a gather does (see :meth:`gather`), for a collective of someone else's to follow."""
-        if world_size > 1:
-            self._gathers += 1
-            _agree_to_gather(rank, world_size, self.timeout_s, self._run, f"{self._run}/{self._gathers}")
-
-    def gather(self, state: dict[str, Any], *, rank: int, world_size: int) -> list[dict[str, Any]]:
-        """Every rank's ``state`` on rank 0, an empty list on the others; every rank must call it."""
-        self._gathers += 1
-        tag = f"{self._run}/{self._gathers}"
-        gathered = gather_hook_states(
-            state,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=self.timeout_s,
-            tag=tag,
-            group=self._group_for_cpu,
-            run=self._run,
-        )
-        return gathered or []
-
-    def close(self) -> None:
-        """Destroy the CPU group of our own, if one was made (at teardown)."""
-        destroy_owned_group(self, "_cpu_group")
-
-    def _group_for_cpu(self) -> dist.ProcessGroup | None:
-        """A group whose collectives take CPU tensors: ``None`` for the default one when it does.
-
-        It does with gloo or a ``"cpu:gloo,cuda:nccl"`` pair; otherwise a gloo group of our own over every rank is
-        made at the first save (every rank saves at the same point).
-        """
-        if "gloo" in str(dist.get_backend()):
-            return None
-        if self._cpu_group is None:
-            self._cpu_group = dist.new_group(backend="gloo")
-        return self._cpu_group
-
-
-def gather_hook_states(
-    state: dict[str, Any],
-    *,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    tag: str,
-    group: Callable[[], dist.ProcessGroup | None] = lambda: None,
-    run: str = "",
-) -> list[dict[str, Any]] | None:
-    """Every rank's ``state``, on rank 0 (``None`` on the others), its tensors on the CPU.
-
-    Every rank must call it, with the same ``tag``, unique to this save in this process group's life. ``group()``
-    gives a group of all ranks (``None``: the default group) that takes CPU tensors, once every rank has arrived:
-    each rank's state, moved to the CPU, travels to rank 0 there, one rank after another, so rank 0 never holds more
-    than one pickled state at a time.
-
-    Raises:
-        RuntimeError: not every rank arrived within ``timeout_s`` (the message names the missing ranks).
-    """
-    if world_size == 1:
-        return [state]
-    _agree_to_gather(rank, world_size, timeout_s, run, tag)
-    on = group()
-    cpu = torch.device("cpu")
-    state = move_data_to_device(state, cpu)
-    if rank != 0:
-        dist.send_object_list([state], dst=0, group=on, device=cpu)
-        return None
-    gathered = [state]
-    for source in range(1, world_size):
-        received: list[Any] = [None]
-        dist.recv_object_list(received, src=source, group=on, device=cpu)
-        gathered.append(received[0])
-    return gathered
-
-
 def restore_hook_state(
     state: CommHookState, saved: SavedRun, *, hook_name: str | None, world_size: int, rank: int
 ) -> str | None:
     """Load this rank's part of ``saved`` into ``state``; return what could not be restored, in words, or ``None``."""
-    if not saved.hook_states:
+    if not saved.has_hook_states:
         return None
     if saved.comm_hook != hook_name:
         return (
@@ -256,81 +199,90 @@ def restore_hook_state(
             "with fresh state"
         )
     if saved.world_size != world_size:
-        reason = state.mismatch(saved.hook_states[0])
+        first = saved.hook_state(0)
+        reason = state.mismatch(first)
         if reason is not None:
             return f"{reason}; comm hook {hook_name!r} starts with fresh state"
-        kept = state.load_shared_state_dict(saved.hook_states[0])
+        kept = state.load_shared_state_dict(first)
         return (
             f"the checkpoint was saved with world size {saved.world_size} and this run has {world_size}: "
             f"{kept}; per-rank hook state (error feedback) cannot be mapped to the new ranks and starts afresh"
         )
-    reason = state.mismatch(saved.hook_states[rank])
+    own = saved.hook_state(rank)
+    reason = state.mismatch(own)
     if reason is not None:
         return f"{reason}; comm hook {hook_name!r} starts with fresh state"
-    state.load_state_dict(saved.hook_states[rank])
+    state.load_state_dict(own)
     return None
 
 
-def _agree_to_gather(rank: int, world_size: int, timeout_s: float, run: str, tag: str) -> None:
-    """Meet the other ranks on the process group's store (not in a collective, so a no-show cannot hang it).
+def write_rank_states(
+    run: SavedRun,
+    path: PathType,
+    meeting: RankStates,
+    hook_state: dict[str, Any],
+    local_sgd: LocalSGDDriver | None,
+    optimizers: list[torch.optim.Optimizer] | None,
+    *,
+    rank: int,
+) -> dict[str, Any] | None:
+    """Every rank writes what differs per rank to the shards beside ``path``; rank 0's entry says where it went.
 
-    Every rank marks its arrival; rank 0 waits for all of them and publishes one verdict that every rank follows, so
-    a rank arriving late cannot enter the gather alone. Each wait lasts ``timeout_s`` and goes on while the ranks it
-    waits for show progress (:meth:`RankStates.beat`): rank 0 waits for the missing ranks, the others for rank 0's
-    verdict, and for rank 0's own progress or its going on waiting.
+    ``run``: the entry's parts that are the same on every rank. ``hook_state``: this rank's (empty: a stateless
+    hook). ``optimizers``: local SGD's inner optimizers whose states are saved (``None``: none are). Every rank
+    calls it; the entry on rank 0, ``None`` on the others.
     """
-    store = default_store()
-    arrived = [f"ddpopt/checkpoint/{tag}/arrived/{other}" for other in range(world_size)]
-    verdict_key, waiting_key = f"ddpopt/checkpoint/{tag}/verdict", f"ddpopt/checkpoint/{tag}/waiting"
-    store.set(arrived[rank], "1")
     if rank == 0:
-        missing = list(range(1, world_size))
-        seen = _progress(store, run, missing)
-        rounds = 0
-        while True:
-            try:
-                store.wait(arrived, timedelta(seconds=timeout_s))
-                verdict = "ok"
-                break
-            except RuntimeError:
-                missing = [other for other, key in enumerate(arrived) if not store.check([key])]
-                now = _progress(store, run, missing)
-                if any(now[other] in (None, seen.get(other)) for other in missing):
-                    verdict = ",".join(str(other) for other in missing)
-                    break
-                seen, rounds = now, rounds + 1
-                store.set(waiting_key, str(rounds))  # the ranks that arrived wait on with rank 0
-        store.set(verdict_key, verdict)
-    else:
-        seen = {0: _progress(store, run, [0])[0], -1: _read(store, waiting_key)}
-        while True:
-            try:
-                store.wait([verdict_key], timedelta(seconds=2 * timeout_s))
-                verdict = store.get(verdict_key).decode()
-                break
-            except RuntimeError:
-                now = {0: _progress(store, run, [0])[0], -1: _read(store, waiting_key)}
-                if all(now[key] is None or now[key] == seen[key] for key in now):
-                    verdict = "0"
-                    break
-                seen = now
-    if verdict != "ok":
-        missing = [int(other) for other in verdict.split(",")]
-        raise RuntimeError(
-            f"ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) {missing} did "
-            f"not call save_checkpoint within {timeout_s:g} s. Call trainer.save_checkpoint on every rank, as "
-            "Lightning's DDP strategies require (ModelCheckpoint does)."
-        )
+        clear_partial(path)  # before the ranks meet: nobody writes there yet
+    meeting.agree(rank=rank, world_size=run.world_size)
+    states: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    if hook_state:
+        states[f"hook/{rank}"] = hook_state
+    owners, outer = None, None
+    if local_sgd is not None and local_sgd.loop is not None:
+        islands, loop = local_sgd.islands, local_sgd.loop
+        if optimizers is not None:
+            owners = list(range(run.world_size)) if islands is None else islands.leaders()
+            if owners[rank] == rank:  # an island's ranks step alike: its first rank's state stands for all
+                states[f"inner/{rank}"] = local_sgd.rank_state(optimizers)["optimizer_states"]
+        if loop.sharded:
+            assert islands is not None
+            outer, values = loop.shard_state()
+            if rank in islands.members[0]:  # every island holds the same slices: the first one writes them
+                start = loop.layout.bounds[0]
+                tensors.update({f"outer/{start}/{name}": value for name, value in values.items()})
+        elif rank == 0:
+            outer = loop.state_dict()
+    write_shards(path, states, tensors, rank=rank, group=meeting.cpu_group())
+    if rank != 0:
+        return None
+    index = {
+        "directory": os.path.basename(shard_directory(path)),
+        "hook": bool(hook_state),
+        "inner_owners": owners,
+        "outer_slices": outer.pop("slices", None) if outer is not None else None,
+    }
+    return dataclasses.replace(run, local_sgd=outer, shards=index).to_checkpoint()
 
 
-def _progress_key(run: str, rank: int) -> str:
-    return f"ddpopt/progress/{run}/{rank}"
+def read_saved_run(path: PathType) -> SavedRun | None:
+    """The ``checkpoint["ddpopt"]`` entry of the checkpoint file ``path``, with its shards (``None``: it has none).
+
+    For looking into a checkpoint: :meth:`SavedRun.hook_state` and :meth:`SavedRun.inner_states` read each rank's
+    part from the shards when asked.
+    """
+    entry = torch.load(path, map_location="cpu", weights_only=True).get(CHECKPOINT_KEY)
+    return SavedRun.from_checkpoint(entry, path) if entry else None
 
 
-def _progress(store: dist.Store, run: str, ranks: list[int]) -> dict[int, str | None]:
-    """Each rank's last beat in this run (``None``: it never beat)."""
-    return {rank: _read(store, _progress_key(run, rank)) for rank in ranks}
-
-
-def _read(store: dist.Store, key: str) -> str | None:
-    return store.get(key).decode() if store.check([key]) else None
+def _sliced_outer(outer: dict[str, Any], reader: ShardReader, slices: list[list[int]]) -> dict[str, Any]:
+    """A saved island outer loop whose tensors are read from the shards, by the slice each rank owns."""
+    outer = dict(outer)
+    for name in outer.get("sharded", ()):
+        values = SlicedValues(reader, name, slices)
+        if name == "mean":
+            outer["in_flight"] = {**outer["in_flight"], "mean": values}
+        else:
+            outer[name] = values
+    return outer

@@ -11,6 +11,7 @@ The terms used here (round, verdict, meeting, travel, island, ...) are defined i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -20,11 +21,14 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddpopt._compat import PathType
 from lightning_ddpopt._groups import group_like
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
 from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPlan, validate_bucket_cap_mb
-from lightning_ddpopt.checkpoint import RankStates, SavedRun
+from lightning_ddpopt.checkpoint import SavedRun, write_rank_states
+from lightning_ddpopt.checkpoint_meeting import RankStates
+from lightning_ddpopt.checkpoint_shards import shards_supported
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.install import HookInstaller
@@ -195,9 +199,12 @@ class StrategyCore:
             self._restore_local_sgd()
         self.buckets.log_plan(backend, self.hooks.comm_hook_name)
 
-    def load(self, entry: dict[str, Any] | None, model_wrapped: bool) -> SavedRun | None:
-        """Take a checkpoint's entry; restore its parts now if the model is wrapped, else once it is."""
-        self._saved = SavedRun.from_checkpoint(entry) if entry else None
+    def load(self, entry: dict[str, Any] | None, model_wrapped: bool, path: PathType | None = None) -> SavedRun | None:
+        """Take a checkpoint's entry; restore its parts now if the model is wrapped, else once it is.
+
+        ``path``: the checkpoint file, whose shards (this rank's part of them) are read from beside it.
+        """
+        self._saved = SavedRun.from_checkpoint(entry, path) if entry else None
         self._hook_state_pending = self._local_sgd_pending = self._saved is not None
         if model_wrapped:
             self._restore_hook_state()
@@ -245,16 +252,10 @@ class StrategyCore:
         An island's ranks all take its first rank's (saved on any layout): their gradients are the same.
         """
         saved = self._saved
-        if (
-            self.local_sgd is None
-            or saved is None
-            or saved.world_size != self.world_size
-            or len(saved.local_sgd_ranks) != self.world_size
-        ):
+        if self.local_sgd is None or saved is None or saved.world_size != self.world_size:
             return None
         islands = self.local_sgd.islands
-        source = islands.leader if islands is not None else self.rank
-        return LocalSGDDriver.saved_rank_state(saved.local_sgd_ranks, source)
+        return saved.inner_states(islands.leader if islands is not None else self.rank)
 
     def before_micro_batch(self, model: torch.nn.Module | None, samples: int | None, first_of_epoch: bool) -> None:
         """Count a training micro-batch in the ledger; local SGD turns DDP's gradient sync off for a local one."""
@@ -324,44 +325,51 @@ class StrategyCore:
     def checkpoint_entry(
         self,
         optimizers: list[torch.optim.Optimizer] | None,
+        path: PathType,
         grad_scaler: dict[str, Any] | None = None,
         optimizer_steps: int | None = None,
     ) -> dict[str, Any] | None:
         """The ``checkpoint["ddpopt"]`` entry on rank 0 (``None`` elsewhere); every rank must call it.
 
+        What differs per rank goes to the shards beside ``path`` (:mod:`lightning_ddpopt.checkpoint_shards`), each
+        rank writing its own, where ``path`` can have them; else it is gathered to rank 0 into the entry.
         ``optimizers``: the inner optimizers whose per-rank states local SGD saves (``None`` for a checkpoint
         without optimizer states). ``grad_scaler`` and ``optimizer_steps``: what front ends that keep neither in
         their own checkpoints (Fabric) save here.
         """
         rank, world_size = self.rank, self.world_size
         hook_state = self.hooks.state_dict()
-        # The same hook on every rank, so every rank gathers or none does.
+        local_sgd = self.local_sgd if self.local_sgd is not None and self.local_sgd.loop is not None else None
+        inner = local_sgd is not None and optimizers is not None
+        # An island's outer state is sharded over its ranks.
+        sharded = local_sgd is not None and local_sgd.loop is not None and local_sgd.loop.sharded
+        run = SavedRun(
+            world_size=world_size,
+            comm_hook=self.hooks.comm_hook_name,
+            hook_choice=self.hooks.hook_choice if self.hooks.auto else None,
+            bucket_cap_mb=self.buckets.autotuned_cap(),
+            bucket_latency_s=self.buckets.latency_s,
+            grad_scaler=grad_scaler,
+            optimizer_steps=optimizer_steps,
+        )
+        # The same hook and layout on every rank, so every rank writes (or gathers) or none does.
+        if world_size > 1 and (hook_state or inner or sharded) and shards_supported(path):
+            return write_rank_states(
+                run, path, self.checkpoints, hook_state, local_sgd, optimizers if inner else None, rank=rank
+            )
         states = self.checkpoints.gather(hook_state, rank=rank, world_size=world_size) if hook_state else []
         local_states: list[dict[str, Any]] = []
-        if self.local_sgd is not None and optimizers is not None:
-            local_states = self.checkpoints.gather(
-                self.local_sgd.rank_state(optimizers), rank=rank, world_size=world_size
-            )
-        loop = self.local_sgd.loop if self.local_sgd is not None else None
-        # An island's outer state is sharded over its ranks: gathering it is a collective, entered only once every
-        # rank has arrived (a gather above met them already).
-        sharded = loop is not None and loop.sharded
-        if sharded and not hook_state and not (self.local_sgd is not None and optimizers is not None):
+        if local_sgd is not None and optimizers is not None:
+            local_states = self.checkpoints.gather(local_sgd.rank_state(optimizers), rank=rank, world_size=world_size)
+        loop = local_sgd.loop if local_sgd is not None else None
+        # Gathering a sharded outer state is a collective, entered only once every rank has arrived.
+        if sharded and not hook_state and not inner:
             self.checkpoints.agree(rank=rank, world_size=world_size)
         outer = loop.state_dict() if loop is not None and (rank == 0 or sharded) else None
         if rank != 0:
             return None
-        return SavedRun(
-            world_size=world_size,
-            comm_hook=self.hooks.comm_hook_name,
-            hook_states=states,
-            hook_choice=self.hooks.hook_choice if self.hooks.auto else None,
-            bucket_cap_mb=self.buckets.autotuned_cap(),
-            bucket_latency_s=self.buckets.latency_s,
-            local_sgd=outer,
-            local_sgd_ranks=local_states,
-            grad_scaler=grad_scaler,
-            optimizer_steps=optimizer_steps,
+        return dataclasses.replace(
+            run, hook_states=states, local_sgd=outer, local_sgd_ranks=local_states
         ).to_checkpoint()
 
     def name_run(self, nonce: str) -> None:

@@ -36,6 +36,7 @@ from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
+from lightning_ddpopt.checkpoint_shards import remove_shards
 from lightning_ddpopt.core import StrategyCore
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
@@ -212,8 +213,16 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: PathType, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        self._core.load(checkpoint.get(CHECKPOINT_KEY), isinstance(self.model, DistributedDataParallel))
+        wrapped = isinstance(self.model, DistributedDataParallel)
+        self._core.load(checkpoint.get(CHECKPOINT_KEY), wrapped, checkpoint_path)
         return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: PathType) -> None:
+        """Remove the checkpoint file and the shards beside it (``ModelCheckpoint`` keeping its top k)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_shards(filepath)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -319,9 +328,12 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathType, storage_options: Any | None = None
     ) -> None:
-        """Add the hook's state (every rank's, gathered to rank 0) and the measured decisions to the checkpoint.
+        """Add the measured decisions to the checkpoint, and write what differs per rank to its shards.
 
-        Every rank must call this, as with Lightning's ``DDPStrategy``; with a stateful hook a call on fewer ranks
+        Every rank writes its own comm-hook state (and with local SGD its replica's inner optimizer state and its
+        island's outer slices) to the directory ``filepath + ".ddpopt"`` (see
+        :mod:`lightning_ddpopt.checkpoint_shards`); a URL ``filepath`` gathers them into the file on rank 0 instead.
+        Every rank must call this, as with Lightning's ``DDPStrategy``; with per-rank state a call on fewer ranks
         raises within ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
 
         Args:
@@ -331,7 +343,7 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         """
         # Local SGD's per-rank inner optimizer states, except in weights-only checkpoints.
         optimizers = self.optimizers if "optimizer_states" in checkpoint else None
-        entry = self._core.checkpoint_entry(optimizers)
+        entry = self._core.checkpoint_entry(optimizers, filepath)
         if entry is not None:
             checkpoint[CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options)

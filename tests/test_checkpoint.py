@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d
 
 from lightning_ddpopt._groups import destroy_all_groups
-from lightning_ddpopt.checkpoint import RankStates, SavedRun
+from lightning_ddpopt.checkpoint import SavedRun
+from lightning_ddpopt.checkpoint_meeting import RankStates
 from lightning_ddpopt.hooks.auto import HookChoice
 
 

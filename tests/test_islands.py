@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_ddpopt import LocalSGDConfig
+from lightning_ddpopt.checkpoint import read_saved_run
 from lightning_ddpopt.hooks.int8_codec import packed_size
 from lightning_ddpopt.localsgd.islands import plan_islands
 from lightning_ddpopt.topology import Topology
@@ -155,15 +156,22 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         fulls, resumed_runs = _records(tmp_path, "resume_full", world), _records(tmp_path, "resume_half", world)
         for full, resumed in zip(fulls, resumed_runs, strict=True):
             torch.testing.assert_close(resumed["final"], full["final"], rtol=0, atol=0)
-        saved = torch.load(tmp_path / "resume" / "epoch=0.ckpt", weights_only=False)["ddpopt"]
-        assert saved["local_sgd"]["anchor"].numel() == saved["local_sgd"]["momentum"].numel() == PARAMETERS
-        kept = [entry["optimizer_states"] is not None for entry in saved["local_sgd_ranks"]]
-        assert kept == [True, False, True, False]
-        assert [entry.get("same_as") for entry in saved["local_sgd_ranks"]] == [None, 0, None, 2]
-        # Each rank resumed its shard of the whole saved anchor.
+        path = tmp_path / "resume" / "epoch=0.ckpt"
+        entry = torch.load(path, weights_only=True)["ddpopt"]
+        assert entry["local_sgd"]["anchor"] is None and not entry["local_sgd_ranks"]  # nothing whole on rank 0
+        saved = read_saved_run(path)
+        assert saved is not None and saved.shards is not None and saved.local_sgd is not None
+        outer = saved.local_sgd
+        assert outer["anchor"].numel() == outer["momentum"].numel() == PARAMETERS
+        # The first island's ranks wrote their slices; each island's first rank its Adam state.
+        assert saved.shards["outer_slices"] == [list(r["shard"]) for r in resumed_runs[: len(islands[0])]]
+        assert saved.shards["inner_owners"] == [island[0] for island in islands for _ in island]
+        stored = {name for name in saved.reader.names() if name.endswith("/skeleton")}
+        assert stored == {f"inner/{island[0]}/skeleton" for island in islands}
+        # Each rank resumed its shard of the saved anchor.
         for r in resumed_runs:
             start, stop = r["shard"]
-            assert torch.equal(r["anchor_at_start"], saved["local_sgd"]["anchor"][start:stop])
+            assert torch.equal(r["anchor_at_start"], outer["anchor"][start:stop])
         # Saved with a replica per rank (four Adam states), resumed as islands: each island takes its first rank's
         # Adam state, and its ranks stay identical after every step.
         ranks = _records(tmp_path, "ranks_to_islands", world)

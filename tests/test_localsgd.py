@@ -27,6 +27,7 @@ from lightning_ddpopt import (
     StragglerDetector,
     fp16_mixed_precision,
 )
+from lightning_ddpopt.checkpoint import read_saved_run
 from lightning_ddpopt.diagnosis import diagnose, summarize
 from lightning_ddpopt.localsgd import LocalSGD
 from lightning_ddpopt.units import format_bytes
@@ -184,11 +185,13 @@ def test_resume_at_a_sync_boundary_is_bit_exact(tmp_path):
         return OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(sync_every=4), start_method="fork")
 
     uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, make, against_unsaved=True)
-    saved = torch.load(checkpoint, weights_only=False)["ddpopt"]
-    assert saved["local_sgd"]["steps"] == 4 and saved["local_sgd"]["syncs"] == 1
-    assert len(saved["local_sgd_ranks"]) == 2
-    # The ranks' Adam moments differ (local steps on different data): each rank gets its own back.
-    moments = [rank["optimizer_states"][0]["state"][0]["exp_avg"] for rank in saved["local_sgd_ranks"]]
+    saved = read_saved_run(checkpoint)
+    assert saved is not None and saved.local_sgd is not None
+    assert saved.local_sgd["steps"] == 4 and saved.local_sgd["syncs"] == 1
+    # The ranks' Adam moments differ (local steps on different data): each rank gets its own back, from the shard
+    # it wrote itself.
+    inner = [saved.inner_states(rank) for rank in range(2)]
+    moments = [states[0]["state"][0]["exp_avg"] for states in inner if states is not None]
     assert not torch.equal(moments[0], moments[1])
     for a, b in zip(uninterrupted, resumed, strict=True):
         torch.testing.assert_close(b["params"], a["params"], rtol=0, atol=0)
@@ -616,9 +619,10 @@ def test_a_save_waits_for_a_rank_that_trains_on_apart(tmp_path, slow_rank):
         callbacks=[_SaveAt(tmp_path / "step6.ckpt", 6)],
         strategy_kwargs={"checkpoint_timeout": 1.0},
     )
-    saved = torch.load(tmp_path / "step6.ckpt", weights_only=False)["ddpopt"]
-    assert [entry["optimizer_states"] is not None for entry in saved["local_sgd_ranks"]] == [True, True]
-    assert saved["local_sgd"]["steps"] == 6
+    saved = read_saved_run(tmp_path / "step6.ckpt")
+    assert saved is not None and saved.local_sgd is not None
+    assert [saved.inner_states(rank) is not None for rank in range(2)] == [True, True]
+    assert saved.local_sgd["steps"] == 6
     assert all(record["local"]["steps"] == 8 and record["local"]["syncs"] == 1 for record in ranks)
 
 

@@ -21,6 +21,7 @@ import lightning_ddpopt.buckets as buckets_module
 import lightning_ddpopt.hooks.install as install_module
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt._groups import destroy_all_groups
+from lightning_ddpopt.checkpoint import read_saved_run
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig, PowerSGDState, powersgd_spec
 from lightning_ddpopt.hooks.orthogonal import random_q
 from tests.helpers import OverflowModel, WarningsProbe, fit_ddp, uninterrupted_and_resumed
@@ -206,7 +207,9 @@ def test_resume_is_bit_exact(tmp_path, name):
     uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, strategy, against_unsaved=against_unsaved)
     saved = torch.load(checkpoint, weights_only=True)["ddpopt"]
     assert saved["world_size"] == 2 and saved["comm_hook"] == ("int8" if name == "int8" else "powersgd")
-    states = saved["hook_states"]
+    shards = read_saved_run(checkpoint)
+    assert shards is not None and not saved["hook_states"]  # every rank's own is in the shards
+    states = [shards.hook_state(rank) for rank in range(2)]
     assert [s["iteration"] for s in states] == [4, 4]
     # Error feedback is each rank's own, for every weight; Q memories are all-reduced, the same on both ranks.
     assert {f"net.{i}.weight" for i in range(0, 12, 2)} <= states[0]["errors"].keys()
@@ -227,7 +230,9 @@ def test_a_rank_rise_across_a_resume_is_bit_exact(tmp_path):
         return OptimizedDDPStrategy(comm_hook=config, bucket_cap_mb=BUCKET_CAP_MB, start_method="fork")
 
     uninterrupted, resumed, checkpoint = uninterrupted_and_resumed(tmp_path, strategy, samples=112)
-    states = torch.load(checkpoint, weights_only=True)["ddpopt"]["hook_states"]
+    saved = read_saved_run(checkpoint)
+    assert saved is not None
+    states = [saved.hook_state(rank) for rank in range(2)]
     assert [(s["iteration"], s["rank"]) for s in states] == [(7, 1), (7, 1)]
     assert states[0]["rank_probe"]["decide_at"] == 8 and states[0]["rank_probe"] == states[1]["rank_probe"]
     assert [r["hook_rank"] for r in uninterrupted] == [r["hook_rank"] for r in resumed] == [4, 4]

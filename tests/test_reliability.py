@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt.checkpoint import read_saved_run
 from lightning_ddpopt.hooks import COMM_HOOKS, PowerSGDConfig, PowerSGDState
 from tests.helpers import StackModel, fit_ddp
 
@@ -68,7 +69,8 @@ def test_a_killed_rank_ends_the_run_with_a_clear_error_and_keeps_the_checkpoint(
     # The checkpoint written before the failure is whole: weights, optimizer and both ranks' hook state.
     checkpoint = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 2 and checkpoint["optimizer_states"]
-    assert [state["iteration"] for state in checkpoint["ddpopt"]["hook_states"]] == [2, 2]
+    saved = read_saved_run(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert saved is not None and [saved.hook_state(rank)["iteration"] for rank in range(2)] == [2, 2]
 
 
 @pytest.mark.quick

@@ -264,7 +264,10 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Add the hook's state (every rank's, gathered to rank 0), local SGD's and the GradScaler's, then save.
+        """Add local SGD's state, the GradScaler's and the step count, write what differs per rank to shards, save.
+
+        What differs per rank (comm-hook state, local SGD's inner optimizer and island outer states) goes to the
+        directory ``path + ".ddpopt"``, each rank writing its own (see :mod:`lightning_ddpopt.checkpoint_shards`).
 
         Every rank must call it, as Fabric requires; with a stateful hook a call on fewer ranks raises within
         ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
@@ -285,6 +288,7 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         scaler = self._scaler()
         entry = self._core.checkpoint_entry(
             optimizers or None,
+            path,
             grad_scaler=scaler.state_dict() if scaler is not None else None,
             optimizer_steps=self.optimizer_steps,
         )
@@ -341,7 +345,7 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
             if entry is not None and not self._restored:  # (read again after a load that restored it: nothing lost)
                 self._warn_partial_load("fabric.load(path) without the objects to restore returns the checkpoint alone")
             return remainder
-        saved = self._core.load(entry, model_wrapped=self.model is not None)
+        saved = self._core.load(entry, model_wrapped=self.model is not None, path=path)
         if saved is None:
             return remainder
         self._restored = True

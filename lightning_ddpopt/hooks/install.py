@@ -404,7 +404,7 @@ class HookInstaller:
 
     def restore(self, saved: SavedRun, world_size: int, rank: int) -> None:
         """Load this rank's saved hook state; warn (on rank 0) about what could not be restored."""
-        if not saved.hook_states:
+        if not saved.has_hook_states:
             return
         if isinstance(self.comm_state, CommHookState):
             problem = restore_hook_state(

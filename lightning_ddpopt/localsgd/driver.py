@@ -178,14 +178,6 @@ class LocalSGDDriver:
             return {"optimizer_states": None, "same_as": islands.leader}
         return {"optimizer_states": [_to_cpu(optimizer.state_dict()) for optimizer in optimizers]}
 
-    @staticmethod
-    def saved_rank_state(saved: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
-        """Rank ``rank``'s inner optimizer states among every rank's :meth:`rank_state` (its island's, in one)."""
-        entry = saved[rank]
-        if entry["optimizer_states"] is None:
-            entry = saved[entry["same_as"]]
-        return entry["optimizer_states"]
-
     def teardown(self) -> None:
         """Lightning's SIGTERM handling again; a sync still travelling after a failure is dropped; the group goes."""
         sigterm, self._sigterm = self._sigterm, None

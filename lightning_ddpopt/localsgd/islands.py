@@ -63,6 +63,14 @@ class Islands:
         """The global rank of island rank 0 of this rank's island."""
         return next(island[0] for island in self.members if self.rank in island)
 
+    def leaders(self) -> list[int]:
+        """Every global rank's island's first rank, by global rank."""
+        leaders = [0] * sum(len(island) for island in self.members)
+        for island in self.members:
+            for rank in island:
+                leaders[rank] = island[0]
+        return leaders
+
     def describe(self) -> str:
         """In words: ``2 replicas x 2 ranks (ranks [[0, 1], [2, 3]])``."""
         ranks = f"rank{'s' if self.size > 1 else ''}"

@@ -7,16 +7,15 @@ See :mod:`lightning_ddpopt.localsgd` for the method; :class:`LocalSGD` is driven
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks.base import squared_norm
-from lightning_ddpopt.hooks.feedback import config_mismatch
 from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
 from lightning_ddpopt.localsgd.int8_mean import Int8Mean
+from lightning_ddpopt.localsgd.outer_state import InFlight, OuterState
 from lightning_ddpopt.localsgd.shard import Shard
 
 __all__ = ["LocalSGD", "ParameterSync"]
@@ -40,22 +39,7 @@ class ParameterSync:
     drift: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-@dataclass
-class _InFlight:
-    """A sync started and not applied yet: what carries the mean change, and when to apply it.
-
-    ``wire``: the mean change (all-reduced, or restored from a checkpoint), or with int8 the gathered packed rows.
-    ``own_sq``: the squared norm of this rank's change (``None`` when restored from a checkpoint).
-    """
-
-    wire: torch.Tensor
-    work: dist.Work | None
-    apply_at: int
-    wire_bytes: int
-    own_sq: torch.Tensor | None = None
-
-
-class LocalSGD:
+class LocalSGD(OuterState):
     """The outer loop of local SGD / DiLoCo over ``module``'s parameters; the strategy drives it.
 
     Call :meth:`before_batch` before each training batch's forward (it says whether gradients sync) and
@@ -112,7 +96,7 @@ class LocalSGD:
         #: part in a parameter sync (see :attr:`next_step_meets`).
         self.met_in_batch = True
         self._work: torch.Tensor | None = None
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self._wire: torch.Tensor | None = None
         self._int8 = Int8Mean(self.process_group, self.replicas) if self.config.compression == "int8" else None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
@@ -243,9 +227,9 @@ class LocalSGD:
             wire.copy_(delta.div_(self.replicas))  # divided before a half-precision cast
             work = dist.all_reduce(wire, group=self.process_group, async_op=True)
             sent = wire.numel() * wire.element_size()
-        self._in_flight = _InFlight(wire, work, self.steps + self.config.overlap_steps, sent, own_sq)
+        self._in_flight = InFlight(wire, work, self.steps + self.config.overlap_steps, sent, own_sq)
 
-    def _arrive(self, in_flight: _InFlight) -> torch.Tensor:
+    def _arrive(self, in_flight: InFlight) -> torch.Tensor:
         """Wait for a sync; the mean change it carried, in the work buffer (fp32)."""
         if in_flight.work is not None:
             in_flight.work.wait()
@@ -397,68 +381,6 @@ class LocalSGD:
         """
         return self._steps_off_anchor
 
-    def state_dict(self) -> dict[str, Any]:
-        """The counters, the whole anchor and outer momentum (the same on every replica), plus the config.
-
-        A sync still travelling is waited for and its mean change saved, to be applied after a resume. With an
-        island the shards are gathered: every rank of every island must call it (see :attr:`sharded`).
-        """
-        in_flight = self._in_flight
-        saved = None
-        if in_flight is not None:  # with int8, the reduced chunks: saved as their mean, in fp32
-            if in_flight.work is not None:
-                in_flight.work.wait()
-                in_flight.work = None
-            mean = self._arrive(in_flight) if in_flight.wire.dtype == torch.int8 else in_flight.wire
-            saved = {
-                "mean": self._whole(mean).to(mean.dtype),
-                "apply_at": in_flight.apply_at,
-                "wire_bytes": in_flight.wire_bytes,
-            }
-        return {
-            "config": asdict(self.config),
-            "steps": self.steps,
-            "syncs": self.syncs,
-            "anchor": None if self.anchor is None else self._whole(self.anchor),
-            "momentum": None if self.momentum is None else self._whole(self.momentum),
-            "in_flight": saved,
-        }
-
-    def _whole(self, shard: torch.Tensor) -> torch.Tensor:
-        """A copy of the whole model's values of ``shard`` on the CPU (in an island: gathered from its ranks)."""
-        whole = self.layout.gather(shard.float()) if self.island is not None else shard
-        return whole.detach().cpu().clone()
-
-    def load_state_dict(self, state: dict[str, Any]) -> str | None:
-        """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``.
-
-        The saved state covers the whole model: each rank takes its shard, whatever the layout it was saved on.
-        """
-        reason = config_mismatch("local SGD", state, _saved_config(self.config))
-        if reason is not None:
-            return f"{reason}; the outer loop starts afresh from the weights"
-        anchor, momentum = state["anchor"], state["momentum"]
-        if anchor is not None and anchor.numel() != self.layout.numel:
-            numel = self.layout.numel
-            return f"the saved anchor has {anchor.numel()} values and the model {numel}; the outer loop starts afresh"
-        device = self.params[0].device
-        start, stop = self.layout.bounds
-        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
-        self.anchor = None if anchor is None else anchor[start:stop].to(device, torch.float32).clone()
-        self.momentum = None if momentum is None else momentum[start:stop].to(device, torch.float32).clone()
-        if self.anchor is not None:
-            self._allocate()
-        saved = state.get("in_flight")
-        self._in_flight = None
-        if saved is not None:
-            wire = saved["mean"][start:stop].to(device).clone()
-            self._in_flight = _InFlight(wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
-        # Every rank resumes from the saved weights (rank 0's): off the anchor by rank 0's steps since the sync.
-        window = self.config.sync_every
-        since = (self.steps - self.config.warmup_steps) % window if self.local and self.anchor is not None else 0
-        self._steps_off_anchor = since + (window if self._in_flight is not None else 0)
-        return None
-
     def _mean_inplace(self, delta: torch.Tensor) -> int:
         """The mean of ``delta`` over the replicas, sent as the config says, into ``delta``; the bytes sent."""
         if self._int8 is not None:
@@ -491,10 +413,3 @@ class LocalSGD:
                     dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0)
             sent += buffer.numel() * buffer.element_size()
         return sent
-
-
-def _saved_config(config: LocalSGDConfig) -> dict[str, Any]:
-    """The config fields a saved outer loop must match: the replica layout may change (the state is the model's)."""
-    fields = asdict(config)
-    fields.pop("replica")
-    return fields

@@ -51,6 +51,13 @@ class Shard:
         self._stage: torch.Tensor | None = None
         self._full: torch.Tensor | None = None
 
+    def slices(self) -> list[list[int]]:
+        """Every island rank's ``[start, stop)``, in island-rank order."""
+        return [
+            [min(self.numel, place * self.size), min(self.numel, (place + 1) * self.size)]
+            for place in range(self.island_size)
+        ]
+
     def values(self) -> torch.Tensor:
         """The shard's parameter values, end to end, in fp32 (a new tensor)."""
         start, stop = self.bounds
