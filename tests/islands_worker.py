@@ -39,6 +39,9 @@ FITS: dict[str, LocalSGDConfig] = {
     # Saved at the end of the first epoch (a sync, step 4), resumed from there: Adam's state per island.
     "resume_full": LocalSGDConfig.diloco(sync_every=4, replica="node"),
     "resume_half": LocalSGDConfig.diloco(sync_every=4, replica="node"),
+    # Saved as islands (the outer state as the first island's slices), resumed with a replica per rank: every rank
+    # reads the whole anchor from the slices, and takes its saved island's Adam state.
+    "islands_to_ranks": LocalSGDConfig.diloco(sync_every=4, replica="rank"),
     # Saved with a replica per rank (each rank's own Adam state), resumed as islands: an island's ranks take its
     # first rank's state, and stay identical.
     "ranks_save": LocalSGDConfig.diloco(sync_every=4, replica="rank"),
@@ -148,6 +151,7 @@ def _flat(module: torch.nn.Module) -> torch.Tensor:
 
 def fit(out: Path, name: str) -> pl.Trainer:
     resume = {"resume_full": "full", "resume_half": "half", "ranks_save": "full", "ranks_to_islands": "half"}.get(name)
+    resume = "half" if name == "islands_to_ranks" else resume
     resume = {"overlap_full": "full", "overlap_half": "half"}.get(name, resume)
     folder = out / ("ranks" if name.startswith("ranks") else "overlap" if name.startswith("overlap") else "resume")
     callbacks: list[pl.Callback] = [Probe(out, name)]

@@ -37,7 +37,8 @@ def _outer_step(anchor: torch.Tensor, before: list[torch.Tensor], momentum: torc
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
 def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
-    resumes = ["resume_full", "resume_half", "ranks_save", "ranks_to_islands", "overlap_full", "overlap_half"]
+    resumes = ["resume_full", "resume_half", "islands_to_ranks", "ranks_save", "ranks_to_islands"]
+    resumes += ["overlap_full", "overlap_half"]
     fits = ["diloco", "int8_overlap"] + (["warmup", *resumes] if nodes == 2 else [])
     output = _run_nodes(tmp_path, nodes, per_node, fits, worker="tests.islands_worker", timeout=600)
     world, islands = nodes * per_node, _islands(nodes, per_node)
@@ -172,6 +173,9 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
         for r in resumed_runs:
             start, stop = r["shard"]
             assert torch.equal(r["anchor_at_start"], outer["anchor"][start:stop])
+        # Resumed from the same checkpoint with a replica per rank: each rank's anchor is the saved slices end to end.
+        for r in _records(tmp_path, "islands_to_ranks", world):
+            assert r["shard"] == (0, PARAMETERS) and torch.equal(r["anchor_at_start"], outer["anchor"][:])
         # Saved with a replica per rank (four Adam states), resumed as islands: each island takes its first rank's
         # Adam state, and its ranks stay identical after every step.
         ranks = _records(tmp_path, "ranks_to_islands", world)
