@@ -1,8 +1,9 @@
-"""Local SGD checkpoints against the world size: the file, and how much a save raises rank 0's peak host memory.
+"""Checkpoints against the world size: the file, the shards beside it, and how much a save raises each rank's memory.
 
-DiLoCo (H = 4) on a 4.2M-parameter MLP with AdamW (16.8 MB of weights), CPU processes on one machine (spawned), one
-checkpoint saved by ``trainer.save_checkpoint`` on every rank after 4 steps (right after a sync). Each world size
-runs with a replica per rank and with two islands (``replica=world / 2``; 2 ranks: one replica per rank either way).
+A 4.2M-parameter MLP with AdamW (16.8 MB of weights), CPU processes on one machine (spawned), one checkpoint saved by
+``trainer.save_checkpoint`` on every rank after the 4th step, while training. DiLoCo (H = 4, right after a sync) runs with a replica per
+rank and with two islands (``replica=world / 2``; 2 ranks: one replica per rank either way); the int8 comm hook
+(each rank's own error feedback) with plain DDP.
 
 Run:  .venv/bin/python benchmarks/checkpoint_size.py [--worlds 2,4,8] [--out benchmarks/results]
 """
@@ -40,25 +41,34 @@ class MLP(pl.LightningModule):
 
 
 class SaveAtEnd(pl.Callback):
-    """Saves on every rank after training; rank 0 records how much the save raised its peak resident memory."""
+    """Saves on every rank after the last step, while training (islands still shard their outer state); each rank
+    records how much the save raised its peak resident memory."""
 
     def __init__(self, path: Path, out: Path) -> None:
         self.path, self.out = path, out
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: object) -> None:
+        if trainer.global_step != STEPS:
+            return
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         trainer.save_checkpoint(self.path)
         raised = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-        if trainer.global_rank == 0:
-            self.out.write_text(json.dumps({"peak_raised_kb": raised, "peak_kb": before + raised}))
+        out = self.out.with_name(f"{self.out.stem}_rank{trainer.global_rank}.json")
+        out.write_text(json.dumps({"peak_raised_kb": raised, "peak_kb": before + raised}))
 
 
-def measure(world: int, replica: str | int, directory: Path) -> dict[str, float]:
-    path, out = directory / f"w{world}_{replica}.ckpt", directory / f"w{world}_{replica}.json"
+def measure(world: int, replica: str | int | None, directory: Path) -> dict[str, float]:
+    name = f"w{world}_{replica}"
+    path, out = directory / f"{name}.ckpt", directory / f"{name}.json"
+    strategy = (
+        OptimizedDDPStrategy(comm_hook="int8", start_method="spawn")
+        if replica is None
+        else OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(4, replica=replica), start_method="spawn")
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=OptimizedDDPStrategy(local_sgd=LocalSGDConfig.diloco(4, replica=replica), start_method="spawn"),
+        strategy=strategy,
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -69,8 +79,17 @@ def measure(world: int, replica: str | int, directory: Path) -> dict[str, float]
     generator, samples = torch.Generator().manual_seed(0), 8 * STEPS * world
     data = TensorDataset(torch.randn(samples, WIDTH, generator=generator), torch.randn(samples, WIDTH))
     trainer.fit(MLP(), DataLoader(data, batch_size=8))
-    figures = json.loads(out.read_text())
-    return {"file_mb": path.stat().st_size / 1e6, "save_peak_raised_mb": figures["peak_raised_kb"] / 1e3}
+    figures = [json.loads((directory / f"{name}_rank{rank}.json").read_text()) for rank in range(world)]
+    raised = [rank["peak_raised_kb"] for rank in figures]
+    shards = Path(str(path) + ".ddpopt")
+    written = [p.stat().st_size for p in shards.iterdir()] if shards.is_dir() else [0]
+    return {
+        "file_mb": path.stat().st_size / 1e6,
+        "shards_mb": sum(written) / 1e6,
+        "largest_shard_mb": max(written) / 1e6,
+        "save_peak_raised_mb": raised[0] / 1e3,
+        "largest_peak_raised_mb": max(raised) / 1e3,
+    }
 
 
 def main() -> None:
@@ -82,23 +101,28 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for world in (int(w) for w in args.worlds.split(",")):
-            for replica in ("rank", world // 2) if world > 2 else ("rank",):
+            for replica in (None, "rank", world // 2) if world > 2 else (None, "rank"):
                 figures = measure(world, replica, Path(directory))
-                rows.append({"world": world, "replica": replica, **figures})
+                variant = "int8 hook" if replica is None else f"DiLoCo, replica={replica!r}"
+                rows.append({"world": world, "variant": variant, **figures})
                 print(f"world {world}, replica={replica!r}: {figures}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [
-        f"DiLoCo (H = 4) checkpoints, {WIDTH}x{WIDTH} x {LAYERS} MLP ({LAYERS * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M "
-        "parameters), AdamW; saved on every rank after 4 steps. "
+        f"Checkpoints of a {WIDTH}x{WIDTH} x {LAYERS} MLP ({LAYERS * (WIDTH * WIDTH + WIDTH) / 1e6:.1f}M "
+        "parameters), AdamW; saved on every rank after 4 steps. The file is rank 0's; the shards, beside it, hold "
+        "what differs per rank, each rank's written by itself. "
         f"Command: `benchmarks/checkpoint_size.py --worlds {args.worlds}`, "
         f"{datetime.datetime.now(datetime.timezone.utc).date().isoformat()}",
         "",
-        "| ranks | replica | file MB | rank 0's peak raised by the save, MB |",
-        "|---|---|---|---|",
+        "| ranks | variant | file MB | shards MB | largest rank's shard MB | rank 0's peak raised by the save, MB "
+        "| largest peak raised on any rank, MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['world']} | {r['replica']!r} | {r['file_mb']:.1f} | {r['save_peak_raised_mb']:.1f} |" for r in rows
+        f"| {r['world']} | {r['variant']} | {r['file_mb']:.1f} | {r['shards_mb']:.1f} | {r['largest_shard_mb']:.1f} "
+        f"| {r['save_peak_raised_mb']:.1f} | {r['largest_peak_raised_mb']:.1f} |"
+        for r in rows
     ]
     (out / "checkpoint_size.md").write_text("\n".join(lines) + "\n")
     (out / "checkpoint_size.json").write_text(json.dumps(rows, indent=2) + "\n")
