@@ -1,9 +1,9 @@
 """Checkpoints against the world size: the file, the shards beside it, and how much a save raises each rank's memory.
 
-A 4.2M-parameter MLP with AdamW (16.8 MB of weights), CPU processes on one machine (spawned), one checkpoint saved by
-``trainer.save_checkpoint`` on every rank after the 4th step, while training. DiLoCo (H = 4, right after a sync) runs with a replica per
-rank and with two islands (``replica=world / 2``; 2 ranks: one replica per rank either way); the int8 comm hook
-(each rank's own error feedback) with plain DDP.
+A 4.2M-parameter MLP with AdamW (16.8 MB of weights), CPU processes on one machine (spawned), one checkpoint saved
+by ``trainer.save_checkpoint`` on every rank after the 4th step, while training. DiLoCo (H = 4, right after a sync)
+runs with a replica per rank and with two islands (``replica=world / 2``; 2 ranks: one replica per rank either way);
+the int8 comm hook (each rank's own error feedback) with plain DDP.
 
 Run:  .venv/bin/python benchmarks/checkpoint_size.py [--worlds 2,4,8] [--out benchmarks/results]
 """

@@ -1,30 +1,36 @@
-"""Comm-hook state and setup decisions in Lightning checkpoints: gathered to the writing rank, restored per rank.
+"""Comm-hook state, local SGD's state and setup decisions in Lightning checkpoints: saved per rank, restored per rank.
 
-What ``checkpoint["ddpopt"]`` holds:
+What ``checkpoint["ddpopt"]`` (a :class:`SavedRun`) holds, written by rank 0 with the rest of the file:
 
-* ``hook_states``: every rank's comm-hook state (PowerSGD's error feedback differs per rank), gathered to rank 0,
-  which writes the checkpoint; no other rank ever holds more than its own. The states travel on the CPU, never
-  through a GPU: moved to the CPU first, then sent to rank 0 one rank after another over a gloo group (the default
-  group if it serves CPU tensors, else one of our own), so rank 0 holds one rank's pickled state at a time besides
-  the states it writes.
+* ``world_size`` and ``comm_hook``; ``shards``: where what differs per rank went (see below), ``None`` without any;
+* ``local_sgd``: the outer loop's counters and config, and, with a replica per rank, its anchor, outer momentum and
+  a sync still travelling (the same on every rank); an island's are in the shards, as slices;
 * ``hook_choice``, ``bucket_cap_mb`` and ``bucket_latency_s``: what ``comm_hook="auto"``, ``bucket_cap_mb="autotune"``
-  and ``bucket_cap_mb="auto"`` (from 8 ranks) measured and
-  chose, so that a resume on the same world size reuses them instead of re-measuring (which could switch hooks
-  and drop their state).
+  and ``bucket_cap_mb="auto"`` (from 8 ranks) measured and chose, so that a resume on the same world size reuses
+  them instead of re-measuring (which could switch hooks and drop their state);
+* ``grad_scaler`` and ``optimizer_steps`` for front ends that save neither (Fabric).
+
+What differs per rank (each rank's hook state, each replica's inner optimizer states, an island's outer slices) is
+written by each rank to the shards beside the file (:mod:`lightning_ddpopt.checkpoint_shards`), never through rank
+0 (:func:`write_rank_states`), and each rank reads its own back. Where the file cannot have shards (a URL), and with
+one rank, it is gathered to rank 0 into ``hook_states`` and ``local_sgd_ranks`` instead
+(:class:`~lightning_ddpopt.checkpoint_meeting.RankStates`: on the CPU, one rank's state at a time); checkpoints of
+earlier releases hold them there too.
 
 The contract: every rank calls ``save_checkpoint`` (Lightning's ``ModelCheckpoint`` and ``Trainer.save_checkpoint``
-do; Lightning's own barrier after saving needs it too). A stateful hook's gather first waits at most
-``timeout_s`` for every rank to arrive, rank 0 deciding for all; a call on fewer ranks raises a ``RuntimeError`` on
-every rank that called, naming the missing ranks, instead of hanging until the process-group timeout. Stateless
-hooks add no collective at all. While local SGD trains apart the ranks drift, by up to a window's steps: each rank
-then tells the store that it still trains (:meth:`RankStates.beat`, at each batch and optimizer step, at most once a
-second), and a save waits on for as long as every rank it waits for shows progress within each ``timeout_s``; a rank
-that neither arrives nor progresses (gone, hung, or in a step or validation longer than ``timeout_s``) fails the save
-after ``timeout_s`` without progress.
+do; Lightning's own barrier after saving needs it too). A save with per-rank state first waits at most ``timeout_s``
+for every rank to arrive, rank 0 deciding for all; a call on fewer ranks raises a ``RuntimeError`` on every rank
+that called, naming the missing ranks, instead of hanging until the process-group timeout. Stateless hooks without
+local SGD add no collective at all. While local SGD trains apart the ranks drift, by up to a window's steps: each
+rank then tells the store that it still trains (:meth:`~lightning_ddpopt.checkpoint_meeting.RankStates.beat`, at
+each batch and optimizer step, at most once a second), and a save waits on for as long as every rank it waits for
+shows progress within each ``timeout_s``; a rank that neither arrives nor progresses (gone, hung, or in a step or
+validation longer than ``timeout_s``) fails the save after ``timeout_s`` without progress.
 
 A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook
 afresh; another world size keeps what is the same on every rank (PowerSGD's step count and Q memories) and
-restarts the per-rank rest, and re-measures the ``"auto"`` / ``"autotune"`` decisions.
+restarts the per-rank rest, and re-measures the ``"auto"`` / ``"autotune"`` decisions; an island's outer state is
+re-sliced for the new layout.
 
 The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
@@ -45,6 +51,7 @@ from lightning_ddpopt.checkpoint_shards import (
     ShardReader,
     SlicedValues,
     clear_partial,
+    find_shards,
     shard_directory,
     write_shards,
 )
@@ -136,7 +143,7 @@ class SavedRun:
         choice = entry.get("hook_choice")
         shards, reader, local_sgd = entry.get("shards"), None, entry.get("local_sgd")
         if shards is not None:
-            reader = ShardReader(shard_directory(path)) if path is not None else None
+            reader = find_shards(path, shards["directory"]) if path is not None else None
             if reader is None or not reader.exists():
                 where = reader.directory if reader is not None else f"beside the file (*{SHARDS_SUFFIX})"
                 rank_zero_warn(

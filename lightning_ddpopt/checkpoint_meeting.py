@@ -182,9 +182,9 @@ def _agree_to_gather(rank: int, world_size: int, timeout_s: float, run: str, tag
     if verdict != "ok":
         missing = [int(other) for other in verdict.split(",")]
         raise RuntimeError(
-            f"ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) {missing} did "
-            f"not call save_checkpoint within {timeout_s:g} s. Call trainer.save_checkpoint on every rank, as "
-            "Lightning's DDP strategies require (ModelCheckpoint does)."
+            "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but "
+            f"rank(s) {missing} did not call save_checkpoint within {timeout_s:g} s. Call trainer.save_checkpoint on "
+            "every rank, as Lightning's DDP strategies require (ModelCheckpoint does)."
         )
 
 

@@ -33,7 +33,17 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_ddpopt._compat import PathType, dcp_load_alone
 
-__all__ = ["SHARDS_SUFFIX", "ShardReader", "SlicedValues", "shard_directory", "shards_supported", "write_shards"]
+__all__ = [
+    "SHARDS_SUFFIX",
+    "ShardReader",
+    "SlicedValues",
+    "clear_partial",
+    "find_shards",
+    "remove_shards",
+    "shard_directory",
+    "shards_supported",
+    "write_shards",
+]
 
 #: What the shards' directory adds to the checkpoint file's name.
 SHARDS_SUFFIX = ".ddpopt"
@@ -41,8 +51,21 @@ _TENSOR = "ddpopt.tensor"  # a tensor's place in a state's skeleton: (_TENSOR, i
 
 
 def shard_directory(path: PathType) -> str:
-    """The shards' directory of the checkpoint file ``path`` (through a symbolic link: the file it points to)."""
-    return os.path.realpath(os.fspath(path)) + SHARDS_SUFFIX
+    """Where a save at ``path`` writes the shards: beside it, ``path + ".ddpopt"``."""
+    return os.fspath(path) + SHARDS_SUFFIX
+
+
+def find_shards(path: PathType, name: str) -> ShardReader:
+    """The shards of the checkpoint file ``path``, saved as the directory ``name``.
+
+    Looked for beside it, beside the file a link ``path`` points to (``ModelCheckpoint``'s ``save_last="link"``), or
+    under their saved name beside either; the first place where there are none.
+    """
+    path = os.fspath(path)
+    places = [shard_directory(path), shard_directory(os.path.realpath(path))]
+    places += [os.path.join(os.path.dirname(place), name) for place in places]
+    readers = [ShardReader(place) for place in places]
+    return next((reader for reader in readers if reader.exists()), readers[0])
 
 
 def shards_supported(path: PathType) -> bool:
@@ -87,8 +110,11 @@ def write_shards(
 
 
 def remove_shards(path: PathType) -> None:
-    """Remove the shards of the checkpoint at ``path``, if it has any (with the file, by ``ModelCheckpoint``)."""
-    if shards_supported(path):
+    """Remove the shards saved at ``path``, if it has any (with the file, by ``ModelCheckpoint``).
+
+    A link's target keeps its shards: call it before removing the link, or after (the link is then gone).
+    """
+    if shards_supported(path) and not os.path.islink(path):
         shutil.rmtree(shard_directory(path), ignore_errors=True)
 
 

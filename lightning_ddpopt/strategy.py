@@ -7,6 +7,7 @@ to resume from is loaded before ``setup``; its parts wait for the components tha
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -219,9 +220,13 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: PathType) -> None:
-        """Remove the checkpoint file and the shards beside it (``ModelCheckpoint`` keeping its top k)."""
+        """Remove the checkpoint file and the shards beside it (``ModelCheckpoint`` keeping its top k).
+
+        A link (``save_last="link"``) goes alone: the shards are its target's.
+        """
+        linked = os.path.islink(filepath)
         super().remove_checkpoint(filepath)
-        if self.is_global_zero:
+        if self.is_global_zero and not linked:
             remove_shards(filepath)
 
     @override

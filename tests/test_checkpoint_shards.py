@@ -78,9 +78,12 @@ def _strategy() -> OptimizedDDPStrategy:
 
 
 def test_each_rank_writes_its_own_shard_and_old_ones_go_with_their_files(tmp_path):
-    # 3 ranks, a checkpoint every 2 steps, the newest 2 kept: ModelCheckpoint's removal takes the shards too.
+    # 3 ranks, a checkpoint every 2 steps, the newest 2 kept: ModelCheckpoint's removal takes the shards too; the
+    # last one linked, the link's own removals leaving its targets' shards.
     saves = tmp_path / "ckpt"
-    keep = ModelCheckpoint(dirpath=saves, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max")
+    keep = ModelCheckpoint(
+        dirpath=saves, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last="link"
+    )
     ranks = fit_ddp(
         tmp_path / "fit", _strategy(), devices=3, samples=144, callbacks=[keep], max_steps=6, enable_checkpointing=True
     )
@@ -90,7 +93,9 @@ def test_each_rank_writes_its_own_shard_and_old_ones_go_with_their_files(tmp_pat
         "epoch=0-step=4.ckpt" + SHARDS_SUFFIX,
         "epoch=0-step=6.ckpt",
         "epoch=0-step=6.ckpt" + SHARDS_SUFFIX,
+        "last.ckpt",
     ]
+    assert os.path.islink(saves / "last.ckpt")
     path = saves / "epoch=0-step=6.ckpt"
     # The file holds no rank's hook state; each rank wrote one file of its own (DCP's __<rank>_0.distcp).
     entry = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
@@ -105,14 +110,14 @@ def test_each_rank_writes_its_own_shard_and_old_ones_go_with_their_files(tmp_pat
     assert not torch.equal(states[0]["errors"][key], states[1]["errors"][key])  # each rank's own error feedback
     assert len({float(r["params"].sum()) for r in ranks}) == 1
 
-    # Resumed: no warning. With the shards moved away: said, and the run goes on from the weights.
+    # Resumed through the link: no warning. With the shards moved away: said, and the run goes on from the weights.
     resumed = tmp_path / "resumed"
     fit_ddp(
         resumed,
         _strategy(),
         devices=3,
         samples=144,
-        ckpt_path=str(path),
+        ckpt_path=str(saves / "last.ckpt"),
         max_steps=8,
         callbacks=[WarningsProbe(str(tmp_path / "warnings.pt"))],
     )

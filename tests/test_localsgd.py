@@ -659,9 +659,9 @@ def test_a_save_fails_once_the_rank_it_waits_for_stops_training(tmp_path):
     )
     result = torch.load(tmp_path / "lone.pt")
     assert result["message"] == (
-        "ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) [1] did not call "
-        "save_checkpoint within 1 s. Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies "
-        "require (ModelCheckpoint does)."
+        "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but "
+        "rank(s) [1] did not call save_checkpoint within 1 s. Call trainer.save_checkpoint on every rank, as "
+        "Lightning's DDP strategies require (ModelCheckpoint does)."
     )
     # It waited while rank 1 trained its 6 steps (0.3 s each), then at most about two timeouts more.
     assert 6 * 0.3 < result["seconds"] < 6 * 0.3 + 8, result

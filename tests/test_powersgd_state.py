@@ -348,9 +348,9 @@ def test_checkpoint_saved_on_one_rank_fails_fast_and_clearly(tmp_path):
     fit_ddp(tmp_path, strategy, max_steps=3, callbacks=[LoneSave(tmp_path)])
     result = torch.load(tmp_path / "lone.pt")
     assert result["message"] == (
-        "ddpopt: saving a checkpoint gathers every rank's comm-hook state to rank 0, but rank(s) [1] did not call "
-        "save_checkpoint within 2 s. Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies "
-        "require (ModelCheckpoint does)."
+        "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but "
+        "rank(s) [1] did not call save_checkpoint within 2 s. Call trainer.save_checkpoint on every rank, as "
+        "Lightning's DDP strategies require (ModelCheckpoint does)."
     )
     assert result["seconds"] < 10
     assert not (tmp_path / "lone.ckpt").exists()
