@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ddpopt._compat import PathType
 from lightning_ddpopt.checkpoint_meeting import RankStates
@@ -143,18 +145,25 @@ class SavedRun:
         choice = entry.get("hook_choice")
         shards, reader, local_sgd = entry.get("shards"), None, entry.get("local_sgd")
         if shards is not None:
-            reader = find_shards(path, shards["directory"]) if path is not None else None
-            if reader is None or not reader.exists():
-                where = reader.directory if reader is not None else f"beside the file (*{SHARDS_SUFFIX})"
-                rank_zero_warn(
-                    f"ddpopt: the checkpoint's per-rank state (comm-hook state, local SGD's inner optimizer "
-                    f"states and island outer state) lives in the directory {where}, which is not there: copy or "
-                    "move it with the file. The hook starts afresh, every rank takes rank 0's optimizer state"
-                    + (" and the outer loop starts from the weights" if shards.get("outer_slices") else "")
+            problem = f"the file was read as a stream, not from a path beside which *{SHARDS_SUFFIX} could be"
+            if path is not None:
+                reader, problem = find_shards(path, shards["directory"], shards["save_id"])
+            if reader is None:
+                # Every rank says it: one that cannot read its shards must not go on silently apart from the others.
+                warnings.warn(
+                    f"ddpopt: rank {dist.get_rank() if dist.is_initialized() else 0}: the checkpoint's per-rank state "
+                    f"(comm-hook state, local SGD's inner optimizer states and island outer state) is not to be read: "
+                    f"{problem}. The hook starts afresh and every rank takes rank 0's optimizer state"
+                    + (
+                        "; local SGD's outer loop keeps its counters and anchors at the weights"
+                        if shards["outer_slices"]
+                        else ""
+                    ),
+                    stacklevel=2,
                 )
-                shards = reader = None
-                if local_sgd is not None and entry["shards"].get("outer_slices"):
-                    local_sgd = None
+                if local_sgd is not None and shards["outer_slices"]:
+                    local_sgd = {**local_sgd, "in_flight": None, "sharded": []}
+                shards = None
             elif local_sgd is not None and shards.get("outer_slices"):
                 local_sgd = _sliced_outer(local_sgd, reader, shards["outer_slices"])
         return cls(
@@ -241,7 +250,7 @@ def write_rank_states(
     """
     if rank == 0:
         clear_partial(path)  # before the ranks meet: nobody writes there yet
-    meeting.agree(rank=rank, world_size=run.world_size)
+    save_id = meeting.agree(rank=rank, world_size=run.world_size)
     states: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
     if hook_state:
@@ -261,11 +270,12 @@ def write_rank_states(
                 tensors.update({f"outer/{start}/{name}": value for name, value in values.items()})
         elif rank == 0:
             outer = loop.state_dict()
-    write_shards(path, states, tensors, rank=rank, group=meeting.cpu_group())
+    write_shards(path, states, tensors, rank=rank, group=meeting.cpu_group(), save_id=save_id)
     if rank != 0:
         return None
     index = {
         "directory": os.path.basename(shard_directory(path)),
+        "save_id": save_id,
         "hook": bool(hook_state),
         "inner_owners": owners,
         "outer_slices": outer.pop("slices", None) if outer is not None else None,

@@ -61,11 +61,16 @@ class RankStates:
         self._beats += 1
         default_store().set(_progress_key(self._run, rank), str(self._beats))
 
-    def agree(self, *, rank: int, world_size: int) -> None:
-        """Meet every rank as a gather does (see :meth:`gather`), for a collective of someone else's to follow."""
+    def agree(self, *, rank: int, world_size: int) -> str:
+        """Meet every rank as a gather does (see :meth:`gather`), for a collective of someone else's to follow.
+
+        Returns the meeting's name, the same on every rank and unique to this run's save.
+        """
+        self._gathers += 1
+        tag = f"{self._run}/{self._gathers}"
         if world_size > 1:
-            self._gathers += 1
-            _agree_to_gather(rank, world_size, self.timeout_s, self._run, f"{self._run}/{self._gathers}")
+            _agree_to_gather(rank, world_size, self.timeout_s, self._run, tag)
+        return tag
 
     def gather(self, state: dict[str, Any], *, rank: int, world_size: int) -> list[dict[str, Any]]:
         """Every rank's ``state`` on rank 0, an empty list on the others; every rank must call it."""

@@ -48,6 +48,7 @@ __all__ = [
 #: What the shards' directory adds to the checkpoint file's name.
 SHARDS_SUFFIX = ".ddpopt"
 _TENSOR = "ddpopt.tensor"  # a tensor's place in a state's skeleton: (_TENSOR, its index)
+_SAVE_ID = "save_id"
 
 
 def shard_directory(path: PathType) -> str:
@@ -55,17 +56,26 @@ def shard_directory(path: PathType) -> str:
     return os.fspath(path) + SHARDS_SUFFIX
 
 
-def find_shards(path: PathType, name: str) -> ShardReader:
-    """The shards of the checkpoint file ``path``, saved as the directory ``name``.
+def find_shards(path: PathType, name: str, save_id: str) -> tuple[ShardReader | None, str]:
+    """The shards that the save ``save_id`` wrote for the checkpoint file ``path`` as the directory ``name``.
 
-    Looked for beside it, beside the file a link ``path`` points to (``ModelCheckpoint``'s ``save_last="link"``), or
-    under their saved name beside either; the first place where there are none.
+    Looked for beside the file a link ``path`` points to (``ModelCheckpoint``'s ``save_last="link"``), beside
+    ``path``, and under their saved name beside either. Returns the reader, or ``None`` and why, in words.
     """
     path = os.fspath(path)
-    places = [shard_directory(path), shard_directory(os.path.realpath(path))]
+    places = list(dict.fromkeys([shard_directory(os.path.realpath(path)), shard_directory(path)]))
     places += [os.path.join(os.path.dirname(place), name) for place in places]
-    readers = [ShardReader(place) for place in places]
-    return next((reader for reader in readers if reader.exists()), readers[0])
+    places = list(dict.fromkeys(places))
+    others = []
+    for place in places:
+        reader = ShardReader(place)
+        if reader.exists():
+            if reader.save_id() == save_id:
+                return reader, ""
+            others.append(place)
+    if others:
+        return None, f"the directory {others[0]} holds another save's (the file and its shards were not saved together)"
+    return None, f"the directory {places[0]} is not there: copy or move it with the file"
 
 
 def shards_supported(path: PathType) -> bool:
@@ -85,19 +95,23 @@ def write_shards(
     *,
     rank: int,
     group: dist.ProcessGroup | None,
+    save_id: str,
 ) -> None:
     """Write this rank's part of the shards of the checkpoint at ``path``; a collective on ``group`` (every rank).
 
     ``states``: name -> a nested state (dicts, lists, tuples, numbers, strings and tensors, what
     ``torch.load(weights_only=True)`` reads), each read back whole by :meth:`ShardReader.state`. ``tensors``: name
-    -> a tensor read back alone by :meth:`ShardReader.tensor`. Names are unique over the ranks. Rank 0 must have
-    called :func:`clear_partial` before the ranks met.
+    -> a tensor read back alone by :meth:`ShardReader.tensor`. Names are unique over the ranks. ``save_id``: this
+    save's name, the same on every rank, which the file records too (:meth:`ShardReader.save_id`): a file is never
+    read with another save's shards. Rank 0 must have called :func:`clear_partial` before the ranks met.
     """
     final = shard_directory(path)
     partial = final + ".partial"
     flat: dict[str, torch.Tensor] = {name: tensor.detach() for name, tensor in tensors.items()}
     for name, state in states.items():
         flat.update(_flatten(name, state))
+    if rank == 0:
+        flat[_SAVE_ID] = _text_tensor(save_id)
     dcp.save(flat, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
     # Every rank has written when DCP returns (its coordinator writes the metadata last).
     if rank == 0:
@@ -136,6 +150,12 @@ class ShardReader:
     def names(self) -> list[str]:
         """Every stored tensor's name."""
         return list(self._stored())
+
+    def save_id(self) -> str | None:
+        """The name of the save that wrote these shards (see :func:`write_shards`)."""
+        if _SAVE_ID not in self._stored():
+            return None
+        return bytes(self.tensor(_SAVE_ID).tolist()).decode()
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor stored as ``name``, on the CPU."""
@@ -193,6 +213,10 @@ class SlicedValues:
                 stored = self.reader.tensor(f"outer/{low}/{self.name}")
                 pieces.append(stored[max(start, low) - low : min(stop, high) - low])
         return torch.cat(pieces) if pieces else torch.empty(0)
+
+
+def _text_tensor(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
 
 
 def _flatten(name: str, state: Any) -> dict[str, torch.Tensor]:

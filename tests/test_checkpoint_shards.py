@@ -17,6 +17,7 @@ from lightning_ddpopt.checkpoint_shards import (
     ShardReader,
     SlicedValues,
     clear_partial,
+    find_shards,
     remove_shards,
     shard_directory,
     shards_supported,
@@ -38,22 +39,36 @@ def test_a_state_and_slices_come_back_as_they_were_written(gloo_group, tmp_path)
     path = tmp_path / "a.ckpt"
     clear_partial(path)
     tensors = {"outer/0/anchor": whole[:4], "outer/4/anchor": whole[4:8], "outer/8/anchor": whole[8:]}
-    write_shards(path, {"hook/0": state}, tensors, rank=0, group=None)
-    reader = ShardReader(shard_directory(path))
+    write_shards(path, {"hook/0": state, "hook/10": {"iteration": 10}}, tensors, rank=0, group=None, save_id="run/1")
+    reader, problem = find_shards(path, path.name + SHARDS_SUFFIX, "run/1")
+    assert reader is not None and not problem and reader.save_id() == "run/1"
     back = reader.state("hook/0")
     assert back["param_groups"] == state["param_groups"] and list(back["state"]) == [0]
     assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
     assert back["state"][0]["step"].dim() == 0 and back["errors"]["net.0.weight"].dtype == torch.float16
-    assert reader.state("hook/1") is None  # "hook/1" is not a prefix of "hook/10" either
+    assert reader.state("hook/1") is None and reader.state("hook/10") == {"iteration": 10}  # not a prefix
     # Read by another layout's slices: each piece from the stored slices it overlaps.
     values = SlicedValues(reader, "anchor", [[0, 4], [4, 8], [8, 10]])
     assert values.numel() == 10
     for start, stop in [(0, 10), (3, 9), (4, 8), (9, 10), (0, 5)]:
         assert torch.equal(values[start:stop], whole[start:stop])
-    # Saved again at the same path: the new shards replace the old ones, nothing is left beside them.
-    write_shards(path, {"hook/0": {"iteration": 2}}, {}, rank=0, group=None)
+    # Saved again at the same path: the new shards replace the old ones, nothing is left beside them; a file that
+    # names the first save is not read with the second's.
+    write_shards(path, {"hook/0": {"iteration": 2}}, {}, rank=0, group=None, save_id="run/2")
     assert ShardReader(shard_directory(path)).state("hook/0") == {"iteration": 2}
+    reader, problem = find_shards(path, path.name + SHARDS_SUFFIX, "run/1")
+    assert reader is None and problem.endswith("holds another save's (the file and its shards were not saved together)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt" + SHARDS_SUFFIX, "store"]
+
+    # Through a link (save_last="link"), beside which an old save's shards were left: the target's are read.
+    path.write_bytes(b"")
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(path.name)
+    write_shards(link, {"hook/0": {"iteration": 1}}, {}, rank=0, group=None, save_id="run/0")
+    reader, _ = find_shards(link, path.name + SHARDS_SUFFIX, "run/2")
+    assert reader is not None and reader.directory == shard_directory(path)
+    remove_shards(link)  # a link's removal leaves its target's shards
+    assert os.path.isdir(shard_directory(path))
     remove_shards(path)
     assert not os.path.exists(shard_directory(path))
 
@@ -67,10 +82,21 @@ def test_a_url_keeps_the_per_rank_state_in_the_file():
 @pytest.mark.quick
 def test_shards_that_are_not_there_are_said_and_the_rest_loads(tmp_path):
     entry = SavedRun(world_size=2, comm_hook="powersgd").to_checkpoint()
-    entry["shards"] = {"directory": "a.ckpt.ddpopt", "hook": True, "inner_owners": None, "outer_slices": None}
-    with pytest.warns(UserWarning, match=r"lives in the directory .*a\.ckpt\.ddpopt, which is not there: copy"):
+    entry["shards"] = {
+        "directory": "a.ckpt.ddpopt",
+        "save_id": "run/1",
+        "hook": True,
+        "inner_owners": None,
+        "outer_slices": [[0, 4], [4, 8]],
+    }
+    entry["local_sgd"] = {"steps": 12, "syncs": 3, "anchor": None, "momentum": None, "sharded": ["anchor"]}
+    entry["local_sgd"]["in_flight"] = {"mean": None, "apply_at": 14, "wire_bytes": 8}
+    said = r"rank 0: the checkpoint's per-rank state .* is not to be read: the directory .*a\.ckpt\.ddpopt is not there"
+    with pytest.warns(UserWarning, match=said + r": copy or move it with the file\. .*keeps its counters"):
         saved = SavedRun.from_checkpoint(entry, tmp_path / "a.ckpt")
-    assert not saved.has_hook_states and saved.comm_hook == "powersgd"
+    assert not saved.has_hook_states and saved.comm_hook == "powersgd" and saved.inner_states(1) is None
+    assert saved.local_sgd is not None and saved.local_sgd["steps"] == 12  # the counters stay, the travelling goes
+    assert saved.local_sgd["anchor"] is None and saved.local_sgd["in_flight"] is None
 
 
 def _strategy() -> OptimizedDDPStrategy:
@@ -110,29 +136,28 @@ def test_each_rank_writes_its_own_shard_and_old_ones_go_with_their_files(tmp_pat
     assert not torch.equal(states[0]["errors"][key], states[1]["errors"][key])  # each rank's own error feedback
     assert len({float(r["params"].sum()) for r in ranks}) == 1
 
-    # Resumed through the link: no warning. With the shards moved away: said, and the run goes on from the weights.
-    resumed = tmp_path / "resumed"
-    fit_ddp(
-        resumed,
-        _strategy(),
-        devices=3,
-        samples=144,
-        ckpt_path=str(saves / "last.ckpt"),
-        max_steps=8,
-        callbacks=[WarningsProbe(str(tmp_path / "warnings.pt"))],
-    )
-    assert not [w for w in torch.load(tmp_path / "warnings.pt") if w.startswith("ddpopt:")]
+    # Resumed through the link: no warning, the hook's state goes on from iteration 6. With the shards moved away:
+    # said, and the hook starts afresh.
+    def resume(out: Path, checkpoint: Path) -> tuple[list[int], list[str]]:
+        probe = WarningsProbe(str(out / "warnings.pt"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ranks = fit_ddp(
+                out,
+                _strategy(),
+                devices=3,
+                samples=144,
+                ckpt_path=str(checkpoint),
+                max_steps=8,
+                max_epochs=2,
+                callbacks=[probe],
+            )
+        said = [w for w in torch.load(out / "warnings.pt") if w.startswith("ddpopt:")]
+        return [r["hook_iteration"] for r in ranks], said
+
+    assert resume(tmp_path / "resumed", saves / "last.ckpt") == ([8, 8, 8], [])
     os.rename(shard_directory(path), tmp_path / "elsewhere")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fit_ddp(
-            tmp_path / "without",
-            _strategy(),
-            devices=3,
-            samples=144,
-            ckpt_path=str(path),
-            max_steps=8,
-            callbacks=[WarningsProbe(str(tmp_path / "warnings.pt"))],
-        )
-    said = [w for w in torch.load(tmp_path / "warnings.pt") if w.startswith("ddpopt:")]
-    assert len(said) == 1 and "epoch=0-step=6.ckpt.ddpopt, which is not there" in said[0]
+    iterations, said = resume(tmp_path / "without", path)
+    assert iterations == [2, 2, 2] and len(said) == 1
+    assert "rank 0: the checkpoint's per-rank state" in said[0]
+    assert "epoch=0-step=6.ckpt.ddpopt is not there: copy or move it with the file" in said[0]

@@ -169,7 +169,7 @@ class LocalSGDDriver:
             rank_zero_warn(f"ddpopt: {problem}")
 
     def rank_state(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-        """This rank's inner optimizer states, on the CPU: local, as in DiLoCo (rank 0 gathers every rank's).
+        """This rank's inner optimizer states, on the CPU: local, as in DiLoCo (each replica's saved).
 
         In an island they are its first rank's (the same gradients, the same steps): the others name that rank.
         """

@@ -122,7 +122,7 @@ class LocalSGD(OuterState):
 
     @property
     def sharded(self) -> bool:
-        """Whether the outer state is sharded over an island (saving it gathers the shards: every rank takes part)."""
+        """Whether the outer state is sharded over an island (saving it takes every rank: each saves its slice)."""
         return self.island is not None
 
     @property
