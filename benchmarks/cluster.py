@@ -356,6 +356,12 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             "comm_hook": result.get("comm_hook"),
             "hook_breakdown": result.get("hook_breakdown"),
         }
+        if compute and result.get("sync_phases"):
+            # Where local SGD's time goes: each kind of step's mean against the compute-only step's.
+            row["compute_step_ms"] = statistics.fmean(compute["step_times_s"]) * 1e3
+            for phase in PHASES:
+                ms = [t * 1e3 for t, p in zip(result["step_times_s"], result["sync_phases"], strict=True) if p == phase]
+                row[f"{phase}_step_ms"] = statistics.fmean(ms) if ms else None
         if variant == "compute":
             row["samples_per_s"] = compute_limit[False]  # the physical limit: every host computing without syncing
         if variant == "islands_alone":
@@ -365,6 +371,27 @@ def summarize(results: dict[str, dict], hosts: int, link_bytes_per_s: float | No
             row["link_fraction"] = link_bus_bandwidth(result, sent / sync, hosts) / link_bytes_per_s
         rows.append(row)
     return rows
+
+
+#: Local SGD's kinds of steps (``cluster_worker.sync_phase``), in the report's order.
+PHASES = ("alone", "travelling", "start", "apply", "sync")
+
+
+def window_breakdown(row: dict[str, Any], sync_every: int, overlap_steps: int) -> dict[str, float] | None:
+    """ms over the compute-only steps per sync window of ``sync_every`` steps, by kind of step (see :data:`PHASES`)."""
+    reference = row.get("compute_step_ms")
+    if reference is None:
+        return None
+    counts = (
+        {"alone": sync_every - overlap_steps - 1, "travelling": overlap_steps - 1, "start": 1, "apply": 1}
+        if overlap_steps
+        else {"alone": sync_every - 1, "sync": 1}
+    )
+    return {
+        phase: count * (row[f"{phase}_step_ms"] - reference)
+        for phase, count in counts.items()
+        if row.get(f"{phase}_step_ms") is not None
+    }
 
 
 def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -466,6 +493,31 @@ def write_reports(
             f"{measured['samples_per_s'] / plain['samples_per_s']:.3f} |"
             for plain, measured in pairs
         ]
+    windows = [
+        (r, window_breakdown(r, int(m[1]), int(m[2] or 0)))
+        for r in rows
+        if (m := re.match(r"local SGD H=(\d+)(?: tau=(\d+))?", r.get("comm_hook") or "")) and r.get("compute_step_ms")
+    ]
+    if windows:
+        lines += [
+            "",
+            "Where local SGD's time goes: ms over the compute-only step per sync window, by kind of step (each kind's "
+            "mean step against the compute-only mean step of its round; the median of the rounds): the steps while "
+            "nothing travels, the steps while a sync travels, the step that starts it and the step that applies it "
+            "(the step of a sync that does not travel):",
+            "",
+            "| variant | compute step ms | alone | travelling | start | apply | sync | window total | of the window |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r, extra in windows:
+            assert extra is not None
+            steps = int(re.match(r"local SGD H=(\d+)", r["comm_hook"])[1])
+            total = sum(extra.values())
+            cells = " | ".join("-" if phase not in extra else f"{round(extra[phase]):+d}" for phase in PHASES)
+            lines.append(
+                f"| {r['variant']} | {r['compute_step_ms']:.0f} | {cells} | {round(total):+d} | "
+                f"{total / (steps * r['compute_step_ms']):.2f} |"
+            )
     breakdowns = [r for r in rows if r.get("hook_breakdown")]
     if breakdowns:
         lines += [

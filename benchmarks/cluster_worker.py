@@ -284,7 +284,30 @@ def main() -> None:
         else getattr(trainer.strategy, "comm_hook_name", None),
         "hook_breakdown": timer.hook_breakdown(args.warmup),
     }
+    if local_sgd is not None:
+        # What each timed step did (timed step i is optimizer step warmup + 1 + i), for where the time goes.
+        config = local_sgd.config
+        first = max(args.warmup - 1, 0) + 2
+        result["sync_phases"] = [
+            sync_phase(first + i, config.sync_every, config.overlap_steps, config.warmup_steps)
+            for i in range(len(timed))
+        ]
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def sync_phase(step: int, sync_every: int, overlap_steps: int, warmup_steps: int) -> str:
+    """What local SGD's optimizer step ``step`` (1-based) did: ``"sync"`` (a blocking one), ``"start"`` and
+    ``"apply"`` (an overlapped one's), ``"travelling"`` (while one travels), ``"alone"`` (nothing) or ``"warmup"``."""
+    if step <= warmup_steps:
+        return "warmup"
+    into = (step - warmup_steps) % sync_every
+    if into == 0:
+        return "start" if overlap_steps else "sync"
+    if overlap_steps and into == overlap_steps and step - warmup_steps > sync_every:
+        return "apply"
+    if overlap_steps and into < overlap_steps and step - warmup_steps > sync_every:
+        return "travelling"
+    return "alone"
 
 
 if __name__ == "__main__":

@@ -219,3 +219,32 @@ def test_a_host_links_bus_bandwidth_flat_and_in_two_tiers():
     assert cluster.link_bus_bandwidth(flat, 100e6, hosts=2) == pytest.approx(150e6)
     assert cluster.link_bus_bandwidth(tiered, 100e6, hosts=2) == pytest.approx(200e6)
     assert cluster.link_bus_bandwidth({}, 100e6, hosts=2) == pytest.approx(100e6)  # results from before: 1 per host
+
+
+def test_local_sgds_time_is_told_by_kind_of_step(tmp_path):
+    worker_path = Path(__file__).parents[1] / "benchmarks" / "cluster_worker.py"
+    spec = importlib.util.spec_from_file_location("bench_cluster_worker", worker_path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    # H = 4, travelling 2 steps: started at 4, applied at 6, ...; nothing travels in the first window.
+    phases = [worker.sync_phase(step, 4, 2, 0) for step in range(1, 11)]
+    assert phases == ["alone"] * 3 + ["start", "travelling", "apply", "alone", "start", "travelling", "apply"]
+    assert [worker.sync_phase(step, 4, 0, 2) for step in range(1, 8)] == ["warmup"] * 2 + ["alone"] * 3 + [
+        "sync"
+    ] * 1 + ["alone"]
+    # Compute steps of 100 ms; local SGD's: 100 alone, 110 travelling, 140 starting, 130 applying.
+    local = recorded("diloco4_overlap", 0.1)
+    local["comm_hook"] = "local SGD H=4 tau=2"
+    by_phase = {"alone": 0.1, "travelling": 0.11, "start": 0.14, "apply": 0.13}
+    local["sync_phases"] = phases
+    local["step_times_s"] = [by_phase[phase] for phase in phases]
+    compute = recorded("compute", 0.1)
+    compute["step_times_s"] = [0.1] * 3
+    rows = cluster.summarize({"compute": compute, "diloco4_overlap": local}, hosts=2, link_bytes_per_s=None)
+    extra = cluster.window_breakdown(rows[1], 4, 2)
+    assert extra == pytest.approx({"alone": 0.0, "travelling": 10.0, "start": 40.0, "apply": 30.0})
+    meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x"}
+    meta |= {"command": "benchmarks/cluster.py", "date": "2026-12-04"}
+    cluster.write_reports(rows, meta, tmp_path)
+    table = (tmp_path / "cluster.md").read_text().splitlines()
+    assert table[-1] == "| diloco4_overlap | 100 | +0 | +10 | +40 | +30 | - | +80 | 0.20 |"
