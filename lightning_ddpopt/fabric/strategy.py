@@ -81,12 +81,12 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         fabric.launch()
         model, optimizer = fabric.setup(model, optimizer)
 
-    Checkpoints: ``fabric.save`` adds the hook's state (every rank's, gathered to rank 0), local SGD's outer loop
-    and every rank's inner optimizer states, the measured decisions and the GradScaler's state (which Fabric does not
-    save) under ``"ddpopt"``; ``fabric.load`` restores them (before or after ``fabric.setup``) and does not return
-    that key. With local SGD, each rank's optimizer in the loaded ``state`` gets its own saved state, matched by
-    order: keep the optimizers in the same order in the saved and the loaded ``state``. Every rank must call both,
-    as Fabric requires.
+    Checkpoints: ``fabric.save`` adds local SGD's outer loop, the measured decisions and the GradScaler's state
+    (which Fabric does not save) under ``"ddpopt"``, and each rank writes its own hook state and inner optimizer
+    states beside the file (:mod:`lightning_ddpopt.checkpoint_shards`); ``fabric.load`` restores them (before or
+    after ``fabric.setup``) and does not return that key. With local SGD, each rank's optimizer in the loaded
+    ``state`` gets its own saved state, matched by order: keep the optimizers in the same order in the saved and the
+    loaded ``state``. Every rank must call both, as Fabric requires.
 
     With local SGD, call :meth:`finish` on every rank when training ends (a :class:`~lightning_ddpopt.fabric.Monitor`'s
     ``finish()`` does): the ranks trained apart since the last sync and end with their average.
