@@ -46,9 +46,10 @@ FITS: dict[str, LocalSGDConfig] = {
     # first rank's state, and stay identical.
     "ranks_save": LocalSGDConfig.diloco(sync_every=4, replica="rank"),
     "ranks_to_islands": LocalSGDConfig.diloco(sync_every=4, replica="node"),
-    # Saved while an int8 sync travels across the islands (started at step 4, applied at 6), resumed from there.
-    "overlap_full": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0, compression="int8"),
-    "overlap_half": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0, compression="int8"),
+    # Saved while an fp16 sync travels across the islands (started at step 4, applied at 6), resumed from there: the
+    # uninterrupted run's next anchor is computed and gathered ahead on the worker, the resumed run's at the apply.
+    "overlap_full": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0),
+    "overlap_half": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0),
 }
 CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join(FITS)).split(",")
 #: In the "diloco" fit, this rank's loss overflows at its second step: its island skips that step, the others not.

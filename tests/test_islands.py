@@ -188,8 +188,9 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
                 for rank in island[1:]:
                     assert torch.equal(ranks[rank]["params"][step], ranks[island[0]]["params"][step]), (step, rank)
         assert "inner optimizer states" not in output and "starts afresh" not in output
-        # Saved while int8 travelled across the islands (its mean saved whole, in fp32), resumed: applied at step 6
-        # with the same mean and outer step, so with mixing 0 every rank holds the uninterrupted run's anchor there.
+        # Saved while fp16 travelled across the islands (its mean saved whole), resumed: applied at step 6 with the
+        # same mean and outer step, so with mixing 0 every rank holds the uninterrupted run's anchor there, bit for
+        # bit, although that run computed and gathered it ahead on its worker and the resumed one at the apply.
         full, resumed_runs = _records(tmp_path, "overlap_full", world), _records(tmp_path, "overlap_half", world)
         for uninterrupted, resumed in zip(full, resumed_runs, strict=True):
             assert torch.equal(resumed["params"][1], uninterrupted["params"][5])

@@ -187,7 +187,7 @@ class LocalSGDDriver:
             self.loop.abandon_in_flight()  # only after a failure: fit's end applies it
             self.loop.drop_shards()  # only after a failure: fit's end gathers them
             if not self.loop.close():
-                rank_zero_warn("ddpopt: local SGD's int8 sync is still busy after a minute; its groups are kept")
+                rank_zero_warn("ddpopt: local SGD's travelling sync is still busy after a minute; its groups are kept")
                 return
             if self._group is not None or self.groups is not None:
                 self.loop.process_group = self.loop.island = None  # the groups' last references are ours

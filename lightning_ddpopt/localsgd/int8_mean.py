@@ -9,9 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks._kernels import available as loops_available
-from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.int8_codec import all_gather_async, packed_size, quantize_packed, reduce_and_requantize
-from lightning_ddpopt.hooks.streams import SideStreams
 from lightning_ddpopt.localsgd.config import INT8_BLOCK
 
 __all__ = ["Int8Mean"]
@@ -24,8 +22,8 @@ class Int8Mean:
     chunk i to replica i, which sums the replicas' chunks in fp32 in rank order and quantises the sum again; an
     all-gather gives every replica every reduced chunk, which every rank dequantises alike: the same mean everywhere.
     Memory per rank: three buffers of a byte per value of the shard, with their scales (O(P / island size)), at any
-    number of replicas. When a sync travels (``overlap_steps``), the second stage runs on a worker thread on a CPU
-    and on a side stream on CUDA, so the training thread never waits for it.
+    number of replicas. When a sync travels (``overlap_steps``), :class:`~lightning_ddpopt.localsgd.outer.LocalSGD`
+    runs the second stage (:meth:`finish`) beside the training thread.
 
     Args:
         group: the group over the replicas (one rank of each).
@@ -35,8 +33,6 @@ class Int8Mean:
     def __init__(self, group: dist.ProcessGroup | None, replicas: int) -> None:
         self.group, self.replicas = group, replicas
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._worker: Worker | None = None
-        self._side = SideStreams()
 
     def _buffers(self, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed rows sent, received and gathered, kept between syncs, for a work buffer like ``work``.
@@ -51,8 +47,8 @@ class Int8Mean:
         assert self._rows is not None
         return self._rows
 
-    def prepare(self, work: torch.Tensor, overlapped: bool) -> None:
-        """Allocate the buffers and run the loops once, when the local phase begins; start the worker if it travels.
+    def prepare(self, work: torch.Tensor) -> None:
+        """Allocate the buffers and run the loops once, when the local phase begins.
 
         With numba the loops compile at their first call (about half a second): here, not in the first sync.
         """
@@ -60,8 +56,6 @@ class Int8Mean:
         chunk = work.numel() // self.replicas
         quantize_packed(work.view(-1, INT8_BLOCK)[: chunk // INT8_BLOCK], out=send[:1])
         reduce_and_requantize(received, chunk, INT8_BLOCK, loops=self._loops(work))
-        if overlapped and self._worker is None and work.device.type == "cpu":
-            self._worker = Worker("ddpopt-local-sgd")
 
     def start(self, work: torch.Tensor) -> tuple[dist.Work, torch.Tensor, int]:
         """Quantise ``work`` (the change, zero-padded to whole chunks) / replicas in chunks and start sending them.
@@ -92,31 +86,9 @@ class Int8Mean:
         rows.copy_(payloads.view(rows.shape)).mul_(scales.unsqueeze(-1))
         work[valid:].zero_()  # 0 x a non-finite scale is not 0
 
-    def finish_beside(self, handle: dist.Work, work: torch.Tensor, valid: int) -> None:
-        """:meth:`finish` off the training thread: on the worker (CPU) or a side stream (CUDA); :meth:`wait` for it."""
-        worker = self._worker
-        if worker is not None:  # as soon as the chunks arrive
-            worker.submit(lambda: self.finish(handle, work, valid))
-        else:  # on CUDA, on a side stream whose waits hold back nothing the training stream queues
-            self._side.run(work, lambda: self.finish(handle, work, valid))
-
-    def wait(self) -> None:
-        """Wait for :meth:`finish_beside`; a failure there fails here."""
-        worker = self._worker
-        if worker is not None:
-            worker.drain()
-            if worker.failed is not None:
-                raise RuntimeError("ddpopt: local SGD's int8 sync failed on its worker thread") from worker.failed
-        self._side.join()
-
     def release(self) -> None:
-        """Drop the buffers (the shard changed); the worker stays."""
+        """Drop the buffers (the shard changed)."""
         self._rows = None
-
-    def close(self) -> bool:
-        """Stop the worker thread (at teardown); False if it is still busy."""
-        worker, self._worker = self._worker, None
-        return worker is None or worker.stop()
 
     @staticmethod
     def _loops(work: torch.Tensor) -> bool:

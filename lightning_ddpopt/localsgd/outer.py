@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import squared_norm
+from lightning_ddpopt.hooks.streams import SideStreams
 from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
 from lightning_ddpopt.localsgd.int8_mean import Int8Mean
 from lightning_ddpopt.localsgd.outer_state import InFlight, OuterState
@@ -59,6 +61,12 @@ class LocalSGD(OuterState):
     parameter order): :attr:`anchor` and :attr:`momentum` hold that shard only (the same on the ranks of the same
     island rank, one per replica), its change is all that it sends across the replicas, and an all-gather inside the
     island rebuilds the model after each outer step. Without an island the shard is the whole model.
+
+    A sync that travels (``overlap_steps``) is carried on beside the training thread as soon as it arrives: on a
+    worker thread on a CPU, on a side stream on CUDA, int8's second stage; on a CPU in an island also the outer step
+    and the island's gather of the next anchor, into a second momentum buffer (1/M of the model) and the gather's
+    buffers, so that the step that applies it only commits them and mixes the parameters. Until then the anchor,
+    the momentum and the mean stay as they were (a checkpoint saved meanwhile holds them).
     """
 
     def __init__(
@@ -99,6 +107,11 @@ class LocalSGD(OuterState):
         self._in_flight: InFlight | None = None
         self._wire: torch.Tensor | None = None
         self._int8 = Int8Mean(self.process_group, self.replicas) if self.config.compression == "int8" else None
+        # Where a travelling sync is carried on beside the training thread (see the class doc).
+        self._worker: Worker | None = None
+        self._side = SideStreams()
+        # The outer momentum of the next anchor, computed ahead in an island (the current one stays until the apply).
+        self._next_momentum: torch.Tensor | None = None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
 
@@ -116,7 +129,7 @@ class LocalSGD(OuterState):
         self.island = None
         self.layout = Shard(self.params, None, 1, 0, self._unit)
         self.anchor, self.momentum = anchor, momentum
-        self._work = self._wire = None
+        self._work = self._wire = self._next_momentum = None
         if self._int8 is not None:
             self._int8.release()
 
@@ -185,7 +198,12 @@ class LocalSGD(OuterState):
             self.layout.buffers(self.anchor.device)
         if self._int8 is not None:
             assert self._work is not None
-            self._int8.prepare(self._work, overlapped=bool(self.config.overlap_steps))
+            self._int8.prepare(self._work)
+        if self.config.overlap_steps and self.island is not None and self.momentum is not None:
+            self._next_momentum = torch.zeros_like(self.momentum)
+        ahead = self._int8 is not None or self.island is not None
+        if self.config.overlap_steps and ahead and self._worker is None and self.anchor.device.type == "cpu":
+            self._worker = Worker("ddpopt-local-sgd")
 
     def after_optimizer_step(self, skipped: bool = False) -> ParameterSync | None:
         """Count one optimizer step call (``skipped``: the GradScaler skipped it); sync if one is due."""
@@ -212,40 +230,84 @@ class LocalSGD(OuterState):
         return report
 
     def _start_sync(self) -> None:
-        """Start sending the parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies its mean."""
+        """Start sending the parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies its mean.
+
+        What follows its arrival runs beside the training thread where it can (see the class doc).
+        """
         assert self.anchor is not None
         delta = self.layout.change(self.anchor, self._work_buffer())
         own_sq = squared_norm(delta)
-        work: dist.Work | None
+        handle: dist.Work | None
         if self._int8 is not None:
             assert self._work is not None
-            started, wire, sent = self._int8.start(self._work)
-            self._int8.finish_beside(started, self._work, delta.numel())
-            work = None
+            handle, wire, sent = self._int8.start(self._work)
         else:
             wire = self._wire_buffer()
             wire.copy_(delta.div_(self.replicas))  # divided before a half-precision cast
-            work = dist.all_reduce(wire, group=self.process_group, async_op=True)
+            handle = dist.all_reduce(wire, group=self.process_group, async_op=True)
             sent = wire.numel() * wire.element_size()
-        self._in_flight = InFlight(wire, work, self.steps + self.config.overlap_steps, sent, own_sq)
+        assert handle is not None
+        in_flight = self._in_flight = InFlight(wire, handle, self.steps + self.config.overlap_steps, sent, own_sq)
+        worker = self._worker
+        if worker is not None:
+
+            def job() -> None:
+                if worker.failed is None:  # else this rank's collectives would be out of step with the others'
+                    self._receive(in_flight, handle)
+                    if self.island is not None:
+                        self._next_anchor(in_flight)
+
+            in_flight.work, in_flight.ahead = None, True
+            worker.submit(job)
+        elif self._int8 is not None:  # on CUDA, on a side stream whose waits hold back nothing training queues
+            in_flight.work, in_flight.ahead = None, True
+            self._side.run(self._work_buffer(), lambda: self._receive(in_flight, handle))
+
+    def _receive(self, in_flight: InFlight, handle: dist.Work) -> None:
+        """The mean change into the work buffer once it arrives: int8's second stage, or the wait and a copy."""
+        if self._int8 is not None:
+            assert self._work is not None and self.anchor is not None
+            self._int8.finish(handle, self._work, self.anchor.numel())
+        else:
+            handle.wait()
+            self._work_buffer().copy_(in_flight.wire)
 
     def _arrive(self, in_flight: InFlight) -> torch.Tensor:
-        """Wait for a sync; the mean change it carried, in the work buffer (fp32)."""
+        """Wait for a sync (and what was carried on beside it); the mean change it carried, in the work buffer."""
         if in_flight.work is not None:
             in_flight.work.wait()
             in_flight.work = None
-        if self._int8 is not None and in_flight.wire.dtype == torch.int8:
-            self._int8.wait()
+        if in_flight.ahead:
+            worker = self._worker
+            if worker is not None:
+                worker.drain()
+                if worker.failed is not None:
+                    raise RuntimeError("ddpopt: local SGD's sync failed on its worker thread") from worker.failed
+            self._side.join()
             return self._work_buffer()
         return self._work_buffer().copy_(in_flight.wire)
+
+    def _next_anchor(self, in_flight: InFlight) -> None:
+        """In an island: the drift, and the outer step into the gather's stage and the next momentum, gathered.
+
+        The anchor, the momentum and the mean (the work buffer) stay as they are; :meth:`_apply_in_flight` commits.
+        """
+        assert self.anchor is not None
+        mean = self._work_buffer()
+        if in_flight.own_sq is not None:
+            in_flight.drift = self._drift(in_flight.own_sq, mean)
+        stage, _ = self.layout.buffers(mean.device)
+        self._outer_step(mean, outer_step=True, into=(stage[: mean.numel()], self._next_momentum))
+        in_flight.gathered = self.layout.gather(stage)
 
     def abandon_in_flight(self) -> None:
         """Forget a sync still travelling (training failed before applying it); nothing waits for it any more."""
         self._in_flight = None
 
     def close(self) -> bool:
-        """Stop the worker thread of int8's overlapped syncs (at teardown); False if it is still busy."""
-        return self._int8 is None or self._int8.close()
+        """Stop the worker thread of overlapped syncs (at teardown); False if it is still busy."""
+        worker, self._worker = self._worker, None
+        return worker is None or worker.stop()
 
     def drop_shards(self) -> None:
         """Forget a sharded outer state that training ended without gathering (a failure): it covers 1/M of the model.
@@ -265,10 +327,20 @@ class LocalSGD(OuterState):
         start = time.perf_counter()
         in_flight, self._in_flight = self._in_flight, None
         mean = self._arrive(in_flight)
-        drift = None if in_flight.own_sq is None else self._drift(in_flight.own_sq, mean)
-        self._outer_step(mean, outer_step=True)
+        if self.island is None:
+            drift = None if in_flight.own_sq is None else self._drift(in_flight.own_sq, mean)
+            self._outer_step(mean, outer_step=True)
+            model = self.anchor
+        else:  # the same pass whether carried on ahead or not (restored, on CUDA, or a save took its buffer since)
+            if in_flight.gathered is None:
+                self._next_anchor(in_flight)
+            assert in_flight.gathered is not None
+            drift, model = in_flight.drift, in_flight.gathered
+            self.anchor.copy_(model[self.layout.bounds[0] : self.layout.bounds[1]])
+            if self._next_momentum is not None:
+                self.momentum, self._next_momentum = self._next_momentum, self.momentum
         # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
-        self.layout.load(self.layout.gather(self.anchor), weight=1 - self.config.overlap_mixing)
+        self.layout.load(model, weight=1 - self.config.overlap_mixing)
         buffer_bytes = self._sync_buffers()
         self.syncs += 1
         # The parameters hold part of the window the sync carried and the steps since it started; only with
@@ -334,25 +406,33 @@ class LocalSGD(OuterState):
             dist.all_reduce(norms, group=self.island)
         return norms[0], norms[1]
 
-    def _outer_step(self, mean_delta: torch.Tensor, outer_step: bool) -> None:
-        """Move the anchor by the mean change (``mean_delta``, fp32, overwritten): by the outer optimizer or plainly.
+    def _outer_step(
+        self,
+        mean_delta: torch.Tensor,
+        outer_step: bool,
+        into: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> None:
+        """Move the anchor by the mean change (``mean_delta``, fp32): by the outer optimizer or plainly.
+
+        ``into``: buffers for the new anchor and momentum, leaving the anchor, the momentum and ``mean_delta`` as they
+        are; ``None``: in place, ``mean_delta`` overwritten. The same values, bit for bit, either way.
 
         Each update is one pass over the parameters, in fp32 only: on a CPU the passes cost the time, and torch's
         kernels that mix dtypes run about six times slower than one pass (measured on 25M values, one thread).
         """
-        assert self.anchor is not None
-        config, step, lr = self.config, mean_delta, 1.0
+        anchor, config, step, lr = self.anchor, self.config, mean_delta, 1.0
+        assert anchor is not None
+        anchor_out, momentum_out = into if into is not None else (anchor, self.momentum)
         if outer_step:
             lr = config.outer_lr
             if config.outer_momentum:
-                momentum = self.momentum
-                assert momentum is not None  # allocated with the anchor
-                torch.add(mean_delta, momentum, alpha=config.outer_momentum, out=momentum)
+                assert self.momentum is not None and momentum_out is not None  # allocated with the anchor
+                torch.add(mean_delta, self.momentum, alpha=config.outer_momentum, out=momentum_out)
+                step = momentum_out
                 if config.nesterov:
-                    step = torch.add(mean_delta, momentum, alpha=config.outer_momentum, out=mean_delta)
-                else:
-                    step = momentum
-        self.anchor.sub_(step, alpha=lr)
+                    out = anchor_out if into is not None else mean_delta
+                    step = torch.add(mean_delta, momentum_out, alpha=config.outer_momentum, out=out)
+        torch.sub(anchor, step, alpha=lr, out=anchor_out)
 
     def _wire_buffer(self) -> torch.Tensor:
         """The shard-sized buffer a sync travels in (half precision, or fp32 overlapped), kept between syncs."""

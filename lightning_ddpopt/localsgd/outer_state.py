@@ -25,6 +25,12 @@ class InFlight:
 
     ``wire``: the mean change (all-reduced, or restored from a checkpoint), or with int8 the gathered packed rows.
     ``own_sq``: the squared norm of this rank's change (``None`` when restored from a checkpoint).
+    ``ahead``: a job beside the training thread carries the sync on as soon as it arrives (the mean into the work
+    buffer; in an island also the drift, the outer step and the gather of the next anchor): wait for it before
+    reading any of them.
+    ``drift``: the squared norms of this replica's change and of the mean, measured over the island ahead.
+    ``gathered``: in an island, the next anchor, the whole model, gathered ahead into the shard's gather buffer
+    (``None``: not yet, or a save's gather took the buffer since).
     """
 
     wire: torch.Tensor
@@ -32,6 +38,9 @@ class InFlight:
     apply_at: int
     wire_bytes: int
     own_sq: torch.Tensor | None = None
+    ahead: bool = False
+    drift: tuple[torch.Tensor, torch.Tensor] | None = None
+    gathered: torch.Tensor | None = None
 
 
 class OuterState:
@@ -89,7 +98,8 @@ class OuterState:
             if travelling.work is not None:
                 travelling.work.wait()
                 travelling.work = None
-            mean = self._arrive(travelling) if travelling.wire.dtype == torch.int8 else travelling.wire
+            arrived = travelling.wire.dtype == torch.int8 or travelling.ahead
+            mean = self._arrive(travelling) if arrived else travelling.wire
             values["mean"] = mean[: self.layout.bounds[1] - self.layout.bounds[0]]
             in_flight = {"mean": None, "apply_at": travelling.apply_at, "wire_bytes": travelling.wire_bytes}
         if self.anchor is not None:
@@ -109,9 +119,16 @@ class OuterState:
         return state, values
 
     def _whole(self, shard: torch.Tensor) -> torch.Tensor:
-        """A copy of the whole model's values of ``shard`` on the CPU (in an island: gathered from its ranks)."""
-        whole = self.layout.gather(shard.float()) if self.island is not None else shard
-        return whole.detach().cpu().clone()
+        """A copy of the whole model's values of ``shard`` on the CPU (in an island: gathered from its ranks).
+
+        The island's gather reuses the buffers a travelling sync's next anchor was gathered into ahead: the apply
+        then computes it again, from the anchor, momentum and mean that are left as they were until then.
+        """
+        if self.island is None:
+            return shard.detach().cpu().clone()
+        if self._in_flight is not None:
+            self._in_flight.gathered = None
+        return self.layout.gather(shard.float()).detach().cpu().clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
         """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``.
