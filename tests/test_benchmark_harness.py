@@ -138,6 +138,26 @@ def test_rounds_combine_into_medians_of_ratios_taken_within_each_round(tmp_path)
     assert cluster.combine_rounds(rounds[:1]) is rounds[0]
 
 
+def test_the_callbacks_cost_is_the_median_of_each_rounds_pair(tmp_path):
+    # Without and then with the callbacks in each of three rounds. The machine is slow in the second round's run with
+    # them and in all of the third round: the ratio of the medians (80 / 128 = 0.625) would count one disturbed run
+    # as the callbacks' cost; each round's own pair gives 1.0, 0.625 and 0.976, whose median is 0.976.
+    rounds = []
+    for without, with_them in ((0.20, 0.20), (0.25, 0.40), (0.40, 0.41)):
+        plain, measured = recorded("int8", without, sync=0.1, sent=GRAD / 4), recorded("int8", with_them)
+        rounds.append(cluster.summarize({"int8": plain, "int8+callbacks": measured}, 2, None))
+    rows = cluster.combine_rounds(rounds)
+    by_name = {row["variant"]: row for row in rows}
+    assert cluster.callbacks_kept(by_name["int8"], by_name["int8+callbacks"]) == pytest.approx(
+        [1.0, 0.625, 0.40 / 0.41]
+    )
+    meta = {"hosts": 2, "link": "1gbit", "model": "m", "batch_size": 16, "timed_steps": 8, "machine": "x", "rounds": 3}
+    meta |= {"command": "benchmarks/cluster.py --callbacks both --repeat 3", "date": "2026-12-06"}
+    cluster.write_reports(rows, meta, tmp_path)
+    table = (tmp_path / "cluster.md").read_text().splitlines()
+    assert table[-1] == "| int8 | 128.0 | 80.0 | 0.976 | 1.000, 0.625, 0.976 |"
+
+
 def test_reports_are_written(tmp_path):
     results = {"stock": recorded("stock", 1.0), "ours": recorded("ours", 0.9, sync=0.8, sent=GRAD)}
     rows = cluster.summarize(results, hosts=2, link_bytes_per_s=125e6)
