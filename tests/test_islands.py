@@ -48,6 +48,9 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
     assert output.count(said + f" per node on {nodes} nodes x {per_node} ranks") == auto, output[-3000:]
     assert output.count(said.replace("'auto': a replica", "'node'")) == (3 if nodes == 2 else 0)
     assert "replica per node on" in output
+    # The island's ranks share a host: the outer step's shards meet in its shared memory, not through gloo.
+    assert "ddpopt: local SGD islands gather the outer step's shards through the host's shared memory" in output
+    assert "shards through gloo" not in output
 
     ranks = _records(tmp_path, "diloco", world)
     # Inside an island the parameters are identical after every step (its gradients sync); the islands are

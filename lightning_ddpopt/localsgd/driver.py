@@ -109,6 +109,11 @@ class LocalSGDDriver:
             self.loop = LocalSGD(
                 self.config, model.module, self.groups.across, island=self.groups.gather, place=self.islands.place
             )
+            layout = self.loop.layout
+            if self.loop.params[0].device.type == "cpu":  # the island's gather buffers, mapped by its ranks together
+                layout.buffers(self.loop.params[0].device)
+                how = "the host's shared memory" if layout.shared else f"gloo ({layout.unshared_reason})"
+                rank_zero_info(f"ddpopt: local SGD islands gather the outer step's shards through {how}")
             return
         group = model.process_group
         if self.config.overlap_steps:

@@ -124,8 +124,8 @@ class LocalSGD(OuterState):
         if self.island is None:
             return
         assert self._in_flight is None, "finish() applies a travelling sync first"
-        anchor = None if self.anchor is None else self.layout.gather(self.anchor).clone()
-        momentum = None if self.momentum is None else self.layout.gather(self.momentum).clone()
+        anchor = None if self.anchor is None else self.layout.gathered_copy(self.anchor)
+        momentum = None if self.momentum is None else self.layout.gathered_copy(self.momentum)
         self.island = None
         self.layout = Shard(self.params, None, 1, 0, self._unit)
         self.anchor, self.momentum = anchor, momentum
@@ -341,6 +341,7 @@ class LocalSGD(OuterState):
                 self.momentum, self._next_momentum = self._next_momentum, self.momentum
         # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
         self.layout.load(model, weight=1 - self.config.overlap_mixing)
+        self.layout.release()
         buffer_bytes = self._sync_buffers()
         self.syncs += 1
         # The parameters hold part of the window the sync carried and the steps since it started; only with
@@ -388,6 +389,7 @@ class LocalSGD(OuterState):
         drift = self._drift(own_sq, delta)
         self._outer_step(delta, outer_step)
         self.layout.load(self.layout.gather(self.anchor))
+        self.layout.release()
         buffer_bytes = self._sync_buffers()
         self._steps_off_anchor = 0
         return ParameterSync(

@@ -128,7 +128,7 @@ class OuterState:
             return shard.detach().cpu().clone()
         if self._in_flight is not None:
             self._in_flight.gathered = None
-        return self.layout.gather(shard.float()).detach().cpu().clone()
+        return self.layout.gathered_copy(shard.detach().float()).cpu()
 
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
         """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``.

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks.int8_codec import all_gather_async
+from lightning_ddpopt.localsgd.host_memory import map_shared
 
 __all__ = ["Shard"]
 
@@ -21,7 +22,11 @@ class Shard:
     ``size`` is the parameters' count over ``M``, rounded up to a whole ``unit`` (int8: whole blocks, a chunk per
     replica); the last shard is shorter. Without an island (``M`` = 1) the shard is the whole model. Buffers: the
     shard's stage (O(P / M)) and the whole model gathered from the island (O(P)), kept between syncs on a CPU (a GPU
-    allocates the gathered model for each sync only: its memory is the activations').
+    allocates the gathered model for each sync only: its memory is the activations'). On a CPU whose island shares
+    the host's memory, both are views of one buffer the island's ranks share
+    (:mod:`~lightning_ddpopt.localsgd.host_memory`): each rank's stage is its slice, and a gather is a barrier.
+
+    Whoever reads a gather's result calls :meth:`release` once done with it, before the next gather on any rank.
 
     Args:
         params: the trained parameters, in order.
@@ -48,8 +53,14 @@ class Shard:
         #: This rank's part of the flattened parameters, ``[start, stop)``.
         self.bounds = (start, min(self.numel, start + self.size))
         self._pieces = _pieces(params, *self.bounds)
+        self._place = island_rank
         self._stage: torch.Tensor | None = None
         self._full: torch.Tensor | None = None
+        #: Whether the island's gather goes through the host's shared memory (decided when the buffers are made).
+        self.shared = False
+        self._tried_sharing = False
+        #: Why it does not, where it was tried (for the setup log line).
+        self.unshared_reason = ""
 
     def slices(self) -> list[list[int]]:
         """Every island rank's ``[start, stop)``, in island-rank order."""
@@ -81,12 +92,36 @@ class Shard:
         if self.island is None:
             return shard
         stage, full = self.buffers(shard.device)
-        stage[: shard.numel()].copy_(shard)
-        all_gather_async(full, stage, self.island).wait()
+        if shard.data_ptr() != stage.data_ptr():
+            stage[: shard.numel()].copy_(shard)
+        if self.shared:
+            dist.barrier(group=self.island)  # every rank's slice written
+        else:
+            all_gather_async(full, stage, self.island).wait()
         return full[: self.numel]
 
+    def gathered_copy(self, shard: torch.Tensor) -> torch.Tensor:
+        """A copy of :meth:`gather`'s result (released: the next gather may follow at once)."""
+        whole = self.gather(shard).clone()
+        self.release()
+        return whole
+
+    def release(self) -> None:
+        """Done reading the last gather: with a shared buffer, a barrier before any rank writes its slice again."""
+        if self.shared:
+            dist.barrier(group=self.island)
+
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stage a shard travels in (fp32, padded) and the whole model it is gathered into (see the class doc)."""
+        """The stage a shard travels in (fp32, padded) and the whole model it is gathered into (see the class doc).
+
+        Their first call on a CPU is a collective on the island (the shared buffer is mapped by all its ranks).
+        """
+        if not self._tried_sharing and device.type == "cpu" and self.island is not None:
+            self._tried_sharing = True
+            full, self.unshared_reason = map_shared(self.island, self._place, self.size, self.island_size)
+            if full is not None:
+                self.shared, self._full = True, full
+                self._stage = full[self._place * self.size : (self._place + 1) * self.size]
         if self._stage is None or self._stage.device != device:
             self._stage = torch.zeros(self.size, device=device)
         full = self._full
