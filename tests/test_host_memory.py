@@ -3,8 +3,8 @@ and no file left behind either way (two real processes on a gloo group)."""
 
 from __future__ import annotations
 
+import errno
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,23 +14,53 @@ from lightning_ddpopt._groups import destroy_all_groups
 from lightning_ddpopt.localsgd import host_memory
 from lightning_ddpopt.localsgd.shard import Shard
 
-PARAMETERS = [torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(3, 3))]  # 19 values
+PARAMETERS = [torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(3, 3))]  # 19 values: 10 + 9
+RESERVED: list[int] = []
 
 
-def _worker(rank: int, port: int, case: str, directory: str, out: str) -> None:
+class _OtherHost:
+    """``os`` as a rank on another host sees it: the same path names a file in another ``/dev/shm``."""
+
+    def __init__(self, here: str, there: str) -> None:
+        self.here, self.there = here, there
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    def open(self, path: str, flags: int, *args):
+        return os.open(path.replace(self.here, self.there), flags, *args)
+
+
+class _Reserving:
+    """``os`` whose ``posix_fallocate`` records what it reserves, or finds the file system full."""
+
+    def __init__(self, full: bool) -> None:
+        self.full = full
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    def posix_fallocate(self, fd: int, offset: int, nbytes: int) -> None:
+        RESERVED.append(nbytes)
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.posix_fallocate(fd, offset, nbytes)
+
+
+def _worker(rank: int, port: int, case: str, directory: str, other: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     host_memory.SHARED_DIR = directory
-    if case == "other_host" and rank == 1:  # as a rank on another host: the path names no file it can map
-        host_memory.torch = _NoFile()  # type: ignore[attr-defined]
+    if case == "other_host" and rank == 1:
+        host_memory.os = _OtherHost(directory, other)  # type: ignore[attr-defined]
+    if rank == 0:
+        host_memory.os = _Reserving(full=case == "full")  # type: ignore[attr-defined]
     island = dist.new_group([0, 1])
     shard = Shard(PARAMETERS, island, 2, rank, 1)
     stage, _ = shard.buffers(torch.device("cpu"))
-    record: dict = {"shared": shard.shared, "reason": shard.unshared_reason, "sizes": []}
+    record: dict = {"shared": shard.shared, "reason": shard.unshared_reason, "reserved": RESERVED}
     for value in (1.0, 2.0):  # two gathers in a row, each rank's slice its rank + value
         start, stop = shard.bounds
-        whole = shard.gathered_copy(torch.full((stop - start,), rank + value))
-        record["sizes"].append(whole.numel())
-        record[value] = whole
+        record[value] = shard.gathered_copy(torch.full((stop - start,), rank + value))
     # In place: the outer step writes the stage itself, and the gather reads it where it is.
     stage[: shard.bounds[1] - shard.bounds[0]].fill_(10.0 * (rank + 1))
     record["in_place"] = shard.gather(stage).clone()
@@ -39,43 +69,34 @@ def _worker(rank: int, port: int, case: str, directory: str, out: str) -> None:
     destroy_all_groups()
 
 
-class _NoFile:
-    """``torch`` as a rank on another host sees it: ``from_file`` finds no such file."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def from_file(path, **_):
-        raise RuntimeError(f"No such file or directory: {path}")
-
-
-def _run(tmp_path: Path, case: str, directory: Path, port: int) -> list[dict]:
-    out = str(tmp_path / case)
-    mp.start_processes(_worker, args=(port, case, str(directory), out), nprocs=2, start_method="spawn")
-    return [torch.load(f"{out}_{rank}.pt") for rank in range(2)]
-
-
 def test_the_island_gathers_through_shared_memory_or_gloo(tmp_path):
-    directory = tmp_path / "shm"
+    directory, other = tmp_path / "shm", tmp_path / "other_shm"
     directory.mkdir()
-    # 19 values over 2 ranks: 10 and 9.
+    other.mkdir()
     expected = {value: torch.cat([torch.full((10,), value), torch.full((9,), 1 + value)]) for value in (1.0, 2.0)}
     in_place = torch.cat([torch.full((10,), 10.0), torch.full((9,), 20.0)])
-    for case, port, shared in (("shared", 29591, True), ("other_host", 29592, False), ("no_dir", 29593, False)):
-        records = _run(tmp_path, case, directory if case != "no_dir" else tmp_path / "missing", port)
+    cases = {"shared": 29591, "other_host": 29592, "no_dir": 29593, "full": 29594}
+    for case, port in cases.items():
+        where = tmp_path / "missing" if case == "no_dir" else directory
+        out = str(tmp_path / case)
+        args = (port, case, str(where), str(other), out)
+        mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")
+        records = [torch.load(f"{out}_{rank}.pt") for rank in range(2)]
         for record in records:
-            assert record["shared"] is shared, (case, record["reason"])
+            assert record["shared"] is (case == "shared"), (case, record["reason"])
             for value in (1.0, 2.0):
                 assert torch.equal(record[value], expected[value]), (case, value)
             assert torch.equal(record["in_place"], in_place), case
-            assert record["sizes"] == [19, 19]
         reason = records[0]["reason"]
+        # The whole buffer is reserved at once: 2 slices of 10 fp32 values, 80 bytes.
+        assert records[0]["reserved"] == ([] if case == "no_dir" else [80]), case
         if case == "shared":
             assert reason == ""
         elif case == "other_host":
             assert reason == "the island's ranks do not share a host's memory"
+        elif case == "no_dir":
+            assert reason.startswith(f"cannot create a file in {where} ("), reason
         else:
-            assert reason.startswith(f"cannot create a file in {tmp_path / 'missing'} ("), reason
-        # The file is gone once every rank has mapped it (or given up): nothing is left behind.
-        assert os.listdir(directory) == [], case
+            assert reason == f"{directory} has no room for 80 bytes ([Errno 28] No space left on device)", reason
+        # The file is gone once every rank has mapped it or given up, and the rank on the other host made none.
+        assert os.listdir(directory) == [] and os.listdir(other) == [], case

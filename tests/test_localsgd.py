@@ -168,6 +168,29 @@ def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("settings", [{}, {"nesterov": False}, {"outer_momentum": 0.0, "nesterov": False}])
+def test_the_outer_step_into_buffers_is_the_step_in_place_bit_for_bit(gloo_group, settings):
+    # An island computes the next anchor and momentum ahead into buffers of their own (the anchor, momentum and mean
+    # left for a save), a resumed or GPU run in place: both must give the same bits.
+    torch.manual_seed(0)
+    local = LocalSGD(LocalSGDConfig.diloco(sync_every=2, **settings), nn.Linear(300, 300))
+    local.before_batch()
+    assert local.anchor is not None
+    local.anchor.copy_(torch.randn_like(local.anchor))
+    if local.momentum is not None:
+        local.momentum.copy_(torch.randn_like(local.momentum))
+    anchor, momentum = local.anchor.clone(), None if local.momentum is None else local.momentum.clone()
+    mean = torch.randn_like(anchor) * 1e-3
+    next_anchor, next_momentum = torch.empty_like(anchor), None if momentum is None else torch.empty_like(anchor)
+    local._outer_step(mean.clone(), outer_step=True, into=(next_anchor, next_momentum))
+    assert torch.equal(local.anchor, anchor)  # left as they were
+    assert momentum is None or torch.equal(local.momentum, momentum)
+    local._outer_step(mean.clone(), outer_step=True)
+    assert torch.equal(local.anchor, next_anchor) and not torch.equal(next_anchor, anchor)
+    assert momentum is None or torch.equal(local.momentum, next_momentum)
+
+
+@pytest.mark.quick
 def test_post_local_sgd_moves_every_rank_to_the_anchor_plus_the_mean_change(gloo_group):
     module = nn.Linear(2, 1)
     local = LocalSGD(LocalSGDConfig.post_local_sgd(sync_every=1), module)

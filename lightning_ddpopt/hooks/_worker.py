@@ -1,7 +1,8 @@
 """A thread beside the backward pass that runs a hook's jobs first in, first out.
 
 PowerSGD's chains run on one, so that every rank issues their collectives in DDP's bucket order while the backward
-pass goes on; int8's two later stages run on two, bucket after bucket, while the backward pass goes on.
+pass goes on; int8's two later stages run on two, bucket after bucket, while the backward pass goes on; local SGD's
+travelling sync is carried on on one as soon as it arrives (int8's second stage, an island's outer step and gather).
 """
 
 from __future__ import annotations

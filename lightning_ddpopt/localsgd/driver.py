@@ -12,6 +12,7 @@ The terms used here (round, verdict, meeting, travel, island, ...) are defined i
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -112,8 +113,17 @@ class LocalSGDDriver:
             layout = self.loop.layout
             if self.loop.params[0].device.type == "cpu":  # the island's gather buffers, mapped by its ranks together
                 layout.buffers(self.loop.params[0].device)
-                how = "the host's shared memory" if layout.shared else f"gloo ({layout.unshared_reason})"
-                rank_zero_info(f"ddpopt: local SGD islands gather the outer step's shards through {how}")
+                if layout.shared:
+                    rank_zero_info(
+                        "ddpopt: local SGD islands gather the outer step's shards through the host's shared memory"
+                    )
+                elif self.islands.place == 0:  # each island decides alone: its first rank says why
+                    island = next(list(m) for m in self.islands.members if self.islands.rank in m)
+                    warnings.warn(
+                        f"ddpopt: local SGD island {island} gathers the outer "
+                        f"step's shards through gloo ({layout.unshared_reason}), slower than the host's shared memory",
+                        stacklevel=2,
+                    )
             return
         group = model.process_group
         if self.config.overlap_steps:

@@ -1,13 +1,13 @@
 """An island's gather through one buffer in the host's shared memory, where all its ranks run on one host (CPU).
 
 Used by :class:`~lightning_ddpopt.localsgd.shard.Shard`. Gloo's all-gather inside a host copies every shard
-through the loopback's sockets: about 0.2 s of CPU for the 100 MB of a 25M-parameter model. In one shared buffer
-each rank writes its shard in place, and a gather is a barrier: every rank then reads the whole model where the
-others wrote it. The buffer is a file in ``/dev/shm`` that the island's first rank creates and reserves
-(``posix_fallocate``, so that a full ``/dev/shm`` is an error now, not a bus error at the first write), every rank
-maps, each checks that it sees what the others wrote (ranks on different hosts do not), and the first rank unlinks
-once all have mapped it: nothing is left behind when the ranks end. Where any rank cannot map it, every rank keeps
-gloo's gather, and rank 0 says why.
+through the loopback's sockets. In one shared buffer each rank writes its shard in place, and a gather is a
+barrier: every rank then reads the whole model where the others wrote it. The buffer is a file in
+:data:`SHARED_DIR` that the island's first rank creates and reserves whole (``posix_fallocate``, so that a full file
+system is an error now, not a bus error at the first write); every other rank opens that file as it is (never
+creating one: a rank on another host finds none, or another file), maps it and marks its slice; each checks every
+mark, and the first rank unlinks the file once all have mapped it or given up, so nothing is left behind when the
+ranks end. Where any rank cannot map it, every rank of the island keeps gloo's gather, with the reason.
 
 Memory: the model once per island on its host (O(P)), instead of once per rank.
 """
@@ -26,6 +26,7 @@ __all__ = ["SHARED_DIR", "map_shared"]
 SHARED_DIR = "/dev/shm"
 # Bytes of the file's path broadcast from the island's first rank (Linux's PATH_MAX).
 _NAME_BYTES = 4096
+_VALUE_BYTES = 4  # fp32
 
 
 def map_shared(island: dist.ProcessGroup, place: int, size: int, count: int) -> tuple[torch.Tensor | None, str]:
@@ -33,26 +34,29 @@ def map_shared(island: dist.ProcessGroup, place: int, size: int, count: int) -> 
 
     A collective on ``island`` (every rank of it, at the same point); ``place`` is this rank's island rank.
     """
-    path, reason = _create(size * count) if place == 0 else ("", "")
-    name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    encoded = path.encode()
-    name[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(name, src=dist.get_global_rank(island, 0), group=island)
-    path = bytes(name[name > 0].tolist()).decode()
-    shared: torch.Tensor | None = None
-    if path:
-        try:
-            shared = torch.from_file(path, shared=True, size=size * count, dtype=torch.float32)
-            shared[place * size] = float(place + 1)  # a mark in this rank's slice, for the others to see
-        except (OSError, RuntimeError) as error:
-            reason = f"rank {dist.get_rank()} cannot map {path} ({error})"
-            shared = None
-    dist.barrier(group=island)
+    nbytes = size * count * _VALUE_BYTES
+    path, reason = _create(nbytes) if place == 0 else ("", "")
+    try:
+        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        encoded = path.encode()
+        name[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        dist.broadcast(name, src=dist.get_global_rank(island, 0), group=island)
+        path = bytes(name[name > 0].tolist()).decode()
+        shared: torch.Tensor | None = None
+        if path:
+            found = _existing_size(path)
+            if found == nbytes:
+                shared = torch.from_file(path, shared=True, size=size * count, dtype=torch.float32)
+                shared[place * size] = float(place + 1)  # a mark in this rank's slice, for the others to see
+            else:
+                reason = f"rank {dist.get_rank()} finds no file of {nbytes} bytes at {path} ({found})"
+        dist.barrier(group=island)
+    finally:
+        if place == 0 and path:
+            os.unlink(path)  # every rank has mapped it or given up (or failed): a mapping keeps its pages
     seen = shared is not None and all(shared[i * size].item() == i + 1 for i in range(count))
     agreed = torch.tensor([1 if seen else 0], dtype=torch.int32)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=island)
-    if place == 0 and path:
-        os.unlink(path)  # every rank has mapped it (or given up): the pages live while a mapping does
     if not agreed.item():
         return None, reason or "the island's ranks do not share a host's memory"
     return shared, ""
@@ -70,8 +74,20 @@ def _create(nbytes: int) -> tuple[str, str]:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
-        os.close(fd)
         os.unlink(path)
-        return "", f"{SHARED_DIR} has no room for {nbytes / 1e6:.1f} MB ({error})"
-    os.close(fd)
+        return "", f"{SHARED_DIR} has no room for {nbytes} bytes ({error})"
+    finally:
+        os.close(fd)
     return path, ""
+
+
+def _existing_size(path: str) -> int | str:
+    """The size of the file at ``path``, opened as it is (never created), or why it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as error:
+        return str(error)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)

@@ -126,8 +126,9 @@ class OuterState:
         """
         if self.island is None:
             return shard.detach().cpu().clone()
-        if self._in_flight is not None:
+        if self._in_flight is not None and self._in_flight.gathered is not None:
             self._in_flight.gathered = None
+            self.layout.release()  # every rank of the island gathered it ahead, and none will read it
         return self.layout.gathered_copy(shard.detach().float()).cpu()
 
     def load_state_dict(self, state: dict[str, Any]) -> str | None:

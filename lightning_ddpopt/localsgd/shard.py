@@ -122,6 +122,7 @@ class Shard:
             if full is not None:
                 self.shared, self._full = True, full
                 self._stage = full[self._place * self.size : (self._place + 1) * self.size]
+        assert not self.shared or device.type == "cpu", "the shared buffer is the island's on the CPU"
         if self._stage is None or self._stage.device != device:
             self._stage = torch.zeros(self.size, device=device)
         full = self._full
