@@ -46,8 +46,11 @@ def map_shared(island: dist.ProcessGroup, place: int, size: int, count: int) -> 
         if path:
             found = _existing_size(path)
             if found == nbytes:
-                shared = torch.from_file(path, shared=True, size=size * count, dtype=torch.float32)
-                shared[place * size] = float(place + 1)  # a mark in this rank's slice, for the others to see
+                try:
+                    shared = torch.from_file(path, shared=True, size=size * count, dtype=torch.float32)
+                    shared[place * size] = float(place + 1)  # a mark in this rank's slice, for the others to see
+                except (OSError, RuntimeError) as error:
+                    reason = f"rank {dist.get_rank()} cannot map {path} ({error})"
             else:
                 reason = f"rank {dist.get_rank()} finds no file of {nbytes} bytes at {path} ({found})"
         dist.barrier(group=island)
