@@ -490,9 +490,11 @@ def write_reports(
         if (plain := name.removesuffix(CALLBACKS_SUFFIX)) != name and plain in by_name
     ]
     if pairs:
+        checked = meta.get("nonfinite_check", "on") == "on"  # results written before the option lack it
+        amp = "AMPMonitor()" if checked else "AMPMonitor(check_nonfinite=False)"
         lines += [
             "",
-            "The measuring callbacks' cost (`CommProfiler() + StragglerDetector() + AMPMonitor()`), each variant run "
+            f"The measuring callbacks' cost (`CommProfiler() + StragglerDetector() + {amp}`), each variant run "
             "without and then with them, back to back: the throughput kept is each round's ratio of the two (the pair "
             "ran close in time), the median of the rounds:",
             "",
@@ -675,6 +677,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="attach CommProfiler, StragglerDetector and AMPMonitor: off (default), on, or both: each variant "
         "without and then with them, back to back, and their cost as a throughput ratio",
     )
+    parser.add_argument(
+        "--nonfinite-check",
+        choices=("on", "off"),
+        default="on",
+        help="with --callbacks: AMPMonitor's non-finite gradient check (on by default, as in AMPMonitor())",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="cluster", help="report file stem (default cluster)")
     args = parser.parse_args(argv)
@@ -715,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loopback = True
     worker_args = [
         f"--{k}={getattr(args, k.replace('-', '_'))}"
-        for k in ("steps", "warmup", "batch-size", "width", "layers", "task", "epochs", "model")
+        for k in ("steps", "warmup", "batch-size", "width", "layers", "task", "epochs", "model", "nonfinite-check")
     ]
     rounds: list[dict[str, dict]] = []
     with Cluster(args.hosts, args.rate, args.delay_ms, loopback) as cluster:
@@ -767,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         meta["timed_steps"] = args.steps - args.warmup
         meta["rounds"] = args.repeat
+        meta["nonfinite_check"] = args.nonfinite_check
         link_bytes_per_s = None if loopback else link_bytes
         rows = combine_rounds([summarize(results, args.hosts, link_bytes_per_s) for results in rounds])
         written = write_reports(rows, {**meta, "machine": machine, "command": command}, out, args.name, rounds)

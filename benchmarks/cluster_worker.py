@@ -221,6 +221,7 @@ def main() -> None:
     parser.add_argument(
         "--callbacks", action="store_true", help="attach CommProfiler, StragglerDetector and AMPMonitor (defaults)"
     )
+    parser.add_argument("--nonfinite-check", choices=("on", "off"), default="on", help="AMPMonitor's check_nonfinite")
     args = parser.parse_args()
     threads = os.environ.get("DDPOPT_BENCH_THREADS", "1")
     # Lightning's DDP sets torch's threads to cores / local processes unless OMP_NUM_THREADS says otherwise, which
@@ -248,7 +249,8 @@ def main() -> None:
         args.steps = args.warmup + 64
     data = _throughput_data(args, (args.steps + 1) * accumulate * args.batch_size * num_nodes * devices)
     timer = StepTimer()
-    measuring: list[pl.Callback] = [CommProfiler(), StragglerDetector(), AMPMonitor()] if args.callbacks else []
+    amp = AMPMonitor(check_nonfinite=args.nonfinite_check == "on")
+    measuring: list[pl.Callback] = [CommProfiler(), StragglerDetector(), amp] if args.callbacks else []
     pl.seed_everything(0, verbose=False)
     trainer = _quiet_trainer(
         num_nodes,

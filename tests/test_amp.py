@@ -129,10 +129,36 @@ def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path):
         assert record["warned"] == (expected if rank == 0 else [])
 
 
+def test_a_check_every_few_steps_reports_the_steps_since_the_last_and_stops_all(tmp_path):
+    # The NaN of rank 1's step 2 is found at the check of step 4 (gradients and parameters together), which reports
+    # steps 1-4 and every rank's offending parameters (by then the NaN has spread from net.4.weight to all of them).
+    monitor = AMPMonitor(on_nonfinite="stop", nonfinite_every=4)
+    strategy = OptimizedDDPStrategy(start_method="fork")
+    fit_ddp(
+        tmp_path,
+        strategy,
+        model=NaNGradientModel(rank=1, step=2),
+        precision="bf16-mixed",
+        callbacks=[monitor, NonfiniteReport(tmp_path)],
+        max_steps=8,
+    )
+    first = [name for name, _ in StackModel().named_parameters()][:5]
+    for rank in (0, 1):
+        record = torch.load(tmp_path / f"amp{rank}.pt")
+        assert record["reports"] == [{"step": 4, "steps": [1, 2, 3, 4], "names": {0: first, 1: first}}]
+        assert record["global_step"] == 4
+        expected = [
+            "ddpopt: non-finite values in optimizer steps 1-4 (checked every 4 steps) (rank 0 reporting), first "
+            f"offending parameters - rank 0: {', '.join(first)}; rank 1: {', '.join(first)}"
+        ]
+        assert record["warned"] == (expected if rank == 0 else [])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"window": 0}, "window=0 must be an int >= 1"),
+        ({"nonfinite_every": 0}, "nonfinite_every=0 must be an int >= 1"),
         ({"skip_rate_threshold": 1.5}, "skip_rate_threshold=1.5 must be between 0 and 1"),
         ({"underflow_threshold": 0}, "underflow_threshold=0 must be a positive number"),
         ({"on_nonfinite": "ignore"}, r"on_nonfinite='ignore' is not valid; choose one of \['warn', 'stop', 'raise'\]"),

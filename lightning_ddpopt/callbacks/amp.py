@@ -28,6 +28,7 @@ from lightning_ddpopt.meetings import (
     gradients_synchronised,
     meets_in_passing,
     next_step_meets,
+    runs_local_sgd,
 )
 from lightning_ddpopt.precision import bf16_supported
 
@@ -83,6 +84,11 @@ class AMPMonitor(MeasuringCallback):
             (Lightning steps them anyway, and torch warns "Detected call of lr_scheduler.step() before
             optimizer.step()").
         check_nonfinite: run the non-finite gradient check when there is no GradScaler.
+        nonfinite_every: check every this many optimizer steps (1: every step, exactly that step's gradients). A
+            check is a pass over every gradient on the rank's device; where that pass is a noticeable part of a
+            short step, a larger value checks the gradients and the parameters together (a non-finite gradient
+            leaves its parameter non-finite) every that many steps and reports the steps since the last check, at
+            2 / ``nonfinite_every`` passes a step (under local SGD the check is at each parameter sync anyway).
         on_nonfinite: ``"warn"``, ``"stop"`` (the Trainer stops after the step on every rank) or ``"raise"``
             (``FloatingPointError`` on every rank).
         max_names: how many offending parameters to name.
@@ -109,8 +115,10 @@ class AMPMonitor(MeasuringCallback):
         check_nonfinite: bool = True,
         on_nonfinite: OnNonFinite = "warn",
         max_names: int = 5,
+        nonfinite_every: int = 1,
     ) -> None:
         require_int("window", window, 1)
+        require_int("nonfinite_every", nonfinite_every, 1)
         if not isinstance(skip_rate_threshold, int | float) or not 0 <= skip_rate_threshold <= 1:
             raise ValueError(f"skip_rate_threshold={skip_rate_threshold!r} must be between 0 and 1")
         require_number("underflow_threshold", underflow_threshold)
@@ -122,6 +130,7 @@ class AMPMonitor(MeasuringCallback):
         self.underflow_threshold = underflow_threshold
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.check_nonfinite = check_nonfinite
+        self.nonfinite_every = nonfinite_every
         self.on_nonfinite = on_nonfinite
         self.max_names = max_names
 
@@ -319,7 +328,10 @@ class AMPMonitor(MeasuringCallback):
 
     def _check_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if gradients_synchronised(trainer):
-            self._decide_nonfinite(trainer, pl_module, parameters=False)
+            if self.nonfinite_every == 1:
+                self._decide_nonfinite(trainer, pl_module, parameters=False)
+            elif self.steps % self.nonfinite_every == 0:
+                self._decide_nonfinite(trainer, pl_module, parameters=True)
         elif next_step_meets(trainer):
             self._decide_nonfinite(trainer, pl_module, parameters=True, in_passing=meets_in_passing(trainer))
 
@@ -402,10 +414,15 @@ class AMPMonitor(MeasuringCallback):
         by_rank = dict(enumerate(per_rank))
         self.nonfinite_reports.append({"step": steps[-1], "steps": steps, "names": by_rank})
         where = "; ".join(f"rank {rank}: {', '.join(n) or 'none'}" for rank, n in by_rank.items())
+        checked = (
+            "local SGD: checked at each parameter sync"
+            if runs_local_sgd(trainer)
+            else f"checked every {self.nonfinite_every} steps"
+        )
         when = (
             f"gradients at optimizer step {steps[0]}"
             if not parameters
-            else f"values in optimizer steps {steps[0]}-{steps[-1]} (local SGD: checked at each parameter sync)"
+            else f"values in optimizer steps {steps[0]}-{steps[-1]} ({checked})"
         )
         message = (
             f"ddpopt: non-finite {when} (rank {trainer.global_rank} reporting), first offending parameters - {where}"
