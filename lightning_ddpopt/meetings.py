@@ -37,7 +37,6 @@ __all__ = [
     "meets_in_passing",
     "next_step_meets",
     "ranks_meet",
-    "runs_local_sgd",
 ]
 
 
@@ -92,11 +91,6 @@ def meets_in_passing(trainer: pl.Trainer) -> bool:
     """
     local_sgd = _outer_loop(trainer)
     return local_sgd is not None and local_sgd.meets_in_passing
-
-
-def runs_local_sgd(trainer: pl.Trainer) -> bool:
-    """Whether the strategy runs :class:`~lightning_ddpopt.OptimizedDDPStrategy`'s local SGD (warm-up included)."""
-    return _outer_loop(trainer) is not None
 
 
 def _outer_loop(trainer: pl.Trainer) -> LocalSGD | None:

@@ -154,6 +154,21 @@ def test_a_check_every_few_steps_reports_the_steps_since_the_last_and_stops_all(
         assert record["warned"] == (expected if rank == 0 else [])
 
 
+@pytest.mark.quick
+def test_the_steps_a_periodic_check_has_not_covered_survive_a_resume():
+    # Saved at step 6 with a check every 4: steps 5 and 6 are unchecked, and the resumed run's check at step 8
+    # covers them (a state saved before the counter existed resumes as checked through its last step).
+    monitor = AMPMonitor(nonfinite_every=4)
+    monitor.steps, monitor._checked_through = 6, 4
+    resumed = AMPMonitor(nonfinite_every=4)
+    resumed.load_state_dict(monitor.state_dict())
+    assert (resumed.steps, resumed._checked_through) == (6, 4)
+    older = monitor.state_dict()
+    del older["checked_through"]
+    resumed.load_state_dict(older)
+    assert resumed._checked_through == 6
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -28,7 +28,6 @@ from lightning_ddpopt.meetings import (
     gradients_synchronised,
     meets_in_passing,
     next_step_meets,
-    runs_local_sgd,
 )
 from lightning_ddpopt.precision import bf16_supported
 
@@ -69,7 +68,7 @@ class AMPMonitor(MeasuringCallback):
     ``ddpopt/amp/skip_rate``          skipped share of the last ``window`` steps                          GradScaler
     ``ddpopt/amp/growth_events``      scale growths so far                                                GradScaler
     ``ddpopt/amp/backoff_events``     scale backoffs so far (one per overflow)                            GradScaler
-    ``ddpopt/amp/nonfinite_steps``    steps (local SGD: sync windows) with non-finite gradients          no scaler
+    ``ddpopt/amp/nonfinite_steps``    checks that found non-finite values (see ``nonfinite_every``)      no scaler
     ================================  ==================================================================  ===========
 
     Warns once when the scale falls below ``underflow_threshold`` (gradients are underflowing) and once when the
@@ -233,7 +232,10 @@ class AMPMonitor(MeasuringCallback):
             # The end of fit is a meeting: a verdict still travelling arrives, and local SGD's steps since its last
             # sync (the same on every rank) are checked.
             if self._checked_through < self.steps:
-                self._decide_nonfinite(trainer, pl_module, parameters=True, log=False)  # no logs at the end of fit
+                # No logs at the end of fit.
+                self._decide_nonfinite(
+                    trainer, pl_module, parameters=True, log=False, checked="checked at the end of fit"
+                )
             else:
                 self._decide_travelled(trainer)
                 self._decide_deferred(trainer)
@@ -252,6 +254,7 @@ class AMPMonitor(MeasuringCallback):
             "last_scale": self._last_scale,
             "warned_underflow": self._warned_underflow,
             "warned_skip_rate": self._warned_skip_rate,
+            "checked_through": self._checked_through,
         }
 
     @override
@@ -261,7 +264,8 @@ class AMPMonitor(MeasuringCallback):
         self.growth_events = state_dict["growth_events"]
         self.backoff_events = state_dict["backoff_events"]
         self.nonfinite_steps = state_dict["nonfinite_steps"]
-        self._checked_through = self.steps
+        # The steps a check every ``nonfinite_every`` had not covered yet at the save (older states: none).
+        self._checked_through = state_dict.get("checked_through", self.steps)
         self.skipped_step_indices = list(state_dict["skipped_step_indices"])
         self._recent = deque(state_dict["recent"], maxlen=self.window)
         self._last_scale = state_dict["last_scale"]
@@ -331,9 +335,11 @@ class AMPMonitor(MeasuringCallback):
             if self.nonfinite_every == 1:
                 self._decide_nonfinite(trainer, pl_module, parameters=False)
             elif self.steps % self.nonfinite_every == 0:
-                self._decide_nonfinite(trainer, pl_module, parameters=True)
+                every = f"checked every {self.nonfinite_every} steps"
+                self._decide_nonfinite(trainer, pl_module, parameters=True, checked=every)
         elif next_step_meets(trainer):
-            self._decide_nonfinite(trainer, pl_module, parameters=True, in_passing=meets_in_passing(trainer))
+            in_passing = meets_in_passing(trainer)
+            self._decide_nonfinite(trainer, pl_module, parameters=True, in_passing=in_passing, checked=_AT_SYNCS)
 
     def _decide_nonfinite(
         self,
@@ -342,6 +348,7 @@ class AMPMonitor(MeasuringCallback):
         parameters: bool,
         in_passing: bool = False,
         log: bool = True,
+        checked: str = "",
     ) -> None:
         """Check the steps since the last check, and decide on every rank alike whether any rank found non-finite.
 
@@ -349,13 +356,18 @@ class AMPMonitor(MeasuringCallback):
         syncs: a non-finite gradient leaves its parameter non-finite after the optimizer step). Called only where
         the ranks meet anyway (:mod:`lightning_ddpopt.meetings`), so it adds no barrier: gradients every rank holds
         alike decide without a collective; otherwise every rank's verdict is exchanged, travelling until the next
-        check where the ranks meet only in passing (``in_passing``).
+        check where the ranks meet only in passing (``in_passing``). ``checked``: when such checks come, for the
+        report.
         """
         self._decide_travelled(trainer)
         self._decide_deferred(trainer)
         steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
         self._checked_through = self.steps
-        named = [(name, p) for name, p in pl_module.named_parameters() if p.grad is not None or parameters]
+        named = [
+            (name, p)
+            for name, p in pl_module.named_parameters()
+            if p.grad is not None or (parameters and p.requires_grad)
+        ]
         # One sum per tensor, on the device: a NaN or an infinity makes the sum non-finite, and a sum of finite
         # values is finite unless it overflows float32 (3.4e38). One pass over the values, where an elementwise
         # test writes and reads a mask as large as the gradient (several times the cost).
@@ -364,7 +376,7 @@ class AMPMonitor(MeasuringCallback):
         # A rank without gradients still takes part: every rank must take the same branch.
         flag = bad.any().to(device=pl_module.device, dtype=torch.uint8).reshape(1)
         alike = trainer.world_size == 1 or (not parameters and gradients_identical(trainer))
-        found = _Found(steps, [name for name, _ in named], bad, parameters, alike)
+        found = _Found(steps, [name for name, _ in named], bad, parameters, alike, checked)
         verdict: torch.Tensor
         if alike:
             verdict = flag  # the same gradients on every rank: the same verdict, no collective
@@ -414,15 +426,10 @@ class AMPMonitor(MeasuringCallback):
         by_rank = dict(enumerate(per_rank))
         self.nonfinite_reports.append({"step": steps[-1], "steps": steps, "names": by_rank})
         where = "; ".join(f"rank {rank}: {', '.join(n) or 'none'}" for rank, n in by_rank.items())
-        checked = (
-            "local SGD: checked at each parameter sync"
-            if runs_local_sgd(trainer)
-            else f"checked every {self.nonfinite_every} steps"
-        )
         when = (
             f"gradients at optimizer step {steps[0]}"
             if not parameters
-            else f"values in optimizer steps {steps[0]}-{steps[-1]} ({checked})"
+            else f"values in optimizer steps {steps[0]}-{steps[-1]} ({found.checked})"
         )
         message = (
             f"ddpopt: non-finite {when} (rank {trainer.global_rank} reporting), first offending parameters - {where}"
@@ -435,6 +442,9 @@ class AMPMonitor(MeasuringCallback):
             trainer.should_stop = True
 
 
+_AT_SYNCS = "local SGD: checked at each parameter sync"
+
+
 @dataclass(frozen=True)
 class _Found:
     """One check's local result: the steps it covers, the tensors checked and which of them were non-finite."""
@@ -444,6 +454,7 @@ class _Found:
     bad: torch.Tensor
     parameters: bool
     alike: bool = False  # every rank checked the same values (no exchange of names needed)
+    checked: str = ""  # when checks come, for the report: with the parameters, a check covers several steps
 
 
 @dataclass(frozen=True)

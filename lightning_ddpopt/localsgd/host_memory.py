@@ -14,6 +14,7 @@ Memory: the model once per island on its host (O(P)), instead of once per rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -56,13 +57,17 @@ def map_shared(island: dist.ProcessGroup, place: int, size: int, count: int) -> 
         dist.barrier(group=island)
     finally:
         if place == 0 and path:
-            os.unlink(path)  # every rank has mapped it or given up (or failed): a mapping keeps its pages
+            with contextlib.suppress(OSError):  # gone already (a cleaner of /dev/shm): the mappings stay valid
+                os.unlink(path)  # every rank has mapped it or given up (or failed): a mapping keeps its pages
     seen = shared is not None and all(shared[i * size].item() == i + 1 for i in range(count))
     agreed = torch.tensor([1 if seen else 0], dtype=torch.int32)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=island)
-    if not agreed.item():
-        return None, reason or "the island's ranks do not share a host's memory"
-    return shared, ""
+    if agreed.item():
+        return shared, ""
+    # Every rank knows they did not agree: the first reason any rank has, for the island's first rank to say.
+    reasons: list[str] = [""] * dist.get_world_size(island)
+    dist.all_gather_object(reasons, reason, group=island)
+    return None, next((r for r in reasons if r), "the island's ranks do not share a host's memory")
 
 
 def _create(nbytes: int) -> tuple[str, str]:
