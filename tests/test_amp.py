@@ -105,34 +105,32 @@ def test_bf16_has_no_scaler_keys_and_fp32_checks_quietly(tmp_path):
     assert monitor.nonfinite_reports == []
 
 
-def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path):
-    monitor = AMPMonitor(on_nonfinite="stop")
-    strategy = OptimizedDDPStrategy(start_method="fork")
-    fit_ddp(
-        tmp_path,
-        strategy,
-        model=NaNGradientModel(rank=1, step=2),
-        precision="bf16-mixed",
-        callbacks=[monitor, NonfiniteReport(tmp_path)],
-        max_steps=6,
-    )
-    for rank in (0, 1):
-        record = torch.load(tmp_path / f"amp{rank}.pt")
-        # All-reduced by DDP, the NaN reaches net.4.weight on both ranks; both stop after that step.
-        assert record["reports"] == [{"step": 2, "steps": [2], "names": {0: ["net.4.weight"], 1: ["net.4.weight"]}}]
-        assert record["global_step"] == 2
-        # The message names every rank's parameters: rank 0 prints it, once.
-        expected = [
+FIRST_FIVE = [name for name, _ in StackModel().named_parameters()][:5]
+
+
+@pytest.mark.parametrize(
+    ("every", "found", "message"),
+    [
+        # All-reduced by DDP, rank 1's NaN of step 2 reaches net.4.weight on both ranks; both stop after that step.
+        (
+            1,
+            {"step": 2, "steps": [2], "names": {0: ["net.4.weight"], 1: ["net.4.weight"]}},
             "ddpopt: non-finite gradients at optimizer step 2 (rank 0 reporting), first offending parameters - "
-            "rank 0: net.4.weight; rank 1: net.4.weight"
-        ]
-        assert record["warned"] == (expected if rank == 0 else [])
-
-
-def test_a_check_every_few_steps_reports_the_steps_since_the_last_and_stops_all(tmp_path):
-    # The NaN of rank 1's step 2 is found at the check of step 4 (gradients and parameters together), which reports
-    # steps 1-4 and every rank's offending parameters (by then the NaN has spread from net.4.weight to all of them).
-    monitor = AMPMonitor(on_nonfinite="stop", nonfinite_every=4)
+            "rank 0: net.4.weight; rank 1: net.4.weight",
+        ),
+        # Checked every 4 steps (gradients and parameters together): found at step 4, reporting steps 1-4 and, by
+        # then, every parameter, the NaN having spread from net.4.weight.
+        (
+            4,
+            {"step": 4, "steps": [1, 2, 3, 4], "names": {0: FIRST_FIVE, 1: FIRST_FIVE}},
+            "ddpopt: non-finite values in optimizer steps 1-4 (checked every 4 steps) (rank 0 reporting), first "
+            f"offending parameters - rank 0: {', '.join(FIRST_FIVE)}; rank 1: {', '.join(FIRST_FIVE)}",
+        ),
+    ],
+    ids=["every_step", "every_4_steps"],
+)
+def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path, every, found, message):
+    monitor = AMPMonitor(on_nonfinite="stop", nonfinite_every=every)
     strategy = OptimizedDDPStrategy(start_method="fork")
     fit_ddp(
         tmp_path,
@@ -142,16 +140,12 @@ def test_a_check_every_few_steps_reports_the_steps_since_the_last_and_stops_all(
         callbacks=[monitor, NonfiniteReport(tmp_path)],
         max_steps=8,
     )
-    first = [name for name, _ in StackModel().named_parameters()][:5]
     for rank in (0, 1):
         record = torch.load(tmp_path / f"amp{rank}.pt")
-        assert record["reports"] == [{"step": 4, "steps": [1, 2, 3, 4], "names": {0: first, 1: first}}]
-        assert record["global_step"] == 4
-        expected = [
-            "ddpopt: non-finite values in optimizer steps 1-4 (checked every 4 steps) (rank 0 reporting), first "
-            f"offending parameters - rank 0: {', '.join(first)}; rank 1: {', '.join(first)}"
-        ]
-        assert record["warned"] == (expected if rank == 0 else [])
+        assert record["reports"] == [found]
+        assert record["global_step"] == found["step"]
+        # The message names every rank's parameters: rank 0 prints it, once.
+        assert record["warned"] == ([message] if rank == 0 else [])
 
 
 @pytest.mark.quick
