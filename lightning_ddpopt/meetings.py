@@ -13,7 +13,8 @@ have. There a callback starts its collective and reads it at its next meeting (:
 has long sent its part.
 
 Where DDP synchronised the gradients with a hook whose result every rank shares (:func:`gradients_identical`), a
-check of the gradients decides alike on every rank without any collective.
+check of the gradients decides alike on every rank without any collective; where that hook tested the reduced
+values already (:func:`hook_found_finite`), its verdict is the check.
 
 The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
 """
@@ -28,12 +29,14 @@ import torch.distributed as dist
 
 from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.deferred import DeferredRead
+from lightning_ddpopt.hooks.feedback import ErrorFeedbackState
 from lightning_ddpopt.localsgd import LocalSGD
 
 __all__ = [
     "Exchange",
     "gradients_identical",
     "gradients_synchronised",
+    "hook_found_finite",
     "meets_in_passing",
     "next_step_meets",
     "ranks_meet",
@@ -81,6 +84,22 @@ def gradients_identical(trainer: pl.Trainer) -> bool:
     """
     strategy = trainer.strategy
     return isinstance(strategy, CoreViews) and strategy.synced_gradients_identical and gradients_synchronised(trainer)
+
+
+def hook_found_finite(trainer: pl.Trainer) -> bool | None:
+    """Whether the hook that synchronised this step's gradients found every value it reduced finite, on a CPU.
+
+    Ask after backward, once a step, where :func:`gradients_identical` holds. The lossy hooks (int8, PowerSGD and
+    their two-tier forms) test their all-reduced values anyway, for their error feedback: int8's block scales,
+    PowerSGD's factors and the values sent exactly, a small fraction of the gradient. A non-finite value on any rank
+    makes what it was reduced into non-finite, so that verdict covers every rank's gradients and is the same on
+    every rank. ``None`` where there is none to take (another hook, PowerSGD's exact warm-up, a second call in the
+    step) or it is on a GPU (read there, it would make the host wait for the device): check for yourself then.
+    """
+    strategy = trainer.strategy
+    state = strategy.comm_state if isinstance(strategy, CoreViews) else None
+    verdict = state.take_verdict() if isinstance(state, ErrorFeedbackState) else None
+    return None if verdict is None or verdict.is_cuda else bool(verdict)
 
 
 def meets_in_passing(trainer: pl.Trainer) -> bool:

@@ -15,6 +15,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy, fp16_mixed_precision, precision
+from lightning_ddpopt.callbacks import amp as amp_module
+from lightning_ddpopt.hooks import PowerSGDConfig
 from lightning_ddpopt.precision import bf16_supported
 from tests.helpers import NaNGradientModel, NonfiniteReport, OverflowModel, StackModel, fit_ddp, regression_data
 
@@ -146,6 +148,61 @@ def test_nan_on_one_rank_is_reported_on_every_rank_and_stops_all(tmp_path, every
         assert record["global_step"] == found["step"]
         # The message names every rank's parameters: rank 0 prints it, once.
         assert record["warned"] == ([message] if rank == 0 else [])
+
+
+class _GradientPasses(pl.Callback):
+    """Saves, per rank, the optimizer steps at which AMPMonitor made its own pass over the gradients."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.steps = out, []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        original = amp_module._sum
+
+        def counted(parameter, with_values):
+            if not self.steps or self.steps[-1] != trainer.global_step + 1:
+                self.steps.append(trainer.global_step + 1)
+            return original(parameter, with_values)
+
+        amp_module._sum = counted
+        self.original = original
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        amp_module._sum = self.original
+        torch.save(self.steps, self.out / f"passes{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize(
+    ("hook", "step", "names", "passes"),
+    [
+        # int8: the NaN makes its blocks' scales NaN, so those blocks of net.4.weight come back NaN on every rank.
+        ("int8", 2, ["net.4.weight"], [2]),
+        # PowerSGD: its first 2 steps are exact (start_iter), checked by the monitor's own pass. At step 4 the NaN
+        # makes the P of the batch of same-shaped matrices holding net.4.weight non-finite on every rank, and that
+        # batch comes back NaN.
+        (PowerSGDConfig(start_iter=2), 4, [f"net.{i}.weight" for i in (2, 4, 6, 8, 10)], [1, 2, 4]),
+        # fp16: no verdict of the hook's, a pass every step.
+        ("fp16", 2, ["net.4.weight"], [1, 2]),
+    ],
+    ids=["int8", "powersgd", "fp16"],
+)
+def test_a_lossy_hooks_verdict_is_the_check_and_a_nan_is_reported_at_its_step(tmp_path, hook, step, names, passes):
+    # The lossy hooks test their reduced values anyway: where they found them finite, the monitor makes no pass of
+    # its own over the gradients; where not, it makes one to name the parameters, at the step of the NaN.
+    strategy = OptimizedDDPStrategy(comm_hook=hook, start_method="fork")
+    fit_ddp(
+        tmp_path,
+        strategy,
+        model=NaNGradientModel(rank=1, step=step),
+        precision="bf16-mixed",
+        callbacks=[AMPMonitor(on_nonfinite="stop"), NonfiniteReport(tmp_path), _GradientPasses(tmp_path)],
+        max_steps=8,
+    )
+    for rank in (0, 1):
+        record = torch.load(tmp_path / f"amp{rank}.pt")
+        assert record["reports"] == [{"step": step, "steps": [step], "names": {0: names, 1: names}}]
+        assert record["global_step"] == step
+        assert torch.load(tmp_path / f"passes{rank}.pt") == passes
 
 
 @pytest.mark.quick

@@ -26,6 +26,7 @@ from lightning_ddpopt.meetings import (
     Exchange,
     gradients_identical,
     gradients_synchronised,
+    hook_found_finite,
     meets_in_passing,
     next_step_meets,
 )
@@ -363,6 +364,11 @@ class AMPMonitor(MeasuringCallback):
         self._decide_deferred(trainer)
         steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
         self._checked_through = self.steps
+        alike = trainer.world_size == 1 or (not parameters and gradients_identical(trainer))
+        if alike and not parameters and trainer.world_size > 1 and hook_found_finite(trainer):
+            # The hook found every reduced value finite (every rank's verdict alike): no pass over the gradients.
+            self._log_count(pl_module, log)
+            return
         named = [
             (name, p)
             for name, p in pl_module.named_parameters()
@@ -375,7 +381,6 @@ class AMPMonitor(MeasuringCallback):
         bad = ~torch.stack(sums).isfinite() if sums else torch.zeros(0, dtype=torch.bool)
         # A rank without gradients still takes part: every rank must take the same branch.
         flag = bad.any().to(device=pl_module.device, dtype=torch.uint8).reshape(1)
-        alike = trainer.world_size == 1 or (not parameters and gradients_identical(trainer))
         found = _Found(steps, [name for name, _ in named], bad, parameters, alike, checked)
         verdict: torch.Tensor
         if alike:

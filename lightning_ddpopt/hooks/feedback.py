@@ -100,6 +100,8 @@ class ErrorFeedbackState(CommHookState):
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _round: SyncRound | None = field(default=None, repr=False)
     _sealed: SyncRound | None = field(default=None, repr=False)
+    #: The last closed round, until :meth:`take_verdict` reads its verdict (``None``: taken, or no round checked).
+    _verdict_round: SyncRound | None = field(default=None, repr=False)
     _scale_unknown: set[str] = field(default_factory=set, repr=False)
     _backing: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _spare: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -174,12 +176,12 @@ class ErrorFeedbackState(CommHookState):
         # Saved by a release that did not record loss scales: each error is taken to be in the units of the first
         # round that adds it (added as it is), and kept in them (:meth:`stored_error`).
         self._scale_unknown = set() if "error_scales" in state else set(errors)
-        self._round = self._sealed = None
+        self._round = self._sealed = self._verdict_round = None
         self._held = {}
 
     def _drop_errors(self) -> None:
         self.errors, self.error_scales, self._scale_unknown = {}, {}, set()
-        self._round = self._sealed = None
+        self._round = self._sealed = self._verdict_round = None
         self._backing, self._spare, self._held = {}, {}, {}
 
     def error_buffer(
@@ -214,11 +216,28 @@ class ErrorFeedbackState(CommHookState):
         """
         self.iteration += 1
         round_, self._round = self._round, None
+        self._verdict_round = round_
         if round_ is not None:
             self._settle()
             self._sealed = round_
             if seal_now and round_.seal():
                 self._settle()
+
+    def take_verdict(self) -> torch.Tensor | None:
+        """Whether every value the last closed round sent was finite (a 0-dim bool tensor), once; ask after backward.
+
+        The round checked all-reduced values, so the verdict is every rank's alike and covers every rank's gradients
+        (a non-finite value on any rank makes what it was reduced into non-finite). ``None`` when the verdict was
+        taken already or the round checked nothing (PowerSGD's exact warm-up): a callback then checks for itself.
+        Every bucket's checks are in by the time DDP's backward returns, so sealing here changes nothing the commit
+        decides.
+        """
+        round_, self._verdict_round = self._verdict_round, None
+        if round_ is None or not round_._flags:
+            return None
+        if round_._finite is None:
+            round_.seal()
+        return round_.verdict
 
     def _settle(self) -> None:
         """Commit the sealed round, if any (see :meth:`_commit`)."""
