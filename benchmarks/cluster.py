@@ -495,8 +495,8 @@ def write_reports(
         lines += [
             "",
             f"The measuring callbacks' cost (`CommProfiler() + StragglerDetector() + {amp}`), each variant run "
-            "without and then with them, back to back: the throughput kept is each round's ratio of the two (the pair "
-            "ran close in time), the median of the rounds:",
+            "without and with them, back to back (the order reversed every other round): the throughput kept is each "
+            "round's ratio of the two (the pair ran close in time), the median of the rounds:",
             "",
             "| variant | samples/s without | samples/s with | throughput kept | rounds |",
             "|---|---|---|---|---|",
@@ -675,7 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("off", "on", "both"),
         default="off",
         help="attach CommProfiler, StragglerDetector and AMPMonitor: off (default), on, or both: each variant "
-        "without and then with them, back to back, and their cost as a throughput ratio",
+        "without and with them, back to back (the order reversed every other round), and their cost as a throughput "
+        "ratio",
     )
     parser.add_argument(
         "--nonfinite-check",
@@ -736,7 +737,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cluster: {layout} on {link}; {len(variants)} variants x {args.repeat}", flush=True)
         for round_index in range(args.repeat):
             results: dict[str, dict] = {}
-            for index, variant in enumerate(variants):
+            # Every other round runs the variants in reverse order: no variant always runs first in a round (or
+            # before its +callbacks twin), so a drift of the machine's speed within a round biases no ratio.
+            ordered = variants if round_index % 2 == 0 else variants[::-1]
+            for index, variant in enumerate(ordered):
                 started = time.monotonic()
                 port = 29700 + round_index * len(variants) + index
                 results[variant] = run_variant(
