@@ -53,7 +53,7 @@ DEFAULT_VARIANTS = (
 )
 BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
-LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_int8_overlap")
+LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_overlap12", "diloco16_int8_overlap")
 #: Local SGD islands (a replica per host, the default at --ranks-per-host above 1) against a replica per rank, and
 #: the islands' own limit: each host training alone, DDP over its ranks.
 ISLANDS = ("islands_alone", "diloco16_ranks", "diloco16_overlap_ranks")

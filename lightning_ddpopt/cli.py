@@ -1,4 +1,4 @@
-"""The ``ddpopt`` command: ``plan`` (cost model), ``report`` (findings and a plot of a run), ``names``."""
+"""The ``ddpopt`` command: ``plan`` (cost model), ``report`` (findings and a plot of a run), ``names``, ``lighthouse``."""
 
 from __future__ import annotations
 
@@ -129,6 +129,30 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("source", help=f"a {REPORT_NAME} file or a run directory holding one")
     report.add_argument("--out", help="PNG path (default: next to the report)")
     report.set_defaults(run=_report)
+
+    lighthouse = commands.add_parser(
+        "lighthouse",
+        help="run torchft's Lighthouse, the quorum server of fault-tolerant islands (needs the [ft] extra)",
+        description=(
+            "Serves the quorum of a run with OptimizedDDPStrategy(fault_tolerance=FaultTolerance(...)) until Ctrl-C "
+            "or SIGTERM. Every island's first rank must reach it: pass http://THIS_HOST:PORT as the islands' "
+            "FaultTolerance(lighthouse=...) or TORCHFT_LIGHTHOUSE."
+        ),
+    )
+    lighthouse.add_argument("--port", type=int, default=29510, help="port to listen on, all interfaces (29510)")
+    lighthouse.add_argument(
+        "--min-replicas", type=int, required=True, metavar="N", help="islands the first quorum waits for"
+    )
+    lighthouse.add_argument(
+        "--join-timeout-ms", type=int, default=1000, help="how long a quorum waits for more islands to join (1000)"
+    )
+    lighthouse.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="an island silent this long is left out of the next quorum (5000)",
+    )
+    lighthouse.set_defaults(run=_lighthouse)
     return parser
 
 
@@ -276,6 +300,30 @@ def _names(args: argparse.Namespace) -> int:
     close = difflib.get_close_matches(args.name.lower(), registered, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}?" if close else f"the names are {', '.join(registered)}"
     raise CLIError(f"{args.name!r} is not a strategy name of lightning_ddpopt; {hint}")
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    for flag, value, minimum in (
+        ("--port", args.port, 0),
+        ("--min-replicas", args.min_replicas, 1),
+        ("--join-timeout-ms", args.join_timeout_ms, 0),
+        ("--heartbeat-timeout-ms", args.heartbeat_timeout_ms, 1),
+    ):
+        if value < minimum or (flag == "--port" and value > 65535):
+            raise CLIError(f"{flag} {value} must be >= {minimum}" + (" and <= 65535" if flag == "--port" else ""))
+    from lightning_ddpopt.fault_tolerance.lighthouse import serve
+
+    try:
+        serve(
+            args.port,
+            args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            say=lambda line: print(line, flush=True),
+        )
+    except ImportError as error:
+        raise CLIError(str(error)) from error
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -1,0 +1,85 @@
+"""How a strategy runs a fault-tolerant step: the quorum before the forward, the average and the vote before the step.
+
+The strategy calls :meth:`FaultTolerantSteps.before_batch` in ``on_train_batch_start`` and hands its optimizer step
+to :meth:`FaultTolerantSteps.optimizer_step`; everything else (DDP inside the island, the hooks, the callbacks) runs
+as without fault tolerance. Lightning's own collectives (barriers, ``sync_dist``, checkpoint broadcasts) stay inside
+the island: each island is its own Lightning job, whose world is the island.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_ddpopt.fault_tolerance.config import FaultTolerance
+from lightning_ddpopt.fault_tolerance.replica import Replica
+from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
+
+__all__ = ["FaultTolerantSteps"]
+
+
+class FaultTolerantSteps:
+    """Drives :class:`~lightning_ddpopt.fault_tolerance.replica.Replica` from a Lightning strategy's hooks."""
+
+    def __init__(self, config: FaultTolerance) -> None:
+        self.config = config
+        self.replica: Replica | None = None
+
+    def setup(self, trainer: pl.Trainer, island_rank: int, island_size: int, store: tuple[str, int]) -> None:
+        """Join the quorum (at the start of fit, once the island's process group and optimizers exist)."""
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                "fault_tolerance needs automatic optimization: the strategy votes on each optimizer step before "
+                "taking it; manual optimization is not supported yet"
+            )
+        self.replica = Replica(
+            self.config,
+            island_rank,
+            island_size,
+            store,
+            state_dict=lambda: training_state(trainer),
+            load_state_dict=lambda state: load_training_state(trainer, state),
+            device=module.device,
+        )
+
+    def before_batch(self) -> None:
+        """Start the next step's quorum unless a step is open (the first micro-batch of an accumulated step)."""
+        if self.replica is not None and not self.replica.step_open:
+            self.replica.start_step()
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        step: Callable[[Callable[[], Any]], Any],
+        module: pl.LightningModule,
+    ) -> Any:
+        """Run ``closure`` (forward, backward), average across islands, vote, then ``step`` with its result or drop.
+
+        ``step(closure)`` is the strategy's own optimizer step; it receives a closure that returns the result
+        already computed, so precision plugins and callbacks see the averaged gradients as usual.
+        """
+        replica = self.replica
+        if replica is None:
+            return step(closure)
+        result = closure()
+        replica.average_gradients([p for p in module.parameters() if p.requires_grad])
+        committed = replica.commit()
+        stats = replica.stats
+        module.log("ddpopt/ft/participants", float(stats.participants), on_step=True, on_epoch=False)
+        module.log("ddpopt/ft/dropped_steps", float(stats.dropped), on_step=True, on_epoch=False)
+        module.log("ddpopt/ft/heals", float(stats.heals), on_step=True, on_epoch=False)
+        if not committed:
+            optimizer.zero_grad()
+            return result
+        return step(lambda: result)
+
+    def teardown(self) -> None:
+        """Leave the quorum."""
+        if self.replica is not None:
+            self.replica.close()
+            self.replica = None

@@ -1,0 +1,151 @@
+"""This island as one replica group of torchft's quorum: the step's quorum, the cross-island average, the commit.
+
+Each optimizer step of a fault-tolerant run goes:
+
+1. :meth:`Replica.start_step` before the step's first forward: torchft computes the quorum of live islands in the
+   background (a returning island learns there that it must heal, and from whom).
+2. The island's backward syncs its gradients inside the island, through DDP and the strategy's hook, as always.
+3. :meth:`Replica.average_gradients`: one all-reduce of the island's gradients (flattened, fp32) across the islands of
+   the quorum, through torchft's fault-tolerant process group, averaged over the islands that take part (a healing
+   island takes part with zeros).
+4. :meth:`Replica.commit`: every island votes; the step commits only where every island of the quorum succeeded.
+   A failed collective (an island lost mid-step) drops the step on every island, which then train on without it.
+
+A healing island receives a peer's whole training state at its commit (:mod:`lightning_ddpopt.fault_tolerance.state`),
+then takes the committed step with the others: its parameters equal theirs from there on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lightning_ddpopt.fault_tolerance.config import FaultTolerance, require_torchft
+from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
+
+__all__ = ["Replica", "ReplicaStats"]
+
+
+@dataclass
+class ReplicaStats:
+    """What the quorum did to this island so far (for the logs, the report and tests)."""
+
+    committed: int = 0
+    dropped: int = 0
+    heals: int = 0
+    heal_seconds: float = 0.0
+    quorum_changes: int = 0
+    participants: int = 0
+    #: ``(optimizer step, participants)`` at each change of the quorum's size.
+    history: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Replica:
+    """This island's torchft manager, with the Lightning state a returning island heals from.
+
+    Args:
+        config: the user's :class:`~lightning_ddpopt.fault_tolerance.FaultTolerance`.
+        island_rank: this rank's place in its island (torchft's group rank).
+        island_size: the island's ranks (torchft's group world size).
+        store: ``(host, port)`` of the island's TCPStore (the one its process group was set up with).
+        state_dict: returns the island's whole training state, for a peer that heals.
+        load_state_dict: loads such a state into this island when it heals.
+        device: the device the gradients are on (gloo for a CPU, NCCL for CUDA).
+    """
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        island_rank: int,
+        island_size: int,
+        store: tuple[str, int],
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        device: torch.device,
+    ) -> None:
+        require_torchft()
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        address = config.address()
+        if island_rank == 0:
+            check_reachable(address, config.connect_timeout_s)
+        self.stats = ReplicaStats()
+        self._load = load_state_dict
+        timeout = timedelta(seconds=config.timeout_s)
+        group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        logging.getLogger("torchft_quorums").setLevel(logging.WARNING)
+        logging.getLogger("torchft_commits").setLevel(logging.WARNING)
+        self.replica_id = config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{socket.gethostname()}_{store[1]}"
+        self.manager = Manager(
+            pg=group,
+            load_state_dict=self._healed,
+            state_dict=state_dict,
+            min_replica_size=config.min_replicas,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=config.connect_timeout_s),
+            rank=island_rank,
+            world_size=island_size,
+            store_addr=store[0],
+            store_port=store[1],
+            lighthouse_addr=address,
+            replica_id=self.replica_id,
+        )
+        self._open = False
+
+    @property
+    def step_open(self) -> bool:
+        """Whether :meth:`start_step` ran and the step has not been committed or dropped yet."""
+        return self._open
+
+    def start_step(self) -> None:
+        """Ask for this step's quorum (in the background: the forward runs meanwhile)."""
+        self.manager.start_quorum()
+        self._open = True
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Average the gradients over the islands of the quorum, in place (one flat fp32 all-reduce)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        participants = self.manager.num_participants()
+        if participants != self.stats.participants:
+            self.stats.quorum_changes += self.stats.participants != 0
+            self.stats.participants = participants
+            self.stats.history.append((self.stats.committed + self.stats.dropped + 1, participants))
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def commit(self) -> bool:
+        """Vote on the step with every island; ``True``: step the optimizer, ``False``: the step is dropped."""
+        committed = bool(self.manager.should_commit())
+        self._open = False
+        if committed:
+            self.stats.committed += 1
+        else:
+            self.stats.dropped += 1
+        return committed
+
+    def _healed(self, state: dict[str, Any]) -> None:
+        """torchft hands over a peer's state (fetched during the quorum) at the commit: load it, timed."""
+        started = time.perf_counter()
+        self._load(state)
+        self.stats.heals += 1
+        self.stats.heal_seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Leave the quorum (at the end of fit)."""
+        self.manager.shutdown(wait=False)
