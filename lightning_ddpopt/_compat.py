@@ -249,6 +249,16 @@ def last_batch_of_epoch(trainer: pl.Trainer) -> bool:
     return bool(reached())
 
 
+def batches_that_stepped(trainer: pl.Trainer, value: int | None = None) -> int:
+    """The epoch loop's count of batches that stepped (the logging step), set to ``value`` if given (a heal)."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_batches_that_stepped"):
+        raise _changed("lightning", "_TrainingEpochLoop._batches_that_stepped", "for a fault-tolerant heal")
+    if value is not None:
+        loop._batches_that_stepped = value
+    return int(loop._batches_that_stepped)
+
+
 _warned: set[str] = set()
 
 

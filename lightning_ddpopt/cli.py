@@ -1,4 +1,4 @@
-"""The ``ddpopt`` command: ``plan`` (cost model), ``report`` (findings and a plot of a run), ``names``, ``lighthouse``."""
+"""The ``ddpopt`` command: ``plan`` (cost model), ``report`` (a run's findings and plot), ``names``, ``lighthouse``."""
 
 from __future__ import annotations
 

@@ -39,6 +39,9 @@ from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.checkpoint_shards import remove_shards
 from lightning_ddpopt.core import StrategyCore
+from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
+from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
+from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
@@ -118,6 +121,10 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             launcher (``NODE_RANK``/``LOCAL_RANK``, SLURM's), checked against the host names at setup
             (:mod:`lightning_ddpopt.topology`; with ``"auto"`` a mismatch warns and the sync stays flat, with ``True``
             it raises); the choice and why are logged on rank 0.
+        fault_tolerance: a :class:`~lightning_ddpopt.fault_tolerance.FaultTolerance`: this job is one island of a
+            fault-tolerant run on torchft (the ``[ft]`` extra; see :mod:`lightning_ddpopt.fault_tolerance`): each
+            step's gradients are averaged over the islands of the quorum and the step commits only where all of
+            them succeeded; a lost island's step is dropped, and a restarted island heals from a live one.
         **kwargs: forwarded to ``DistributedDataParallel``.
 
     Example::
@@ -152,9 +159,12 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         checkpoint_timeout: float = 30.0,
         local_sgd: LocalSGDConfig | None = None,
         hierarchical: bool | Literal["auto"] = "auto",
+        fault_tolerance: FaultTolerance | None = None,
         **kwargs: Any,
     ) -> None:
         check_versions()
+        check_fault_tolerance(fault_tolerance, local_sgd)
+        self._fault_tolerance = FaultTolerantSteps(fault_tolerance) if fault_tolerance is not None else None
         self._core = StrategyCore(
             comm_hook=comm_hook,
             comm_state=comm_state,
@@ -201,6 +211,11 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         """
         return self._core.gradients_identical(self.model)
 
+    @property
+    def fault_tolerance_stats(self) -> ReplicaStats | None:
+        """With ``fault_tolerance``: the steps this island committed and dropped, its heals and quorum changes."""
+        return self._fault_tolerance.stats if self._fault_tolerance is not None else None
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -246,6 +261,11 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         self._name_run()
         if self._core.local_sgd is not None:
             self._core.local_sgd.setup(trainer, self.world_size, self.root_device)
+        if self._fault_tolerance is not None and trainer.state.fn == TrainerFn.FITTING:
+            environment = self.cluster_environment
+            assert environment is not None
+            store = (environment.main_address, environment.main_port)
+            self._fault_tolerance.setup(trainer, self.global_rank, self.world_size, store)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -271,6 +291,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         except (MisconfigurationException, RecursionError):
             samples = None
         self._core.before_micro_batch(self.model, samples, first_of_epoch=batch_idx == 0)
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.before_batch()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -281,9 +303,15 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        def take(closure: Callable[[], Any]) -> Any:
+            return super(OptimizedDDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+
+        ft, module = self._fault_tolerance, self.lightning_module
         output, records = self._core.optimizer_step(
             optimizer,
-            lambda: super(OptimizedDDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs),
+            (lambda: take(closure))
+            if ft is None or module is None
+            else lambda: ft.optimizer_step(optimizer, closure, take, module),
             self.model,
             self._say,
             self._rewrap,
@@ -361,6 +389,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._core.stop_local_sgd()
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.teardown()
         super().teardown()
         # Nothing of ours may keep a process group alive past Lightning's exit-time destroy_process_group.
         self._core.close()

@@ -15,7 +15,7 @@ import torch
 
 from lightning_ddpopt._validate import require_int, require_number
 
-__all__ = ["FaultTolerance", "lighthouse_host_port", "require_torchft"]
+__all__ = ["FaultTolerance", "check_fault_tolerance", "lighthouse_host_port", "require_torchft"]
 
 #: The torch release torchft's wheels need (its own floor); the rest of the package keeps torch 2.4.
 TORCHFT_TORCH_FLOOR = (2, 7)
@@ -90,3 +90,17 @@ def require_torchft() -> None:
         )
     if importlib.util.find_spec("torchft") is None:
         raise ImportError(f"fault tolerance runs on torchft, which is not installed: {_INSTALL}")
+
+
+def check_fault_tolerance(config: object, local_sgd: object) -> None:
+    """The strategies' check of their ``fault_tolerance`` argument, at construction."""
+    if config is None:
+        return
+    if not isinstance(config, FaultTolerance):
+        raise TypeError(f"fault_tolerance={config!r} must be a FaultTolerance(...) or None")
+    if local_sgd is not None:
+        raise ValueError(
+            "fault_tolerance with local_sgd is not supported yet: fault-tolerant islands sync their gradients every "
+            "step; drop local_sgd, or fault_tolerance"
+        )
+    require_torchft()

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance
-from lightning_ddpopt.fault_tolerance.replica import Replica
+from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
 
 __all__ = ["FaultTolerantSteps"]
@@ -27,6 +27,8 @@ class FaultTolerantSteps:
     def __init__(self, config: FaultTolerance) -> None:
         self.config = config
         self.replica: Replica | None = None
+        #: What the quorum did to this island (kept after the fit ends); ``None`` before the first fit.
+        self.stats: ReplicaStats | None = None
 
     def setup(self, trainer: pl.Trainer, island_rank: int, island_size: int, store: tuple[str, int]) -> None:
         """Join the quorum (at the start of fit, once the island's process group and optimizers exist)."""
@@ -45,6 +47,7 @@ class FaultTolerantSteps:
             load_state_dict=lambda state: load_training_state(trainer, state),
             device=module.device,
         )
+        self.stats = self.replica.stats
 
     def before_batch(self) -> None:
         """Start the next step's quorum unless a step is open (the first micro-batch of an accumulated step)."""

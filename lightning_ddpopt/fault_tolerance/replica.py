@@ -72,6 +72,8 @@ class Replica:
         device: torch.device,
     ) -> None:
         require_torchft()
+        # torchft's Rust side logs every quorum and commit at INFO; a user's RUST_LOG still decides.
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -84,7 +86,9 @@ class Replica:
         group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         logging.getLogger("torchft_quorums").setLevel(logging.WARNING)
         logging.getLogger("torchft_commits").setLevel(logging.WARNING)
-        self.replica_id = config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{socket.gethostname()}_{store[1]}"
+        self.replica_id = (
+            config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{socket.gethostname()}_{store[1]}"
+        )
         self.manager = Manager(
             pg=group,
             load_state_dict=self._healed,
@@ -140,7 +144,7 @@ class Replica:
         return committed
 
     def _healed(self, state: dict[str, Any]) -> None:
-        """torchft hands over a peer's state (fetched during the quorum) at the commit: load it, timed."""
+        """Load the state torchft hands over at the commit (a peer's, fetched during the quorum), timed."""
         started = time.perf_counter()
         self._load(state)
         self.stats.heals += 1

@@ -16,6 +16,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_ddpopt._compat import batches_that_stepped
+
 __all__ = ["load_training_state", "training_state"]
 
 
@@ -30,7 +32,7 @@ def training_state(trainer: pl.Trainer) -> dict[str, Any]:
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "scaler": scaler.state_dict() if scaler is not None else None,
         "optimizer_progress": loop.automatic_optimization.optim_progress.state_dict(),
-        "batches_that_stepped": loop._batches_that_stepped,
+        "batches_that_stepped": batches_that_stepped(trainer),
     }
 
 
@@ -49,4 +51,4 @@ def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     progress.load_state_dict(state["optimizer_progress"])
     # The peer's counters stood at its step start; this island is inside that step: it has begun it.
     progress.optimizer.step.increment_ready()
-    loop._batches_that_stepped = state["batches_that_stepped"]
+    batches_that_stepped(trainer, state["batches_that_stepped"])
