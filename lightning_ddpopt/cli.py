@@ -144,7 +144,10 @@ def _parser() -> argparse.ArgumentParser:
         "--min-replicas", type=int, required=True, metavar="N", help="islands the first quorum waits for"
     )
     lighthouse.add_argument(
-        "--join-timeout-ms", type=int, default=1000, help="how long a quorum waits for more islands to join (1000)"
+        "--join-timeout-ms",
+        type=int,
+        default=60000,
+        help="how long a quorum waits for live islands that have not asked yet (60000, torchft's default)",
     )
     lighthouse.add_argument(
         "--heartbeat-timeout-ms",

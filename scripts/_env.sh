@@ -15,6 +15,6 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   # torch first and pinned, so nothing later resolves a different (CUDA) build.
   .venv/bin/python -m pip install --quiet "$(grep '^torch==' requirements/ci.txt)"
-  .venv/bin/python -m pip install --quiet -c requirements/ci.txt -e ".[dev]"
+  .venv/bin/python -m pip install --quiet -c requirements/ci.txt -e ".[dev,ft]"
   echo "$WANT" > "$STAMP"
 fi

@@ -36,7 +36,7 @@ def check_reachable(address: str, timeout_s: float) -> None:
 def serve(
     port: int,
     min_replicas: int,
-    join_timeout_ms: int = 1000,
+    join_timeout_ms: int = 60000,
     quorum_tick_ms: int = 100,
     heartbeat_timeout_ms: int = 5000,
     say: Callable[[str], None] = print,
@@ -47,7 +47,8 @@ def serve(
     Args:
         port: the port to listen on (0: any free one, printed).
         min_replicas: islands a quorum needs; the first quorum forms once this many have joined.
-        join_timeout_ms: how long a quorum waits for more islands once ``min_replicas`` have joined.
+        join_timeout_ms: how long a quorum waits, once ``min_replicas`` have asked, for the live islands that have
+            not asked yet (a slow island is waited for; a lost one stops sending heartbeats and is not).
         quorum_tick_ms: how often the Lighthouse re-evaluates the quorum.
         heartbeat_timeout_ms: an island silent for this long is dropped from the next quorum.
         say: where the address and the shutdown are reported.

@@ -38,13 +38,16 @@ __all__ = ["Replica", "ReplicaStats"]
 class ReplicaStats:
     """What the quorum did to this island so far (for the logs, the report and tests)."""
 
+    #: The run's committed steps as of this island's last commit (torchft's step: a heal brings the peer's).
+    step: int = 0
+    #: Steps this island committed, and dropped, itself.
     committed: int = 0
     dropped: int = 0
     heals: int = 0
     heal_seconds: float = 0.0
     quorum_changes: int = 0
     participants: int = 0
-    #: ``(optimizer step, participants)`` at each change of the quorum's size.
+    #: ``(step, participants)`` at each change of the quorum's size (the step counts the run's committed steps).
     history: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -81,6 +84,11 @@ class Replica:
         if island_rank == 0:
             check_reachable(address, config.connect_timeout_s)
         self.stats = ReplicaStats()
+        self._address, self._min_replicas, self._quorum_timeout_s = (
+            address,
+            config.min_replicas,
+            config.quorum_timeout_s,
+        )
         self._load = load_state_dict
         timeout = timedelta(seconds=config.timeout_s)
         group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -119,11 +127,18 @@ class Replica:
     def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
         """Average the gradients over the islands of the quorum, in place (one flat fp32 all-reduce)."""
         grads = [p.grad for p in parameters if p.grad is not None]
-        participants = self.manager.num_participants()
+        try:
+            participants = self.manager.num_participants()
+        except TimeoutError as error:
+            raise TimeoutError(
+                f"no quorum of min_replicas={self._min_replicas} islands formed within quorum_timeout_s="
+                f"{self._quorum_timeout_s:g} at the Lighthouse {self._address}: are that many islands started, and was "
+                "the Lighthouse started with --min-replicas at most that?"
+            ) from error
         if participants != self.stats.participants:
             self.stats.quorum_changes += self.stats.participants != 0
             self.stats.participants = participants
-            self.stats.history.append((self.stats.committed + self.stats.dropped + 1, participants))
+            self.stats.history.append((self.manager.current_step() + 1, participants))
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
@@ -137,6 +152,7 @@ class Replica:
         """Vote on the step with every island; ``True``: step the optimizer, ``False``: the step is dropped."""
         committed = bool(self.manager.should_commit())
         self._open = False
+        self.stats.step = self.manager.current_step()
         if committed:
             self.stats.committed += 1
         else:

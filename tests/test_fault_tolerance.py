@@ -1,0 +1,185 @@
+"""Fault-tolerant islands on torchft: a Lighthouse, islands as separate jobs, one killed with SIGKILL and healed back.
+
+Each island is a Lightning job of its own (``tests/ft_worker.py``, one rank), as on a cluster where islands are
+independent jobs. Needs the ``[ft]`` extra (torchft, torch >= 2.7): those tests skip without it; the argument checks
+run everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
+from lightning_ddpopt.cli import main as ddpopt
+from lightning_ddpopt.fault_tolerance import FaultTolerance, config
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_torchft = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None, reason="fault tolerance needs the [ft] extra (torchft)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _island(index: int, lighthouse: str, out: Path, max_steps: int, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tests.ft_worker", str(index), lighthouse, str(_free_port()), str(out)]
+    with log.open("a") as sink:
+        return subprocess.Popen(
+            [*command, "--max-steps", str(max_steps)], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT
+        )
+
+
+def _step(out: Path, index: int) -> int:
+    text = (out / f"island{index}.step").read_text() if (out / f"island{index}.step").exists() else ""
+    return int(text) if text else 0
+
+
+@needs_torchft
+@pytest.mark.parametrize("lost", [2, 0], ids=["island2", "island0"])
+def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, lost):
+    # Three islands; one is killed with SIGKILL at step 8 (between two steps), the other two go on without it, it is
+    # started again under its name and heals from a live island: every island ends at step 30 with the same
+    # parameters, and the two that stayed committed every one of their steps. The first island (which torchft's
+    # first quorum made the others' source) is lost as well as another.
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
+    max_steps = 30
+    try:
+        logs = [tmp_path / f"log{i}.txt" for i in range(3)]
+        islands = [_island(i, lighthouse.address(), tmp_path, max_steps, logs[i]) for i in range(3)]
+        deadline = time.monotonic() + 120
+        while _step(tmp_path, lost) < 8:
+            assert time.monotonic() < deadline and islands[lost].poll() is None, logs[lost].read_text()[-3000:]
+            time.sleep(0.02)
+        islands[lost].send_signal(signal.SIGKILL)
+        islands[lost].wait()
+        killed_at = _step(tmp_path, lost)
+        others = [i for i in range(3) if i != lost]
+        # The others train on without it (the Lighthouse drops it after a second without heartbeats).
+        while min(_step(tmp_path, i) for i in others) < killed_at + 4:
+            assert time.monotonic() < deadline, [logs[i].read_text()[-3000:] for i in others]
+            time.sleep(0.02)
+        islands[lost] = _island(lost, lighthouse.address(), tmp_path, max_steps, logs[lost])
+        for index, island in enumerate(islands):
+            assert island.wait(timeout=180) == 0, logs[index].read_text()[-5000:]
+    finally:
+        lighthouse.shutdown()
+    results = [torch.load(tmp_path / f"island{i}.pt") for i in range(3)]
+    assert [r["global_step"] for r in results] == [max_steps] * 3
+    reference = results[others[0]]["parameters"]
+    for result in results:
+        assert all(torch.equal(reference[name], value) for name, value in result["parameters"].items())
+    assert [r["stats"]["step"] for r in results] == [max_steps] * 3  # the run's committed steps, torchft's count
+    for index in others:
+        stats = results[index]["stats"]
+        # No step dropped; an island that joined torchft's first quorum late healed into it instead of step 1.
+        assert stats["dropped"] == 0 and stats["committed"] >= max_steps - 1
+        # 3 islands, then 2 while the lost one was away, then 3 again.
+        assert [n for _, n in stats["history"]][-3:] == [3, 2, 3]
+    healed = results[lost]["stats"]
+    assert healed["heals"] >= 1 and healed["committed"] < max_steps - killed_at
+    assert healed["participants"] == 3
+
+
+@needs_torchft
+def test_a_lighthouse_that_is_not_there_fails_setup_naming_its_address(tmp_path):
+    address = f"http://127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    island = _island(0, address, tmp_path, 4, tmp_path / "log.txt")
+    assert island.wait(timeout=120) != 0
+    log = (tmp_path / "log.txt").read_text()
+    assert f"ConnectionError: no Lighthouse answers at {address} (" in log
+    assert "start one on that host with `ddpopt lighthouse --port PORT --min-replicas N`" in log
+    assert time.monotonic() - started < 60  # the connect timeout is 5 s: no minute-long hang
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lighthouse": "lighthouse"}, "FaultTolerance lighthouse='lighthouse' is not a Lighthouse address"),
+        ({"lighthouse": "https://h:1"}, "FaultTolerance lighthouse='https://h:1' is not a Lighthouse address"),
+        ({"lighthouse": "h:70000"}, "FaultTolerance lighthouse='h:70000' is not a Lighthouse address"),
+        ({"min_replicas": 0}, "FaultTolerance min_replicas=0 must be an int >= 1"),
+        ({"replica_id": ""}, "FaultTolerance replica_id='' must be a non-empty string or None"),
+        ({"timeout_s": 0}, "FaultTolerance timeout_s=0 must be a positive number"),
+    ],
+)
+def test_bad_fault_tolerance_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        FaultTolerance(**kwargs)
+
+
+@pytest.mark.quick
+def test_the_lighthouse_address_comes_from_the_argument_or_the_environment(monkeypatch):
+    assert FaultTolerance(lighthouse="host:29510").address() == "http://host:29510"
+    assert FaultTolerance(lighthouse="http://[::1]:29510/").address() == "http://[::1]:29510"
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://other:1234")
+    assert FaultTolerance().address() == "http://other:1234"
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+    with pytest.raises(ValueError, match="FaultTolerance\\(lighthouse=None\\) needs the TORCHFT_LIGHTHOUSE"):
+        FaultTolerance().address()
+
+
+@pytest.mark.quick
+def test_the_strategy_refuses_what_fault_tolerance_cannot_do_yet_and_says_what_to_install(monkeypatch):
+    with pytest.raises(TypeError, match="fault_tolerance='host:1' must be a FaultTolerance"):
+        OptimizedDDPStrategy(fault_tolerance="host:1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fault_tolerance with local_sgd is not supported yet"):
+        OptimizedDDPStrategy(fault_tolerance=FaultTolerance(lighthouse="h:1"), local_sgd=LocalSGDConfig.diloco(8))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= config.TORCHFT_TORCH_FLOOR:
+        expected = r"torchft, which is not installed: pip install 'lightning-ddpopt\[ft\]'"
+    else:
+        expected = r"torchft, which needs torch >= 2.7 \(this is torch .*\): upgrade torch, then pip install"
+    with pytest.raises(ImportError, match=expected):
+        OptimizedDDPStrategy(fault_tolerance=FaultTolerance(lighthouse="h:1"))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--min-replicas", "0"], "--min-replicas 0 must be >= 1"),
+        (["--min-replicas", "2", "--port", "70000"], "--port 70000 must be >= 0 and <= 65535"),
+    ],
+)
+def test_the_lighthouse_command_checks_its_arguments(capsys, argv, message):
+    assert ddpopt(["lighthouse", *argv]) == 2
+    assert f"ddpopt lighthouse: error: {message}" in capsys.readouterr().err
+
+
+@needs_torchft
+def test_the_lighthouse_command_serves_until_stopped(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "lightning_ddpopt.cli", "lighthouse", "--port", str(port), "--min-replicas", "2"]
+    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert "ddpopt: Lighthouse at http://" in line and f":{port} (min_replicas=2)" in line
+        config.lighthouse_host_port(f"127.0.0.1:{port}", "lighthouse")
+        from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
+
+        check_reachable(f"http://127.0.0.1:{port}", 5.0)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        out, _ = server.communicate(timeout=30)
+    assert server.returncode == 0 and "ddpopt: Lighthouse stopped" in out
