@@ -16,6 +16,7 @@ from lightning_ddpopt._registration import register_with_lightning
 if TYPE_CHECKING:
     from lightning_ddpopt import fabric
     from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
+    from lightning_ddpopt.fault_tolerance import FaultTolerance
     from lightning_ddpopt.hooks import COMM_HOOKS
     from lightning_ddpopt.ledger import CommLedger
     from lightning_ddpopt.localsgd import LocalSGDConfig
@@ -29,6 +30,7 @@ _PUBLIC = {
     "COMM_HOOKS": "lightning_ddpopt.hooks",
     "CommLedger": "lightning_ddpopt.ledger",
     "CommProfiler": "lightning_ddpopt.callbacks",
+    "FaultTolerance": "lightning_ddpopt.fault_tolerance",
     "LocalSGDConfig": "lightning_ddpopt.localsgd",
     "OptimizedDDPStrategy": "lightning_ddpopt.strategy",
     "StepRecord": "lightning_ddpopt.records",
@@ -41,6 +43,7 @@ __all__ = [
     "AMPMonitor",
     "CommLedger",
     "CommProfiler",
+    "FaultTolerance",
     "LocalSGDConfig",
     "OptimizedDDPStrategy",
     "StepRecord",

@@ -50,7 +50,7 @@ def test_the_command_line_page_is_the_parsers_help(monkeypatch):
 
     page = (ROOT / "docs" / "reference" / "cli.md").read_text()
     monkeypatch.setenv("COLUMNS", "100")  # the width the page was written at
-    for command in ([], ["plan"], ["names"], ["report"]):
+    for command in ([], ["plan"], ["names"], ["report"], ["lighthouse"]):
         shown = io.StringIO()
         with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
             cli.main([*command, "--help"])
