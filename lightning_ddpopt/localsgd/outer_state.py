@@ -16,7 +16,25 @@ from lightning_ddpopt.hooks.feedback import config_mismatch
 from lightning_ddpopt.localsgd.config import LocalSGDConfig
 from lightning_ddpopt.localsgd.shard import Shard
 
-__all__ = ["OuterState"]
+__all__ = ["InFlight", "OuterState", "ParameterSync"]
+
+
+@dataclass(frozen=True)
+class ParameterSync:
+    """One parameter sync: what it sent and when (host seconds), for the ledger.
+
+    ``overlapped``: it travelled while the ranks trained on; ``start_s`` to ``end_s`` is its arrival only.
+    ``drift``: squared norms (0-dim tensors) of this rank's parameter change and of the mean change it carried
+    (``None`` for a sync restored from a checkpoint in flight).
+    """
+
+    num_elements: int
+    logical_bytes: int
+    wire_bytes: int
+    start_s: float
+    end_s: float
+    overlapped: bool = False
+    drift: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
