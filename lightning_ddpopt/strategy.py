@@ -124,7 +124,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         fault_tolerance: a :class:`~lightning_ddpopt.fault_tolerance.FaultTolerance`: this job is one island of a
             fault-tolerant run on torchft (the ``[ft]`` extra; see :mod:`lightning_ddpopt.fault_tolerance`): each
             step's gradients are averaged over the islands of the quorum and the step commits only where all of
-            them succeeded; a lost island's step is dropped, and a restarted island heals from a live one.
+            them succeeded (with ``local_sgd``: each sync's change, the sync the commit point); a lost island's step
+            is dropped, and a restarted island heals from a live one.
         **kwargs: forwarded to ``DistributedDataParallel``.
 
     Example::
@@ -164,7 +165,6 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
     ) -> None:
         check_versions()
         check_fault_tolerance(fault_tolerance, local_sgd)
-        self._fault_tolerance = FaultTolerantSteps(fault_tolerance) if fault_tolerance is not None else None
         self._core = StrategyCore(
             comm_hook=comm_hook,
             comm_state=comm_state,
@@ -197,6 +197,13 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             **kwargs,
         )
         check_ddp_strategy_internals(self)
+        self._fault_tolerance: FaultTolerantSteps | None = None
+        if fault_tolerance is not None:
+            driver = self._core.local_sgd
+            if driver is not None:
+                driver.one_island = True  # each island is a job of its own: the job is one replica
+            outer = (lambda: self.local_sgd) if driver is not None else None
+            self._fault_tolerance = FaultTolerantSteps(fault_tolerance, outer)
         self._ddp_kwargs.update(self._core.ddp_flags)
         self._accumulation = ManualAccumulation()
 

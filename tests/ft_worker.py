@@ -1,10 +1,13 @@
 """One island of a fault-tolerant run, as its own Lightning job (``tests/test_fault_tolerance.py`` starts three).
 
-Usage: python -m tests.ft_worker ISLAND LIGHTHOUSE PORT OUT [--max-steps N] [--step-seconds S]
+Usage: python -m tests.ft_worker ISLAND LIGHTHOUSE PORT OUT [--max-steps N] [--step-seconds S] [--devices M]
+    [--local-sgd H]
 
-Trains StackModel on its own data (seeded by ISLAND) with one rank, ``OptimizedDDPStrategy(fault_tolerance=...)``
-and the three measuring callbacks; writes its optimizer step to ``OUT/islandI.step`` after every batch (the test
-kills it at a chosen step) and, at the end, its parameters, step and quorum stats to ``OUT/islandI.pt``.
+Trains StackModel on its own data (seeded by ISLAND and rank) with M ranks,
+``OptimizedDDPStrategy(fault_tolerance=...)`` (with ``--local-sgd``: DiLoCo every H steps across the islands) and the
+three measuring callbacks; its first rank writes the optimizer step to ``OUT/islandI.step`` after every batch (the
+test kills the island at a chosen step) and, at the end, each rank its parameters, step and quorum stats to
+``OUT/islandI_rankR.pt``.
 """
 
 from __future__ import annotations
@@ -19,20 +22,30 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddpopt import AMPMonitor, CommProfiler, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.fault_tolerance import FaultTolerance
 from tests.helpers import WIDTH, StackModel
 
 
 class _Paced(pl.Callback):
-    """Writes the step after each batch and paces the steps (so that the test can act between them)."""
+    """Paces the steps and lets the test act between them: the first rank writes ``islandI.started`` at the start
+    of training and the step to ``islandI.step`` after each batch; every rank waits after a batch while a file
+    ``hold`` exists whose step it has reached."""
 
-    def __init__(self, path: Path, seconds: float) -> None:
-        self.path, self.seconds = path, seconds
+    def __init__(self, out: Path, island: int, seconds: float) -> None:
+        self.out, self.island, self.seconds = out, island, seconds
+
+    def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == 0:
+            (self.out / f"island{self.island}.started").write_text("")
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        self.path.write_text(str(trainer.global_step))
+        if trainer.global_rank == 0:
+            (self.out / f"island{self.island}.step").write_text(str(trainer.global_step))
         time.sleep(self.seconds)
+        hold = self.out / "hold"
+        while hold.exists() and (text := hold.read_text()) and trainer.global_step >= int(text):
+            time.sleep(0.05)
 
 
 def main() -> None:
@@ -44,10 +57,12 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--min-replicas", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--local-sgd", type=int, default=0, metavar="H")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(100 + args.island)
+    generator = torch.Generator().manual_seed(100 * (1 + args.island) + int(os.environ.get("LOCAL_RANK", "0")))
     x = torch.randn(64 * args.max_steps, WIDTH, generator=generator)
     data = DataLoader(TensorDataset(x, torch.tanh(x.flip(1))), batch_size=8)
     config = FaultTolerance(
@@ -58,15 +73,15 @@ def main() -> None:
         quorum_timeout_s=60.0,
         connect_timeout_s=5.0,
     )
-    profiler = CommProfiler()
+    local_sgd = LocalSGDConfig.diloco(args.local_sgd) if args.local_sgd else None
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
-        strategy=OptimizedDDPStrategy(fault_tolerance=config),
+        devices=args.devices,
+        strategy=OptimizedDDPStrategy(fault_tolerance=config, local_sgd=local_sgd),
         max_steps=args.max_steps,
         callbacks=[
-            _Paced(args.out / f"island{args.island}.step", args.step_seconds),
-            profiler,
+            _Paced(args.out, args.island, args.step_seconds),
+            CommProfiler(),
             StragglerDetector(),
             AMPMonitor(),
         ],
@@ -86,7 +101,7 @@ def main() -> None:
             "global_step": trainer.global_step,
             "stats": dataclasses.asdict(strategy.fault_tolerance_stats),
         },
-        args.out / f"island{args.island}.pt",
+        args.out / f"island{args.island}_rank{trainer.global_rank}.pt",
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_ddpopt._validate import require_int, require_number
+from lightning_ddpopt.localsgd.config import LocalSGDConfig
 
 __all__ = ["FaultTolerance", "check_fault_tolerance", "lighthouse_host_port", "require_torchft"]
 
@@ -92,15 +93,27 @@ def require_torchft() -> None:
         raise ImportError(f"fault tolerance runs on torchft, which is not installed: {_INSTALL}")
 
 
-def check_fault_tolerance(config: object, local_sgd: object) -> None:
+def check_fault_tolerance(config: object, local_sgd: LocalSGDConfig | None) -> None:
     """The strategies' check of their ``fault_tolerance`` argument, at construction."""
     if config is None:
         return
     if not isinstance(config, FaultTolerance):
         raise TypeError(f"fault_tolerance={config!r} must be a FaultTolerance(...) or None")
     if local_sgd is not None:
-        raise ValueError(
-            "fault_tolerance with local_sgd is not supported yet: fault-tolerant islands sync their gradients every "
-            "step; drop local_sgd, or fault_tolerance"
-        )
+        # The islands sync every H steps through torchft, blocking, the change sent whole in its own precision.
+        for name, value, allowed in (
+            ("overlap_steps", local_sgd.overlap_steps, 0),
+            ("warmup_steps", local_sgd.warmup_steps, 0),
+            ("replica", local_sgd.replica, "auto"),
+        ):
+            if value != allowed:
+                raise ValueError(
+                    f"local_sgd {name}={value!r} is not supported with fault_tolerance yet (use {allowed!r}): each "
+                    "fault-tolerant island is one job, and the islands sync every sync_every steps, blocking"
+                )
+        if local_sgd.compression == "int8":
+            raise ValueError(
+                "local_sgd compression='int8' is not supported with fault_tolerance yet: choose 'fp32', 'fp16' or "
+                "'bf16', sent through torchft's fault-tolerant all-reduce"
+            )
     require_torchft()

@@ -2,8 +2,10 @@
 
 The strategy calls :meth:`FaultTolerantSteps.before_batch` in ``on_train_batch_start`` and hands its optimizer step
 to :meth:`FaultTolerantSteps.optimizer_step`; everything else (DDP inside the island, the hooks, the callbacks) runs
-as without fault tolerance. Lightning's own collectives (barriers, ``sync_dist``, checkpoint broadcasts) stay inside
-the island: each island is its own Lightning job, whose world is the island.
+as without fault tolerance. With local SGD the islands meet only at its syncs: the loop's exchange of the change
+goes through the quorum (:meth:`~lightning_ddpopt.fault_tolerance.replica.Replica.sync_mean`), a sync is the commit
+point, and the steps between syncs vote on nothing. Lightning's own collectives (barriers, ``sync_dist``,
+checkpoint broadcasts) stay inside the island: each island is its own Lightning job, whose world is the island.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance
 from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
-from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
+from lightning_ddpopt.fault_tolerance.state import Phase, load_training_state, training_state
+from lightning_ddpopt.localsgd import LocalSGD
 
 __all__ = ["FaultTolerantSteps"]
 
@@ -24,11 +27,16 @@ __all__ = ["FaultTolerantSteps"]
 class FaultTolerantSteps:
     """Drives :class:`~lightning_ddpopt.fault_tolerance.replica.Replica` from a Lightning strategy's hooks."""
 
-    def __init__(self, config: FaultTolerance) -> None:
+    def __init__(self, config: FaultTolerance, outer_loop: Callable[[], LocalSGD | None] | None = None) -> None:
         self.config = config
+        #: With local SGD: the loop, whose syncs across the islands go through the quorum (no vote per step).
+        self._outer_loop = outer_loop
         self.replica: Replica | None = None
         #: What the quorum did to this island (kept after the fit ends); ``None`` before the first fit.
         self.stats: ReplicaStats | None = None
+        # Where this island is in its step whenever torchft gives or takes the state (see fault_tolerance.state).
+        self._phase: Phase = "in_step" if outer_loop is None else "after_step"
+        self._joined = False
 
     def setup(self, trainer: pl.Trainer, island_rank: int, island_size: int, store: tuple[str, int]) -> None:
         """Join the quorum (at the start of fit, once the island's process group and optimizers exist)."""
@@ -43,16 +51,36 @@ class FaultTolerantSteps:
             island_rank,
             island_size,
             store,
-            state_dict=lambda: training_state(trainer),
-            load_state_dict=lambda state: load_training_state(trainer, state),
+            state_dict=lambda: training_state(trainer, self._phase),
+            load_state_dict=lambda state: load_training_state(trainer, state, self._phase),
             device=module.device,
         )
         self.stats = self.replica.stats
 
     def before_batch(self) -> None:
-        """Start the next step's quorum unless a step is open (the first micro-batch of an accumulated step)."""
-        if self.replica is not None and not self.replica.step_open:
-            self.replica.start_step()
+        """Start the next step's quorum unless a step is open (the first micro-batch of an accumulated step).
+
+        With local SGD only the syncs meet the quorum: the loop's exchange across the islands becomes the replica's.
+        """
+        replica = self.replica
+        if replica is None:
+            return
+        if self._outer_loop is not None:
+            loop = self._outer_loop()
+            if loop is not None and loop.across_islands is None:
+                loop.across_islands = replica.sync_mean
+            if loop is not None and not self._joined:
+                # Join at once with a sync of no change of its own: at a fresh start every island (torchft gives the
+                # first island's state to the others), a restarted one at the live islands' next sync, healed there
+                # instead of training a window alone first.
+                self._joined, self._phase = True, "between_steps"
+                try:
+                    loop.sync()
+                finally:
+                    self._phase = "after_step"
+            return
+        if not replica.step_open:
+            replica.start_step()
 
     def optimizer_step(
         self,
@@ -67,7 +95,7 @@ class FaultTolerantSteps:
         already computed, so precision plugins and callbacks see the averaged gradients as usual.
         """
         replica = self.replica
-        if replica is None:
+        if replica is None or self._outer_loop is not None:
             return step(closure)
         result = closure()
         replica.average_gradients([p for p in module.parameters() if p.requires_grad])

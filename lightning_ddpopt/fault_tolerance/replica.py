@@ -124,9 +124,18 @@ class Replica:
         self.manager.start_quorum()
         self._open = True
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Average the gradients over the islands of the quorum, in place (one flat fp32 all-reduce)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
+    def sync_mean(self, change: torch.Tensor) -> bool:
+        """Local SGD's sync across islands: a quorum, ``change`` averaged over its islands in place, the vote.
+
+        Returns whether the sync commits; a healing island's own change counts as zeros, and it receives the live
+        islands' state at the vote, before the outer step.
+        """
+        self.start_step()
+        self._note_participants()
+        self.manager.allreduce(change).wait()
+        return self.commit()
+
+    def _note_participants(self) -> None:
         try:
             participants = self.manager.num_participants()
         except TimeoutError as error:
@@ -139,6 +148,11 @@ class Replica:
             self.stats.quorum_changes += self.stats.participants != 0
             self.stats.participants = participants
             self.stats.history.append((self.manager.current_step() + 1, participants))
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Average the gradients over the islands of the quorum, in place (one flat fp32 all-reduce)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        self._note_participants()
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])

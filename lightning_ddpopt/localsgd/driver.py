@@ -51,6 +51,8 @@ class LocalSGDDriver:
         self.groups: IslandGroups | None = None
         self._group: dist.ProcessGroup | None = None
         self._sigterm: SigtermAtSyncs | None = None
+        #: Fault-tolerant islands: the job is one island, whatever ``replica`` says (the islands are jobs).
+        self.one_island = False
 
     def setup(self, trainer: pl.Trainer, world_size: int, device: torch.device) -> None:
         """Average the ranks first thing at the end of fit; check for SIGTERM once a window, not every batch."""
@@ -83,6 +85,11 @@ class LocalSGDDriver:
         ranks, what the comm hook needs to sync gradients inside the island: its group and whether the ranks train
         apart now (``None`` when every rank is a replica: no gradient syncs apart from the warm-up).
         """
+        if self.one_island and world_size > 1:
+            # DDP's own sync over the job's ranks is the island's every step; the islands' exchange is torchft's.
+            members = (tuple(range(world_size)),)
+            self.islands = Islands(rank, members, "fault tolerance: this job is one island of the quorum")
+            return None
         self.islands = plan_islands(self.config.replica, topology, world_size, rank)
         if world_size > 1:
             rank_zero_info(f"ddpopt: local SGD replicas: {self.islands.describe()}; {self.islands.reason}")
@@ -126,6 +133,12 @@ class LocalSGDDriver:
                     )
             return
         group = model.process_group
+        if self.one_island and self.islands is not None and self.islands.size > 1:
+            # The job's ranks are the island: its shards gathered over DDP's group, each rank alone in the replicas'
+            # group (the exchange across the islands goes through the fault-tolerant quorum instead).
+            self._group, _ = dist.new_subgroups(group_size=1)
+            self.loop = LocalSGD(self.config, model.module, self._group, island=group, place=self.islands.place)
+            return
         if self.config.overlap_steps:
             # The change travels while training goes on: on a group of its own, so that what training issues
             # meanwhile (the SIGTERM meeting, validation's collectives) does not queue behind it.
@@ -142,7 +155,8 @@ class LocalSGDDriver:
         """
         assert self.loop is not None
         sync = self.loop.before_batch()
-        set_ddp_sync(model, gradients=sync or self.groups is not None, buffers=None if sync else False)
+        inside = self.groups is not None or (self.one_island and self.islands is not None and self.islands.size > 1)
+        set_ddp_sync(model, gradients=sync or inside, buffers=None if sync else False)
 
     def after_optimizer_step(self, skipped: bool, ledger: CommLedger | None) -> None:
         """Count the optimizer step (``skipped``: the GradScaler skipped it) and record its sync in the ledger."""

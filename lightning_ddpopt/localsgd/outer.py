@@ -7,6 +7,8 @@ See :mod:`lightning_ddpopt.localsgd` for the method; :class:`LocalSGD` is driven
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,6 +98,10 @@ class LocalSGD(TravellingSync, OuterState):
         self._next_momentum: torch.Tensor | None = None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
+        #: Fault-tolerant islands (:mod:`lightning_ddpopt.fault_tolerance`): averages a change sent as it is, in place,
+        #: over the islands of the quorum and returns whether the sync commits (``None``: the replicas are
+        #: :attr:`process_group`'s).
+        self.across_islands: Callable[[torch.Tensor], bool] | None = None
 
     def unshard(self) -> None:
         """Hold the whole anchor and outer momentum on every rank and leave the island (at the end of training).
@@ -255,9 +261,18 @@ class LocalSGD(TravellingSync, OuterState):
         start = time.perf_counter()
         delta = self.layout.change(self.anchor, self._work_buffer())
         own_sq = squared_norm(delta)
-        wire_bytes = self._mean_inplace(delta)
+        committed = True
+        if self.across_islands is None:
+            wire_bytes = self._mean_inplace(delta)
+        else:  # a dropped sync (an island lost meanwhile) leaves the anchor: every island goes back to it
+            wire = delta if self.config.compression == "fp32" else self._wire_buffer().copy_(delta)
+            committed = self.across_islands(wire)
+            if wire is not delta:
+                delta.copy_(wire)
+            wire_bytes = wire.numel() * wire.element_size()
         drift = self._drift(own_sq, delta)
-        self._outer_step(delta, outer_step)
+        if committed:
+            self._outer_step(delta, outer_step)
         self.layout.load(self.layout.gather(self.anchor))
         self.layout.release()
         buffer_bytes = self._sync_buffers()
@@ -270,6 +285,26 @@ class LocalSGD(TravellingSync, OuterState):
             end_s=time.perf_counter(),
             drift=drift,
         )
+
+    def heal_state(self) -> dict[str, Any]:
+        """This rank's outer loop, for the same rank of a returning fault-tolerant island (tensors by reference)."""
+        return {
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "steps_off_anchor": self._steps_off_anchor,
+            "anchor": self.anchor,
+            "momentum": self.momentum,
+        }
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Take a live island's :meth:`heal_state` (in the middle of a sync, where it was taken)."""
+        self.steps, self.syncs, self._steps_off_anchor = state["steps"], state["syncs"], state["steps_off_anchor"]
+        for name in ("anchor", "momentum"):
+            mine, theirs = getattr(self, name), state[name]
+            if theirs is None or mine is None or mine.shape != theirs.shape:
+                setattr(self, name, None if theirs is None else theirs.to(self.params[0].device).clone())
+            else:
+                mine.copy_(theirs)
 
     def _drift(self, own_sq: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The squared norms of this replica's change and of the mean change (over the island's shards)."""
