@@ -29,6 +29,7 @@ from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPl
 from lightning_ddpopt.checkpoint import SavedRun, write_rank_states
 from lightning_ddpopt.checkpoint_meeting import RankStates
 from lightning_ddpopt.checkpoint_shards import shards_supported
+from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.install import HookInstaller
@@ -429,6 +430,11 @@ class CoreViews:
     def synced_gradients_identical(self) -> bool:
         """Whether this step's synchronised gradients are the same on every rank (each strategy says when)."""
         raise NotImplementedError
+
+    @property
+    def fault_tolerance_stats(self) -> ReplicaStats | None:
+        """With fault tolerance: what the quorum did to this island (``None`` without, and in Fabric's strategy)."""
+        return None
 
     @property
     def ledger(self) -> CommLedger | None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import textwrap
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 
 from lightning_ddpopt.core import CoreViews
+from lightning_ddpopt.fault_tolerance.finding import islands_finding, islands_summary
+from lightning_ddpopt.finding import Finding, Status
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, is_adaptive
 from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
@@ -18,6 +19,7 @@ from lightning_ddpopt.units import format_bytes
 
 __all__ = [
     "AREAS",
+    "Status",
     "FINDINGS_TITLE",
     "NETWORK_ADVICE",
     "REPORT_NAME",
@@ -31,10 +33,10 @@ __all__ = [
 #: The file CommProfiler writes at the end of fit and ``ddpopt report`` reads.
 REPORT_NAME = "ddpopt_report.json"
 
+#: The areas of every run's findings; a fault-tolerant run adds ``"islands"`` after them.
 AREAS = ("network", "compression", "amp", "accumulation", "stragglers")
 #: The first line of the findings, as printed and in TensorBoard.
 FINDINGS_TITLE = "ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)"
-Status = Literal["problem", "ok", "unknown"]
 
 #: An exposed sync (what the step waits for after its own backward compute) above this share of the step makes the
 #: network the bottleneck.
@@ -94,27 +96,6 @@ INT8_MARGIN = 1.1
 LOCAL_DRIFT_LIMIT = 1.0
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One line of the diagnosis.
-
-    Attributes:
-        area: ``"network"``, ``"compression"``, ``"amp"``, ``"accumulation"`` or ``"stragglers"``.
-        status: ``"problem"``, ``"ok"`` or ``"unknown"`` (not measured).
-        evidence: the figures behind the verdict.
-        recommendation: what to do; empty when nothing needs doing.
-    """
-
-    area: str
-    status: Status
-    evidence: str
-    recommendation: str = ""
-
-    def as_dict(self) -> dict[str, str]:
-        """The finding as a JSON-ready dict."""
-        return asdict(self)
-
-
 def summarize(trainer: pl.Trainer) -> dict[str, Any]:
     """Collect what the run's measuring callbacks and strategy know, keyed by area (a JSON-ready dict).
 
@@ -161,6 +142,9 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
             "syncs": local_sgd.syncs,
             "skipped_inner_steps": local_sgd.skipped_inner_steps,
         }
+    stats = strategy.fault_tolerance_stats if isinstance(strategy, CoreViews) else None
+    if stats is not None:
+        summary["fault_tolerance"] = islands_summary(stats)
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, MeasuringCallback):
             summary[callback.summary_key] = callback.summary()
@@ -170,10 +154,14 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
 def diagnose(summary: dict[str, Any]) -> list[Finding]:
     """Findings for each area, in the debugging order: network, compression, AMP, accumulation, stragglers.
 
+    A fault-tolerant run adds the islands' (their quorum, drops and heals).
+
     Args:
         summary: what :func:`summarize` returned, or a report's ``"summary"``.
     """
-    return [_network(summary), _compression(summary), _amp(summary), _accumulation(summary), _stragglers(summary)]
+    findings = [_network(summary), _compression(summary), _amp(summary), _accumulation(summary), _stragglers(summary)]
+    islands = islands_finding(summary)
+    return findings if islands is None else [*findings, islands]
 
 
 def format_findings(findings: list[Finding], width: int = 118) -> str:

@@ -94,10 +94,13 @@ def hook_found_finite(trainer: pl.Trainer) -> bool | None:
     PowerSGD's factors and the values sent exactly, a small fraction of the gradient. A non-finite value on any rank
     makes what it was reduced into non-finite, so that verdict covers every rank's gradients and is the same on
     every rank. ``None`` where there is none to take (another hook, PowerSGD's exact warm-up, a second call in the
-    step) or it is on a GPU (read there, it would make the host wait for the device): check for yourself then.
+    step), it is on a GPU (read there, it would make the host wait for the device), or the gradients were averaged
+    across fault-tolerant islands after the hook (its verdict saw only this island's): check for yourself then.
     """
     strategy = trainer.strategy
-    state = strategy.comm_state if isinstance(strategy, CoreViews) else None
+    if not isinstance(strategy, CoreViews) or strategy.fault_tolerance_stats is not None:
+        return None  # fault-tolerant islands average across the islands after the hook: its verdict saw one island
+    state = strategy.comm_state
     verdict = state.take_verdict() if isinstance(state, ErrorFeedbackState) else None
     return None if verdict is None or verdict.is_cuda else bool(verdict)
 

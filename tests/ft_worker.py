@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
@@ -48,6 +49,15 @@ class _Paced(pl.Callback):
             time.sleep(0.05)
 
 
+class _Scheduled(StackModel):
+    """StackModel with Adam and a per-step LR schedule: a heal must bring the schedule's position too."""
+
+    def configure_optimizers(self):  # type: ignore[override]
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("island", type=int)
@@ -59,8 +69,20 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--local-sgd", type=int, default=0, metavar="H")
+    parser.add_argument("--address", default="127.0.0.1", help="this island's address (MASTER_ADDR)")
+    parser.add_argument(
+        "--whole-job",
+        type=int,
+        default=0,
+        metavar="NODES",
+        help="no fault tolerance: ISLAND is the node rank of one DDP job of NODES nodes, whose first node is at "
+        "--address (the restart-from-checkpoint baseline of benchmarks/fault_tolerance.py)",
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps, resume one")
     args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    os.environ.update(MASTER_ADDR=args.address, MASTER_PORT=str(args.port))
+    if args.whole_job:
+        os.environ.update(NODE_RANK=str(args.island))
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(100 * (1 + args.island) + int(os.environ.get("LOCAL_RANK", "0")))
     x = torch.randn(64 * args.max_steps, WIDTH, generator=generator)
@@ -74,32 +96,43 @@ def main() -> None:
         connect_timeout_s=5.0,
     )
     local_sgd = LocalSGDConfig.diloco(args.local_sgd) if args.local_sgd else None
+    checkpoints: list[pl.Callback] = []
+    if args.checkpoint_every:
+        every = args.checkpoint_every
+        checkpoints = [ModelCheckpoint(args.out / "checkpoints", every_n_train_steps=every, save_last=True)]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=OptimizedDDPStrategy(fault_tolerance=config, local_sgd=local_sgd),
+        num_nodes=args.whole_job or 1,
+        strategy=OptimizedDDPStrategy(
+            fault_tolerance=None if args.whole_job else config, local_sgd=local_sgd, start_method="popen"
+        ),
         max_steps=args.max_steps,
         callbacks=[
             _Paced(args.out, args.island, args.step_seconds),
             CommProfiler(),
             StragglerDetector(),
             AMPMonitor(),
+            *checkpoints,
         ],
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(checkpoints),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(args.out / f"island{args.island}"),
     )
-    model = StackModel(lr=0.05, optimizer="adam")
-    trainer.fit(model, data)
+    model = _Scheduled(lr=0.05)
+    last = args.out / "checkpoints" / "last.ckpt"
+    trainer.fit(model, data, ckpt_path=last if args.checkpoint_every and last.exists() else None)
     strategy = trainer.strategy
-    assert isinstance(strategy, OptimizedDDPStrategy) and strategy.fault_tolerance_stats is not None
+    assert isinstance(strategy, OptimizedDDPStrategy)
+    stats = strategy.fault_tolerance_stats
     torch.save(
         {
             "parameters": {name: p.detach().clone() for name, p in model.named_parameters()},
             "global_step": trainer.global_step,
-            "stats": dataclasses.asdict(strategy.fault_tolerance_stats),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "stats": dataclasses.asdict(stats) if stats is not None else None,
         },
         args.out / f"island{args.island}_rank{trainer.global_rank}.pt",
     )

@@ -8,6 +8,7 @@ run everywhere.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -107,8 +108,11 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     reference = results[others[0]][0]["parameters"]
     for result in (r for island in results for r in island):
         assert all(torch.equal(reference[name], value) for name, value in result["parameters"].items())
-    # The run's commits (torchft's count): every step, or every sync (DiLoCo: the islands' join at the start, a sync
-    # every 4 steps up to step 28, and the end of fit's average of the last 2 steps).
+    # The per-step LR schedule came over with the heal: every island ends at the same LR, 0.05 x 0.9^(30 // 3).
+    lrs = [r["lr"] for island in results for r in island]
+    assert len(set(lrs)) == 1 and lrs[0] == pytest.approx(0.05 * 0.9**10)
+    # The run's commits (torchft's count): every step, or every sync (DiLoCo: the islands' join after the first step,
+    # a sync every 4 steps up to step 28, and the end of fit's average of the last 2 steps).
     commits = max_steps if mode == "every_step" else 1 + max_steps // int(sync_every) + 1
     assert [r["stats"]["step"] for island in results for r in island] == [commits] * 3 * len(ranks)
     for index in others:
@@ -119,6 +123,14 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
         assert [n for _, n in stats["history"]][-3:] == [3, 2, 3]
     healed = results[lost][0]["stats"]
     assert healed["heals"] >= 1 and healed["participants"] == 3
+    # Each island's report has the islands finding: the run's commits, and the restarted island's heal.
+    for index in range(3):
+        report = json.loads((tmp_path / f"island{index}" / "ddpopt_report.json").read_text())
+        (islands,) = [f for f in report["findings"] if f["area"] == "islands"]
+        assert islands["evidence"].startswith(f"island island{index}: {commits} commits in the run")
+        assert islands["status"] == "ok"
+        if index == lost:
+            assert f", healed {healed['heals']} time(s) (" in islands["evidence"]
 
 
 @needs_torchft
@@ -213,3 +225,38 @@ def test_the_lighthouse_command_serves_until_stopped(tmp_path):
         server.send_signal(signal.SIGTERM)
         out, _ = server.communicate(timeout=30)
     assert server.returncode == 0 and "ddpopt: Lighthouse stopped" in out
+
+
+def _islands_summary(history, heals=0, dropped=0):
+    return {
+        "fault_tolerance": {
+            "replica_id": "island1",
+            "step": 30,
+            "committed": 30 - dropped,
+            "dropped": dropped,
+            "heals": heals,
+            "heal_seconds": 0.012,
+            "quorum_changes": max(len(history) - 1, 0),
+            "participants": history[-1][1] if history else 0,
+            "history": history,
+        }
+    }
+
+
+@pytest.mark.quick
+def test_the_islands_finding_reports_the_quorum_and_calls_an_island_that_keeps_leaving_a_problem():
+    from lightning_ddpopt.diagnosis import diagnose
+
+    assert [f.area for f in diagnose({})][-1] == "stragglers"  # no fault tolerance: no islands finding
+    steady = diagnose(_islands_summary([[1, 3], [9, 2], [21, 3]], heals=1))[-1]
+    assert (steady.area, steady.status, steady.recommendation) == ("islands", "ok", "")
+    assert steady.evidence == (
+        "island island1: 30 commits in the run, 30 of them its own, 0 dropped, healed 1 time(s) (12 ms loading); "
+        "islands in the quorum: 3 from step 1, 2 from step 9, 3 from step 21"
+    )
+    dropped = diagnose(_islands_summary([[1, 3]], dropped=2))[-1]
+    assert dropped.status == "ok" and "raise FaultTolerance timeout_s" in dropped.recommendation
+    flapping = diagnose(_islands_summary([[1, 3], [5, 2], [9, 3], [14, 2], [20, 3]]))[-1]
+    assert flapping.status == "problem"
+    assert flapping.evidence.endswith("; the quorum lost an island 2 times")
+    assert flapping.recommendation.startswith("an island keeps failing and coming back")

@@ -32,14 +32,15 @@ class FaultTolerance:
         lighthouse: the Lighthouse's address, ``"http://host:port"`` (or ``"host:port"``); ``None`` (default):
             the ``TORCHFT_LIGHTHOUSE`` environment variable, as torchft reads it. Start one with
             ``ddpopt lighthouse --min-replicas N``.
-        min_replicas: islands that must take part for a step (or an outer sync) to commit; a quorum with fewer
-            waits for more. At least 1; not above the islands the Lighthouse was started for
-            (its ``--min-replicas``), which is checked when the first quorum forms.
+        min_replicas: islands that must take part for a step (or a local SGD sync) to commit, at least 1. A quorum
+            with fewer drops its steps, each with a warning naming both counts: keep it at most the Lighthouse's
+            ``--min-replicas``, which is what a quorum waits for.
         replica_id: this island's name in the quorum (default: ``REPLICA_GROUP_ID`` from the environment, else
-            the host name and the island's first port); a restarted island keeps its name.
+            the host name and ``MASTER_PORT``); give a restarted island the same name.
         timeout_s: seconds a cross-island collective, a commit vote or a heal's transfer may take before the step
             is dropped.
-        quorum_timeout_s: seconds to wait for a quorum of ``min_replicas`` islands before the run fails.
+        quorum_timeout_s: seconds to wait for a quorum of ``min_replicas`` islands before the run fails. With
+            local SGD a restarted island waits for the live islands' next sync: give it more than a sync window.
         connect_timeout_s: seconds to reach the Lighthouse and the other islands' managers; an unreachable
             Lighthouse fails setup after this, naming the address.
     """

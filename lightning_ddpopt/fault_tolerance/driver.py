@@ -18,7 +18,7 @@ import torch
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance
 from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
-from lightning_ddpopt.fault_tolerance.state import Phase, load_training_state, training_state
+from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
 from lightning_ddpopt.localsgd import LocalSGD
 
 __all__ = ["FaultTolerantSteps"]
@@ -34,8 +34,6 @@ class FaultTolerantSteps:
         self.replica: Replica | None = None
         #: What the quorum did to this island (kept after the fit ends); ``None`` before the first fit.
         self.stats: ReplicaStats | None = None
-        # Where this island is in its step whenever torchft gives or takes the state (see fault_tolerance.state).
-        self._phase: Phase = "in_step" if outer_loop is None else "after_step"
         self._joined = False
 
     def setup(self, trainer: pl.Trainer, island_rank: int, island_size: int, store: tuple[str, int]) -> None:
@@ -51,8 +49,8 @@ class FaultTolerantSteps:
             island_rank,
             island_size,
             store,
-            state_dict=lambda: training_state(trainer, self._phase),
-            load_state_dict=lambda state: load_training_state(trainer, state, self._phase),
+            state_dict=lambda: training_state(trainer),
+            load_state_dict=lambda state: load_training_state(trainer, state),
             device=module.device,
         )
         self.stats = self.replica.stats
@@ -70,14 +68,10 @@ class FaultTolerantSteps:
             if loop is not None and loop.across_islands is None:
                 loop.across_islands = replica.sync_mean
             if loop is not None and not self._joined:
-                # Join at once with a sync of no change of its own: at a fresh start every island (torchft gives the
-                # first island's state to the others), a restarted one at the live islands' next sync, healed there
-                # instead of training a window alone first.
-                self._joined, self._phase = True, "between_steps"
-                try:
-                    loop.sync()
-                finally:
-                    self._phase = "after_step"
+                # Join with a sync after the first step: at a fresh start every island (torchft gives the first
+                # island's state to the others), a restarted one at the live islands' next sync, healed there instead
+                # of training a window alone first. Inside a step, as the live islands' syncs are.
+                self._joined = loop.sync_next = True
             return
         if not replica.step_open:
             replica.start_step()
@@ -95,22 +89,30 @@ class FaultTolerantSteps:
         already computed, so precision plugins and callbacks see the averaged gradients as usual.
         """
         replica = self.replica
-        if replica is None or self._outer_loop is not None:
+        if replica is None:
             return step(closure)
+        if self._outer_loop is not None:  # local SGD: its syncs vote, inside this step
+            output = step(closure)
+            self._log(module, replica.stats)
+            return output
         result = closure()
         replica.average_gradients([p for p in module.parameters() if p.requires_grad])
         committed = replica.commit()
-        stats = replica.stats
-        module.log("ddpopt/ft/participants", float(stats.participants), on_step=True, on_epoch=False)
-        module.log("ddpopt/ft/dropped_steps", float(stats.dropped), on_step=True, on_epoch=False)
-        module.log("ddpopt/ft/heals", float(stats.heals), on_step=True, on_epoch=False)
+        self._log(module, replica.stats)
         if not committed:
             optimizer.zero_grad()
             return result
         return step(lambda: result)
 
+    @staticmethod
+    def _log(module: pl.LightningModule, stats: ReplicaStats) -> None:
+        module.log("ddpopt/ft/participants", float(stats.participants), on_step=True, on_epoch=False)
+        module.log("ddpopt/ft/dropped_steps", float(stats.dropped), on_step=True, on_epoch=False)
+        module.log("ddpopt/ft/heals", float(stats.heals), on_step=True, on_epoch=False)
+
     def teardown(self) -> None:
-        """Leave the quorum."""
+        """Leave the quorum (a later fit joins again)."""
+        self._joined = False
         if self.replica is not None:
             self.replica.close()
             self.replica = None

@@ -17,10 +17,12 @@ then takes the committed step with the others: its parameters equal theirs from 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,6 +40,8 @@ __all__ = ["Replica", "ReplicaStats"]
 class ReplicaStats:
     """What the quorum did to this island so far (for the logs, the report and tests)."""
 
+    #: This island's name in the quorum (without torchft's per-start suffix).
+    replica_id: str = ""
     #: The run's committed steps as of this island's last commit (torchft's step: a heal brings the peer's).
     step: int = 0
     #: Steps this island committed, and dropped, itself.
@@ -84,6 +88,7 @@ class Replica:
         if island_rank == 0:
             check_reachable(address, config.connect_timeout_s)
         self.stats = ReplicaStats()
+        self._island_rank = island_rank
         self._address, self._min_replicas, self._quorum_timeout_s = (
             address,
             config.min_replicas,
@@ -111,6 +116,7 @@ class Replica:
             store_port=store[1],
             lighthouse_addr=address,
             replica_id=self.replica_id,
+            hostname=_advertised(store[0]),
         )
         self._open = False
 
@@ -142,7 +148,8 @@ class Replica:
             raise TimeoutError(
                 f"no quorum of min_replicas={self._min_replicas} islands formed within quorum_timeout_s="
                 f"{self._quorum_timeout_s:g} at the Lighthouse {self._address}: are that many islands started, and was "
-                "the Lighthouse started with --min-replicas at most that?"
+                "the Lighthouse started with --min-replicas at most that? (With local SGD an island waits here for the "
+                "others' next sync: give quorum_timeout_s more than a sync window's time.)"
             ) from error
         if participants != self.stats.participants:
             self.stats.quorum_changes += self.stats.participants != 0
@@ -151,16 +158,26 @@ class Replica:
 
     def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
         """Average the gradients over the islands of the quorum, in place (one flat fp32 all-reduce)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
         self._note_participants()
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        # Every trainable parameter in one order on every island, a missing gradient as zeros: the same shape
+        # everywhere, whichever parameters this island's batch used.
+        flat = torch.cat(
+            [
+                p.grad.reshape(-1).to(torch.float32)
+                if p.grad is not None
+                else p.new_zeros(p.numel(), dtype=torch.float32)
+                for p in parameters
+            ]
+        )
         self.manager.allreduce(flat).wait()
         offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        for p in parameters:
+            averaged = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = averaged.to(p.dtype).clone()
+            else:
+                p.grad.copy_(averaged)
+            offset += p.numel()
 
     def commit(self) -> bool:
         """Vote on the step with every island; ``True``: step the optimizer, ``False``: the step is dropped."""
@@ -169,9 +186,22 @@ class Replica:
         self.stats.step = self.manager.current_step()
         if committed:
             self.stats.committed += 1
-        else:
-            self.stats.dropped += 1
-        return committed
+            return True
+        self.stats.dropped += 1
+        if self._island_rank == 0:
+            participants = self.stats.participants
+            why = (
+                f"the quorum has {participants} island(s), fewer than FaultTolerance(min_replicas="
+                f"{self._min_replicas}) (is the Lighthouse's --min-replicas lower, or are fewer islands running?)"
+                if participants < self._min_replicas
+                else "a collective failed (an island lost mid-step, or FaultTolerance timeout_s too short for the link)"
+            )
+            warnings.warn(
+                f"ddpopt: island {self.replica_id} dropped its commit after commit {self.stats.step}: {why}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
 
     def _healed(self, state: dict[str, Any]) -> None:
         """Load the state torchft hands over at the commit (a peer's, fetched during the quorum), timed."""
@@ -183,3 +213,16 @@ class Replica:
     def close(self) -> None:
         """Leave the quorum (at the end of fit)."""
         self.manager.shutdown(wait=False)
+
+
+def _advertised(store_host: str) -> str:
+    """The address the other islands reach this island's manager at.
+
+    Its store's host, unless that is a loopback address (a job on one machine, launched without ``MASTER_ADDR``):
+    then the machine's name, torchft's default.
+    """
+    try:
+        loopback = ipaddress.ip_address(store_host).is_loopback
+    except ValueError:  # a host name
+        loopback = store_host == "localhost"
+    return socket.gethostname() if loopback else store_host

@@ -179,6 +179,10 @@ class ErrorFeedbackState(CommHookState):
         self._round = self._sealed = self._verdict_round = None
         self._held = {}
 
+    def forget_errors(self) -> None:
+        """Drop every stored and staged error (a fault-tolerant heal replaced the weights they were computed on)."""
+        self._drop_errors()
+
     def _drop_errors(self) -> None:
         self.errors, self.error_scales, self._scale_unknown = {}, {}, set()
         self._round = self._sealed = self._verdict_round = None

@@ -102,6 +102,8 @@ class LocalSGD(TravellingSync, OuterState):
         #: over the islands of the quorum and returns whether the sync commits (``None``: the replicas are
         #: :attr:`process_group`'s).
         self.across_islands: Callable[[torch.Tensor], bool] | None = None
+        #: Sync after the next local optimizer step, whatever the schedule (every rank alike), then as scheduled.
+        self.sync_next = False
 
     def unshard(self) -> None:
         """Hold the whole anchor and outer momentum on every rank and leave the island (at the end of training).
@@ -203,6 +205,9 @@ class LocalSGD(TravellingSync, OuterState):
         self._steps_off_anchor += 1
         if self._in_flight is not None and self.steps == self._in_flight.apply_at:
             return self._apply_in_flight()
+        if self.sync_next:  # a sync asked for out of schedule (a fault-tolerant island joining)
+            self.sync_next, self.met_in_batch = False, True
+            return self.sync()
         if (self.steps - self.config.warmup_steps) % self.config.sync_every:
             return None
         self.met_in_batch = True
@@ -297,7 +302,7 @@ class LocalSGD(TravellingSync, OuterState):
         }
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Take a live island's :meth:`heal_state` (in the middle of a sync, where it was taken)."""
+        """Take a live island's :meth:`heal_state` (in a sync, as it was taken: the sync then goes on as theirs)."""
         self.steps, self.syncs, self._steps_off_anchor = state["steps"], state["syncs"], state["steps_off_anchor"]
         for name in ("anchor", "momentum"):
             mine, theirs = getattr(self, name), state[name]

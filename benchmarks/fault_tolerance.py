@@ -1,0 +1,191 @@
+"""Work lost to a lost island: fault-tolerant islands against a restart of the whole job from its checkpoint.
+
+Three emulated hosts (network namespaces on a shaped link, as ``benchmarks/cluster.py`` makes them), one island
+(one rank) per host, ``tests/ft_worker.py``'s model paced to ``--step-seconds`` a step, ``--steps`` steps. Three runs:
+
+- ``no_fault``: the fault-tolerant run with nothing killed (the reference);
+- ``fault_tolerant``: island 1 killed with SIGKILL at ``--kill-at`` and started again at once: the other two train
+  on, and it heals from them;
+- ``checkpoint_restart``: the same three hosts as one DDP job without fault tolerance, a checkpoint every
+  ``--checkpoint-every`` steps; host 1 killed at ``--kill-at``, the job dies, and all three are started again from
+  the last checkpoint.
+
+Reported for each: the wall time to the last step, and the work lost: island-steps of samples that never reached a
+committed step (a fault-tolerant step counts the islands absent from its quorum; a restart counts the steps done
+again after the checkpoint on every host), and the island-seconds no island trained (the wall time over the
+reference's, times the islands).
+
+Run (as root, with iproute2):  .venv/bin/python benchmarks/fault_tolerance.py [--steps 300] [--kill-at 180]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster import Cluster, can_emulate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ISLANDS = 3
+
+
+def _start(cluster: Cluster, island: int, out: Path, args: argparse.Namespace, *options: str) -> subprocess.Popen:
+    host = cluster.hosts[island]
+    command = [sys.executable, "-m", "tests.ft_worker", str(island), f"http://{cluster.hosts[0].address}:29510"]
+    # One port for every host: each island is alone in its namespace, and the whole job's nodes all use node 0's.
+    command += ["29600", str(out), "--max-steps", str(args.steps), "--step-seconds", str(args.step_seconds)]
+    command += [*options]
+    if host.namespace is not None:
+        command = ["ip", "netns", "exec", host.namespace, *command]
+    log = (out / f"log{island}.txt").open("a")
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    cluster.running.append(process)
+    return process
+
+
+def _step(out: Path, island: int) -> int:
+    path = out / f"island{island}.step"
+    text = path.read_text() if path.exists() else ""
+    return int(text) if text else 0
+
+
+def _kill_at(process: subprocess.Popen, out: Path, island: int, step: int) -> float:
+    while _step(out, island) < step:
+        if process.poll() is not None:
+            raise RuntimeError(f"island {island} ended before step {step}: {(out / f'log{island}.txt').read_text()}")
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return time.monotonic()
+
+
+def run_fault_tolerant(cluster: Cluster, out: Path, args: argparse.Namespace, kill: bool) -> dict[str, Any]:
+    out.mkdir(parents=True)
+    lighthouse_cmd = [sys.executable, "-m", "lightning_ddpopt.cli", "lighthouse", "--port", "29510"]
+    lighthouse_cmd += ["--min-replicas", "2", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "20000"]
+    namespace = cluster.hosts[0].namespace
+    if namespace is not None:
+        lighthouse_cmd = ["ip", "netns", "exec", namespace, *lighthouse_cmd]
+    lighthouse = subprocess.Popen(lighthouse_cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cluster.running.append(lighthouse)
+    assert lighthouse.stdout is not None
+    lighthouse.stdout.readline()  # its address: serving
+    started = time.monotonic()
+    islands = [_start(cluster, i, out, args, "--address", cluster.hosts[i].address) for i in range(ISLANDS)]
+    downtime = 0.0
+    if kill:
+        killed = _kill_at(islands[1], out, 1, args.kill_at)
+        islands[1] = _start(cluster, 1, out, args, "--address", cluster.hosts[1].address)
+        while _step(out, 1) <= args.kill_at and islands[1].poll() is None:
+            time.sleep(0.01)
+        downtime = time.monotonic() - killed
+    for island in islands:
+        island.wait()
+    wall = time.monotonic() - started
+    lighthouse.send_signal(signal.SIGTERM)
+    lighthouse.wait()
+    results = [torch.load(out / f"island{i}_rank0.pt") for i in range(ISLANDS)]
+    history = results[0]["stats"]["history"]
+    # Participants per committed step, from the quorum's size at each change: the absent islands' samples are lost.
+    absent = 0
+    for (step, participants), following in zip(history, [*history[1:], (args.steps + 1, 0)], strict=True):
+        absent += (ISLANDS - participants) * (following[0] - step)
+    equal = all(
+        torch.equal(results[0]["parameters"][name], result["parameters"][name])
+        for result in results
+        for name in result["parameters"]
+    )
+    return {
+        "wall_s": wall,
+        "lost_island_steps": absent,
+        "island_down_s": downtime,
+        "parameters_equal": equal,
+        "quorum_sizes": history,
+    }
+
+
+def run_checkpoint_restart(cluster: Cluster, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out.mkdir(parents=True)
+    options = ("--address", cluster.hosts[0].address, "--whole-job", str(ISLANDS))
+    options += ("--checkpoint-every", str(args.checkpoint_every))
+    started = time.monotonic()
+    hosts = [_start(cluster, i, out, args, *options) for i in range(ISLANDS)]
+    killed = _kill_at(hosts[1], out, 0, args.kill_at)  # host 0 writes the job's step
+    for host in hosts:
+        try:
+            host.wait(timeout=120)  # the others fail once their peer is gone
+        except subprocess.TimeoutExpired:  # a scheduler would end the job: so does this
+            host.kill()
+            host.wait()
+    died = time.monotonic() - killed
+    hosts = [_start(cluster, i, out, args, *options) for i in range(ISLANDS)]
+    for host in hosts:
+        if host.wait() != 0:
+            raise RuntimeError(f"the restarted job failed: {(out / 'log0.txt').read_text()[-3000:]}")
+    wall = time.monotonic() - started
+    redone = args.kill_at - (args.kill_at // args.checkpoint_every) * args.checkpoint_every
+    return {"wall_s": wall, "lost_island_steps": redone * ISLANDS, "job_died_after_s": died}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--kill-at", type=int, default=180)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--step-seconds", type=float, default=0.05, help="each step's pacing: its compute")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--name", default="fault_tolerance")
+    args = parser.parse_args()
+    reason = can_emulate()
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddpopt-ft-{os.getpid()}"
+    results: dict[str, Any] = {}
+    with Cluster(ISLANDS, args.rate, loopback=reason is not None) as cluster:
+        link = "loopback (unshaped)" if reason else f"{args.rate}"
+        print(f"fault tolerance: {ISLANDS} hosts on {link}; {args.steps} steps", flush=True)
+        results["no_fault"] = run_fault_tolerant(cluster, work / "no_fault", args, kill=False)
+        print(f"  no_fault {results['no_fault']['wall_s']:.1f} s", flush=True)
+        results["fault_tolerant"] = run_fault_tolerant(cluster, work / "fault_tolerant", args, kill=True)
+        print(f"  fault_tolerant {results['fault_tolerant']['wall_s']:.1f} s", flush=True)
+        results["checkpoint_restart"] = run_checkpoint_restart(cluster, work / "checkpoint_restart", args)
+        print(f"  checkpoint_restart {results['checkpoint_restart']['wall_s']:.1f} s", flush=True)
+    reference = results["no_fault"]["wall_s"]
+    lines = [
+        f"Fault tolerance: {ISLANDS} emulated hosts on {link}, one island (one rank) each, {args.steps} steps of "
+        f"{args.step_seconds * 1e3:g} ms compute, island 1 lost at step {args.kill_at}; checkpoints every "
+        f"{args.checkpoint_every} steps for the restart",
+        f"Command: `benchmarks/fault_tolerance.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}",
+        "",
+        "| run | wall s | over no fault s | island-seconds lost | island-steps of samples lost |",
+        "|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        extra = result["wall_s"] - reference
+        lines.append(
+            f"| {name} | {result['wall_s']:.1f} | {extra:+.1f} | {max(extra, 0.0) * ISLANDS:.1f} | "
+            f"{result['lost_island_steps']} |"
+        )
+    ft = results["fault_tolerant"]
+    lines += [
+        "",
+        f"The killed island was back in the quorum {ft['island_down_s']:.1f} s after it was killed; the quorum's sizes "
+        f"(step, islands): {ft['quorum_sizes']}; every island's parameters equal at the end: {ft['parameters_equal']}.",
+    ]
+    out = Path(args.out)
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
