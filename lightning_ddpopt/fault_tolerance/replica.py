@@ -102,6 +102,7 @@ class Replica:
         self.replica_id = (
             config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{socket.gethostname()}_{store[1]}"
         )
+        self.stats.replica_id = self.replica_id
         self.manager = Manager(
             pg=group,
             load_state_dict=self._healed,
