@@ -45,10 +45,12 @@ def _start(cluster: Cluster, island: int, out: Path, args: argparse.Namespace, *
     # One port for every host: each island is alone in its namespace, and the whole job's nodes all use node 0's.
     command += ["29600", str(out), "--max-steps", str(args.steps), "--step-seconds", str(args.step_seconds)]
     command += [*options]
+    env = dict(os.environ)
     if host.namespace is not None:
         command = ["ip", "netns", "exec", host.namespace, *command]
+        env["GLOO_SOCKET_IFNAME"] = host.interface  # gloo's own address lookup would find a loopback one
     log = (out / f"log{island}.txt").open("a")
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     cluster.running.append(process)
     return process
 
