@@ -6,6 +6,7 @@ It holds no training state, so it can run anywhere the islands reach (a login no
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -55,6 +56,8 @@ def serve(
         stop: an event that stops the server (for callers that run it in a thread).
     """
     require_torchft()
+    # torchft's Rust side logs every quorum at INFO (lines a step); a user's RUST_LOG still decides.
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(
