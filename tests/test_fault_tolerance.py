@@ -23,6 +23,7 @@ import torch
 from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
 from lightning_ddpopt.cli import main as ddpopt
 from lightning_ddpopt.fault_tolerance import FaultTolerance, config
+from tests.helpers import StackModel
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_torchft = pytest.mark.skipif(
@@ -131,6 +132,34 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
         assert islands["status"] == "ok"
         if index == lost:
             assert f", healed {healed['heals']} time(s) (" in islands["evidence"]
+
+
+@needs_torchft
+def test_a_quorum_smaller_than_min_replicas_drops_every_step_and_says_why(tmp_path):
+    # The Lighthouse forms quorums of 2, the islands ask for 3: every step is dropped (no optimizer step: the
+    # parameters stay the initial ones), with a warning naming both counts, and the run still ends.
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
+    try:
+        logs = [tmp_path / f"log{i}.txt" for i in range(2)]
+        options = ("--min-replicas", "3", "--step-seconds", "0")
+        islands = [_island(i, lighthouse.address(), tmp_path, 4, logs[i], *options) for i in range(2)]
+        for index, island in enumerate(islands):
+            assert island.wait(timeout=180) == 0, logs[index].read_text()[-5000:]
+    finally:
+        lighthouse.shutdown()
+    initial = dict(StackModel().named_parameters())
+    for index in range(2):
+        result = torch.load(tmp_path / f"island{index}_rank0.pt")
+        assert result["global_step"] == 4  # Lightning counts the dropped steps: every island alike
+        assert (result["stats"]["committed"], result["stats"]["dropped"], result["stats"]["step"]) == (0, 4, 0)
+        assert all(torch.equal(initial[name], value) for name, value in result["parameters"].items())
+        warned = (
+            f"ddpopt: island island{index} dropped its commit after commit 0: the quorum has 2 island(s), fewer than "
+            "FaultTolerance(min_replicas=3)"
+        )
+        assert logs[index].read_text().count(warned) == 1  # the same words after the same commit: said once
 
 
 @needs_torchft
