@@ -30,8 +30,8 @@ from tests.helpers import WIDTH, StackModel
 
 class _Paced(pl.Callback):
     """Paces the steps and lets the test act between them: the first rank writes ``islandI.started`` at the start
-    of training and the step to ``islandI.step`` after each batch; every rank waits after a batch while a file
-    ``hold`` exists whose step it has reached."""
+    of training and the step to ``islandI.step`` after each batch; every rank waits at the start while a file
+    ``hold_start`` exists, and after a batch while a file ``hold`` exists whose step it has reached."""
 
     def __init__(self, out: Path, island: int, seconds: float) -> None:
         self.out, self.island, self.seconds = out, island, seconds
@@ -39,6 +39,8 @@ class _Paced(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_rank == 0:
             (self.out / f"island{self.island}.started").write_text("")
+        while (self.out / "hold_start").exists():  # until the test has seen every island start
+            time.sleep(0.05)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_rank == 0:

@@ -78,8 +78,15 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     options = ("--devices", devices, "--local-sgd", sync_every)
     try:
         logs = [tmp_path / f"log{i}.txt" for i in range(3)]
+        # Every island waits at its start until all three are up, so that the first quorum holds all three (a slow
+        # start would otherwise join later, healing, and the quorum would be 2 before the loss as well).
+        (tmp_path / "hold_start").write_text("")
         islands = [_island(i, lighthouse.address(), tmp_path, max_steps, logs[i], *options) for i in range(3)]
         deadline = time.monotonic() + 120
+        while not all((tmp_path / f"island{i}.started").exists() for i in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in islands), "an island ended early"
+            time.sleep(0.05)
+        (tmp_path / "hold_start").unlink()
         while _step(tmp_path, lost) < 8:
             assert time.monotonic() < deadline and islands[lost].poll() is None, logs[lost].read_text()[-3000:]
             time.sleep(0.02)
