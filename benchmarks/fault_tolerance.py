@@ -15,7 +15,10 @@ committed step (a fault-tolerant step counts the islands absent from its quorum;
 again after the checkpoint on every host), and island-seconds (the wall time over its kind's run without a fault,
 times the islands).
 
-Run (as root, with iproute2):  .venv/bin/python benchmarks/fault_tolerance.py [--steps 300] [--kill-at 180]
+Run:  .venv/bin/python benchmarks/fault_tolerance.py --loopback [--steps 120] [--kill-at 70]
+
+Without ``--loopback`` (as root, with iproute2) the hosts are shaped network namespaces; there torchft's gloo group
+timed out receiving in the first steps on 2026-12-06, which is not understood yet.
 """
 
 from __future__ import annotations
@@ -23,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,25 +40,6 @@ from cluster import Cluster, can_emulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ISLANDS = 3
-
-
-def _name_hosts(cluster: Cluster) -> list[Path]:
-    """Make this machine's name resolve, inside each host's namespace, to that host's address.
-
-    torchft's gloo groups take their address from the machine's name (not ``GLOO_SOCKET_IFNAME``), which outside
-    the namespaces resolves to an address no other host reaches. ``ip netns exec`` mounts ``/etc/netns/NAME/hosts``
-    over ``/etc/hosts``. Returns the files made, for removal.
-    """
-    made = []
-    for host in cluster.hosts:
-        if host.namespace is None:
-            continue
-        folder = Path("/etc/netns") / host.namespace
-        folder.mkdir(parents=True, exist_ok=True)
-        hosts = folder / "hosts"
-        hosts.write_text(f"127.0.0.1 localhost\n{host.address} {socket.gethostname()}\n")
-        made.append(hosts)
-    return made
 
 
 def _start(cluster: Cluster, island: int, out: Path, args: argparse.Namespace, *options: str) -> subprocess.Popen:
@@ -188,7 +170,6 @@ def main() -> None:
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddpopt-ft-{os.getpid()}"
     results: dict[str, Any] = {}
     with Cluster(ISLANDS, args.rate, loopback=reason is not None) as cluster:
-        named = _name_hosts(cluster)
         link = "loopback (unshaped)" if reason else f"{args.rate}"
         print(f"fault tolerance: {ISLANDS} hosts on {link}; {args.steps} steps", flush=True)
         results["no_fault"] = run_fault_tolerant(cluster, work / "no_fault", args, kill=False)
@@ -199,8 +180,6 @@ def main() -> None:
         print(f"  job_no_fault {results['job_no_fault']['wall_s']:.1f} s", flush=True)
         results["checkpoint_restart"] = run_checkpoint_restart(cluster, work / "checkpoint_restart", args, kill=True)
         print(f"  checkpoint_restart {results['checkpoint_restart']['wall_s']:.1f} s", flush=True)
-        for path in named:
-            shutil.rmtree(path.parent, ignore_errors=True)
     # Each run against its own kind's run without a fault: the whole job has no quorum to ask every step.
     references = {
         "no_fault": "no_fault",
