@@ -433,7 +433,7 @@ class CoreViews:
 
     @property
     def fault_tolerance_stats(self) -> ReplicaStats | None:
-        """With fault tolerance: what the quorum did to this island (``None`` without, and in Fabric's strategy)."""
+        """With fault tolerance: what the quorum did to this island (``None`` without)."""
         return None
 
     @property

@@ -42,6 +42,7 @@ from lightning_ddpopt.core import StrategyCore
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
 from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
 from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
+from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
@@ -197,13 +198,9 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             **kwargs,
         )
         check_ddp_strategy_internals(self)
-        self._fault_tolerance: FaultTolerantSteps | None = None
-        if fault_tolerance is not None:
-            driver = self._core.local_sgd
-            if driver is not None:
-                driver.one_island = True  # each island is a job of its own: the job is one replica
-            outer = (lambda: self.local_sgd) if driver is not None else None
-            self._fault_tolerance = FaultTolerantSteps(fault_tolerance, outer)
+        self._fault_tolerance = (
+            FaultTolerantSteps(fault_tolerance, self._core.local_sgd) if fault_tolerance is not None else None
+        )
         self._ddp_kwargs.update(self._core.ddp_flags)
         self._accumulation = ManualAccumulation()
 
@@ -269,10 +266,22 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         if self._core.local_sgd is not None:
             self._core.local_sgd.setup(trainer, self.world_size, self.root_device)
         if self._fault_tolerance is not None and trainer.state.fn == TrainerFn.FITTING:
+            if not trainer.lightning_module.automatic_optimization:
+                raise ValueError(
+                    "fault_tolerance needs automatic optimization: the strategy votes on each optimizer step before "
+                    "taking it; manual optimization is not supported yet"
+                )
             environment = self.cluster_environment
             assert environment is not None
-            store = (environment.main_address, environment.main_port)
-            self._fault_tolerance.setup(trainer, self.global_rank, self.world_size, store)
+            self._fault_tolerance.setup(
+                self.global_rank,
+                self.world_size,
+                (environment.main_address, environment.main_port),
+                self.root_device,
+                state_dict=lambda: training_state(trainer),
+                load_state_dict=lambda state: load_training_state(trainer, state),
+                broadcast=self.broadcast,
+            )
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -314,15 +323,22 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             return super(OptimizedDDPStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
 
         ft, module = self._fault_tolerance, self.lightning_module
+
+        def run() -> Any:
+            if ft is None or module is None:
+                return take(closure)
+            return ft.optimizer_step(optimizer, closure, take, [p for p in module.parameters() if p.requires_grad])
+
         output, records = self._core.optimizer_step(
             optimizer,
-            (lambda: take(closure))
-            if ft is None or module is None
-            else lambda: ft.optimizer_step(optimizer, closure, take, module),
+            run,
             self.model,
             self._say,
             self._rewrap,
         )
+        if ft is not None and ft.stats is not None and module is not None:
+            for name, value in ft.stats.metrics().items():
+                module.log(name, value, on_step=True, on_epoch=False)
         # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
         for record in records:
             self._accumulation.check_syncs_per_step(self.lightning_module, record.sync_rounds, record.micro_batches)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,6 @@ import torch
 from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
 from lightning_ddpopt.cli import main as ddpopt
 from lightning_ddpopt.fault_tolerance import FaultTolerance, config
-from tests.helpers import StackModel
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_torchft = pytest.mark.skipif(
@@ -50,9 +50,87 @@ def _step(out: Path, index: int) -> int:
     return int(text) if text else 0
 
 
+def _kill_with_its_processes(island: subprocess.Popen) -> None:
+    """SIGKILL a process and every process under it at once, as a lost machine goes (torchrun's ranks run in sessions
+    of their own: a signal to the agent's group does not reach them)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        parents[int(stat.parent.name)] = int(fields[1])
+    doomed, grown = {island.pid}, True
+    while grown:
+        more = {pid for pid, parent in parents.items() if parent in doomed} - doomed
+        doomed |= more
+        grown = bool(more)
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _lose_one_and_heal_it(
+    out: Path,
+    lost: int,
+    start: Callable[[int, str, Path], subprocess.Popen],
+    kill: Callable[[subprocess.Popen], None],
+) -> list[int]:
+    """A Lighthouse and three islands (``start(index, lighthouse, log)``); island ``lost`` is killed at step 8, the
+    others go on and wait at step 20 until it is restarted under its name; every island must end with exit code 0.
+    Returns the islands that stayed."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
+    logs = [out / f"log{i}.txt" for i in range(3)]
+
+    def tails() -> str:
+        return "\n".join(f"--- island {i}:\n{log.read_text()[-3000:]}" for i, log in enumerate(logs) if log.exists())
+
+    try:
+        # Every island waits at its start until all three are up, so that the first quorum holds all three (a slow
+        # start would otherwise join later, healing, and the quorum would be 2 before the loss as well).
+        (out / "hold_start").write_text("")
+        islands = [start(i, lighthouse.address(), logs[i]) for i in range(3)]
+        deadline = time.monotonic() + 120
+        while not all((out / f"island{i}.started").exists() for i in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in islands), tails()
+            time.sleep(0.05)
+        (out / "hold_start").unlink()
+        while _step(out, lost) < 8:
+            assert time.monotonic() < deadline and islands[lost].poll() is None, tails()
+            time.sleep(0.02)
+        kill(islands[lost])
+        islands[lost].wait()
+        killed_at = _step(out, lost)
+        others = [i for i in range(3) if i != lost]
+        # The others train on without it (the Lighthouse drops it after a second without heartbeats), then wait at
+        # step 20 until it is back: both modes then have live islands to heal from, however long the start takes.
+        (out / "hold").write_text("20")
+        while min(_step(out, i) for i in others) < killed_at + 8:
+            assert time.monotonic() < deadline and all(islands[i].poll() is None for i in others), tails()
+            time.sleep(0.02)
+        (out / f"island{lost}.started").unlink()
+        islands[lost] = start(lost, lighthouse.address(), logs[lost])
+        while not (out / f"island{lost}.started").exists():
+            assert time.monotonic() < deadline and islands[lost].poll() is None, tails()
+            time.sleep(0.05)
+        (out / "hold").unlink()
+        codes = [island.wait(timeout=180) for island in islands]
+        assert codes == [0, 0, 0], tails()
+    finally:
+        lighthouse.shutdown()
+    return others
+
+
 MODES = {
     # Each step's gradients averaged across the islands, each step a commit point; islands of one rank.
     "every_step": ("1", "0"),
+    # The same with islands of two ranks: rank r of each island meets rank r of the others (torchft's first quorum
+    # gives each rank another island's state, the island's first rank realigns them after the first step).
+    "every_step_2ranks": ("2", "0"),
     # DiLoCo every 4 steps across the islands, each sync the commit point; islands of two ranks (each rank carries
     # its half of the change across, with the same rank of the other islands).
     "diloco": ("2", "4"),
@@ -62,54 +140,22 @@ MODES = {
 @needs_torchft
 @pytest.mark.parametrize(
     ("mode", "lost"),
-    [("every_step", 2), ("every_step", 0), ("diloco", 1)],
-    ids=["every_step-island2", "every_step-island0", "diloco-island1"],
+    [("every_step", 2), ("every_step_2ranks", 0), ("diloco", 1)],
+    ids=["every_step-island2", "every_step_2ranks-island0", "diloco-island1"],
 )
 def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, lost):
     # Three islands; one is killed with SIGKILL at step 8 (between two steps), the other two go on without it, it is
     # started again under its name and heals from a live island: every island ends at step 30 with the same
     # parameters, and the two that stayed dropped nothing. The first island (which torchft's first quorum made the
     # others' source) is lost as well as another.
-    from torchft.coordination import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
     max_steps = 30
     devices, sync_every = MODES[mode]
     options = ("--devices", devices, "--local-sgd", sync_every)
-    try:
-        logs = [tmp_path / f"log{i}.txt" for i in range(3)]
-        # Every island waits at its start until all three are up, so that the first quorum holds all three (a slow
-        # start would otherwise join later, healing, and the quorum would be 2 before the loss as well).
-        (tmp_path / "hold_start").write_text("")
-        islands = [_island(i, lighthouse.address(), tmp_path, max_steps, logs[i], *options) for i in range(3)]
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"island{i}.started").exists() for i in range(3)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in islands), "an island ended early"
-            time.sleep(0.05)
-        (tmp_path / "hold_start").unlink()
-        while _step(tmp_path, lost) < 8:
-            assert time.monotonic() < deadline and islands[lost].poll() is None, logs[lost].read_text()[-3000:]
-            time.sleep(0.02)
-        islands[lost].send_signal(signal.SIGKILL)
-        islands[lost].wait()
-        killed_at = _step(tmp_path, lost)
-        others = [i for i in range(3) if i != lost]
-        # The others train on without it (the Lighthouse drops it after a second without heartbeats), then wait at
-        # step 20 until it is back: both modes then have live islands to heal from, however long the start takes.
-        (tmp_path / "hold").write_text("20")
-        while min(_step(tmp_path, i) for i in others) < killed_at + 8:
-            assert time.monotonic() < deadline, [logs[i].read_text()[-3000:] for i in others]
-            time.sleep(0.02)
-        (tmp_path / f"island{lost}.started").unlink()
-        islands[lost] = _island(lost, lighthouse.address(), tmp_path, max_steps, logs[lost], *options)
-        while not (tmp_path / f"island{lost}.started").exists():
-            assert time.monotonic() < deadline and islands[lost].poll() is None, logs[lost].read_text()[-3000:]
-            time.sleep(0.05)
-        (tmp_path / "hold").unlink()
-        for index, island in enumerate(islands):
-            assert island.wait(timeout=180) == 0, logs[index].read_text()[-5000:]
-    finally:
-        lighthouse.shutdown()
+
+    def start(index: int, lighthouse: str, log: Path) -> subprocess.Popen:
+        return _island(index, lighthouse, tmp_path, max_steps, log, *options)
+
+    others = _lose_one_and_heal_it(tmp_path, lost, start, lambda island: island.send_signal(signal.SIGKILL))
     ranks = range(int(devices))
     results = [[torch.load(tmp_path / f"island{i}_rank{r}.pt") for r in ranks] for i in range(3)]
     assert [r["global_step"] for island in results for r in island] == [max_steps] * 3 * len(ranks)
@@ -121,7 +167,7 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     assert len(set(lrs)) == 1 and lrs[0] == pytest.approx(0.05 * 0.9**10)
     # The run's commits (torchft's count): every step, or every sync (DiLoCo: the islands' join after the first step,
     # a sync every 4 steps up to step 28, and the end of fit's average of the last 2 steps).
-    commits = max_steps if mode == "every_step" else 1 + max_steps // int(sync_every) + 1
+    commits = max_steps if mode.startswith("every_step") else 1 + max_steps // int(sync_every) + 1
     assert [r["stats"]["step"] for island in results for r in island] == [commits] * 3 * len(ranks)
     for index in others:
         stats = results[index][0]["stats"]
@@ -142,9 +188,54 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
 
 
 @needs_torchft
-def test_a_quorum_smaller_than_min_replicas_drops_every_step_and_says_why(tmp_path):
-    # The Lighthouse forms quorums of 2, the islands ask for 3: every step is dropped (no optimizer step: the
-    # parameters stay the initial ones), with a warning naming both counts, and the run still ends.
+def test_fabric_islands_started_by_torchrun_lose_one_and_heal_it_with_fp16_an_overflow_and_the_int8_hook(tmp_path):
+    # Three Fabric loops of two ranks each, every one started by torchrun (the island a torchrun job, as on a
+    # cluster), fp16 with a GradScaler, the int8 hook inside each island, a Monitor attached. Island 0's loss
+    # overflows at its 5th batch: the average across the islands is inf, so every island's GradScaler skips that step
+    # and halves its scale. Island 1 is killed with its whole process group (the torchrun agent and both ranks) at
+    # step 8, restarted, and heals: the model, Adam's state, the GradScaler, the step count and the LR schedule
+    # (through the strategy's heal_state) come from a live island.
+    max_steps = 30
+
+    def start(index: int, lighthouse: str, log: Path) -> subprocess.Popen:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        worker = ["-m", "tests.ft_fabric_worker", str(index), lighthouse, str(tmp_path), "--max-steps", str(max_steps)]
+        overflow = ["--overflow-at", "5"] if index == 0 else []
+        with log.open("a") as sink:
+            return subprocess.Popen(
+                [*torchrun, *worker, *overflow], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    others = _lose_one_and_heal_it(tmp_path, 1, start, _kill_with_its_processes)
+    results = [[torch.load(tmp_path / f"island{i}_rank{r}.pt") for r in range(2)] for i in range(3)]
+    every = [r for island in results for r in island]
+    assert [r["global_step"] for r in every] == [max_steps] * 6
+    reference = results[0][0]["parameters"]
+    for result in every:
+        assert all(torch.equal(reference[name], value) for name, value in result["parameters"].items())
+    # One overflow in the run: one backoff on every island (the healed one's GradScaler came from a peer), and the
+    # schedule stepped once a batch everywhere.
+    assert [r["scale"] for r in every] == [2.0**9] * 6
+    assert len({r["lr"] for r in every}) == 1 and every[0]["lr"] == pytest.approx(0.05 * 0.9**10)
+    assert [r["stats"]["step"] for r in every] == [max_steps] * 6  # the overflowed step committed, then was skipped
+    for index in others:
+        stats, metrics = results[index][0]["stats"], results[index][0]["metrics"]
+        assert stats["dropped"] == 0 and [n for _, n in stats["history"]][-3:] == [3, 2, 3]
+        # The islands that stayed saw the skipped step in their AMPMonitor; the Monitor logged the quorum.
+        assert metrics["ddpopt/amp/skipped_steps"] == 1.0 and metrics["ddpopt/amp/scale"] == 2.0**9
+        assert metrics["ddpopt/ft/participants"] == 3.0 and metrics["ddpopt/ft/dropped_steps"] == 0.0
+    healed = results[1][0]
+    assert healed["stats"]["heals"] >= 1 and healed["metrics"]["ddpopt/ft/heals"] >= 1.0
+    for index in range(3):
+        report = json.loads((tmp_path / f"island{index}" / "ddpopt_report.json").read_text())
+        (islands,) = [f for f in report["findings"] if f["area"] == "islands"]
+        assert islands["evidence"].startswith(f"island island{index}: {max_steps} commits in the run")
+
+
+@needs_torchft
+def test_min_replicas_above_the_lighthouses_is_refused_at_the_first_quorum_naming_both_counts(tmp_path):
+    # The Lighthouse forms quorums of 2, the islands ask for 3: every step would be dropped. Both islands stop at
+    # their first quorum with the error, before any optimizer step.
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
@@ -152,21 +243,18 @@ def test_a_quorum_smaller_than_min_replicas_drops_every_step_and_says_why(tmp_pa
         logs = [tmp_path / f"log{i}.txt" for i in range(2)]
         options = ("--min-replicas", "3", "--step-seconds", "0")
         islands = [_island(i, lighthouse.address(), tmp_path, 4, logs[i], *options) for i in range(2)]
-        for index, island in enumerate(islands):
-            assert island.wait(timeout=180) == 0, logs[index].read_text()[-5000:]
+        codes = [island.wait(timeout=180) for island in islands]
     finally:
         lighthouse.shutdown()
-    initial = dict(StackModel().named_parameters())
-    for index in range(2):
-        result = torch.load(tmp_path / f"island{index}_rank0.pt")
-        assert result["global_step"] == 4  # Lightning counts the dropped steps: every island alike
-        assert (result["stats"]["committed"], result["stats"]["dropped"], result["stats"]["step"]) == (0, 4, 0)
-        assert all(torch.equal(initial[name], value) for name, value in result["parameters"].items())
-        warned = (
-            f"ddpopt: island island{index} dropped its commit after commit 0: the quorum has 2 island(s), fewer than "
-            "FaultTolerance(min_replicas=3)"
-        )
-        assert logs[index].read_text().count(warned) == 1  # the same words after the same commit: said once
+    for index, code in enumerate(codes):
+        log = logs[index].read_text()
+        assert code != 0, log[-3000:]
+        assert (
+            f"ValueError: FaultTolerance(min_replicas=3) is above the quorum the Lighthouse at {lighthouse.address()} "
+            "formed, of 2 island(s): its --min-replicas is lower, and every step would be dropped. Start the "
+            "Lighthouse with --min-replicas 3, or give min_replicas at most the Lighthouse's"
+        ) in log
+        assert not (tmp_path / f"island{index}.step").exists()  # no batch ended: refused before the first step
 
 
 @needs_torchft

@@ -186,6 +186,9 @@ class Monitor:
 
     def _log(self) -> None:
         logged, self._module.logged = self._module.logged, {}
+        stats = self._strategy.fault_tolerance_stats
+        if stats is not None:
+            logged.update(stats.metrics())
         if logged:
             self.metrics.update(logged)
             self._fabric.log_dict(logged, step=self._run.global_step)

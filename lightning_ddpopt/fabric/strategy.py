@@ -12,7 +12,9 @@ and keep the same state. Where Fabric has no event of its own, the strategy make
 * ``optimizer.step()`` reaches :meth:`OptimizedDDPStrategy.optimizer_step`: the step is closed in the ledger, local
   SGD syncs when due, and the observers of :attr:`OptimizedDDPStrategy.before_optimizer_step` (a
   :class:`~lightning_ddpopt.fabric.Monitor`'s callbacks) see the gradients unscaled, as the Trainer's callbacks do;
-* :meth:`OptimizedDDPStrategy.finish` ends training (local SGD's final average), as the Trainer's end of fit does.
+* :meth:`OptimizedDDPStrategy.finish` ends training (local SGD's final average), as the Trainer's end of fit does;
+* with ``fault_tolerance``, the first training forward joins the quorum and each step's starts the step's quorum;
+  ``optimizer.step()`` averages the gradients across the islands and votes before anything unscales them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
@@ -44,7 +46,6 @@ from lightning_ddpopt._compat import (
     FABRIC_DDP_STRATEGY_ATTRIBUTES,
     FABRIC_DDP_STRATEGY_INTERNALS,
     BackwardSyncControl,
-    PathType,
     StrategyRegistryType,
     check_ddp_strategy_internals,
     check_versions,
@@ -55,8 +56,12 @@ from lightning_ddpopt._compat import (
 from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import ExtraSyncs
-from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.core import StrategyCore
+from lightning_ddpopt.fabric.checkpoints import CheckpointingDDPStrategy
+from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
+from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
+from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
+from lightning_ddpopt.fault_tolerance.state import fabric_state, load_fabric_state
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
@@ -67,7 +72,7 @@ from lightning_ddpopt.strategy_base import CoreStrategy
 __all__ = ["OptimizedDDPStrategy"]
 
 
-class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
+class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
     """Fabric's ``DDPStrategy`` with the comm hooks, bucket planning, local SGD, ledger and checkpoints of this package.
 
     The keyword arguments are those of the Trainer's :class:`lightning_ddpopt.OptimizedDDPStrategy`, with the same
@@ -81,12 +86,16 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         fabric.launch()
         model, optimizer = fabric.setup(model, optimizer)
 
-    Checkpoints: ``fabric.save`` adds local SGD's outer loop, the measured decisions and the GradScaler's state
-    (which Fabric does not save) under ``"ddpopt"``, and each rank writes its own hook state and inner optimizer
-    states beside the file (:mod:`lightning_ddpopt.checkpoint_shards`); ``fabric.load`` restores them (before or
-    after ``fabric.setup``) and does not return that key. With local SGD, each rank's optimizer in the loaded
-    ``state`` gets its own saved state, matched by order: keep the optimizers in the same order in the saved and the
-    loaded ``state``. Every rank must call both, as Fabric requires.
+    Checkpoints: see :class:`~lightning_ddpopt.fabric.checkpoints.CheckpointingDDPStrategy`, its base.
+
+    Fault tolerance (``fault_tolerance=FaultTolerance(...)``, see :mod:`lightning_ddpopt.fault_tolerance`): the
+    Fabric job is one island. ``optimizer.step()`` averages the step's gradients over the islands of the quorum and
+    takes the step only where all of them succeeded; a dropped step returns ``None`` with the gradients zeroed
+    (:attr:`fault_tolerance_stats` counts them). A restarted island heals from a live one: the model, the optimizers
+    set up through ``fabric.setup``, the GradScaler, :attr:`optimizer_steps`, local SGD's state, and whatever the
+    loop puts in :attr:`heal_state` (``strategy.heal_state["scheduler"] = scheduler``: objects with
+    ``load_state_dict`` load the peer's in place, other values are replaced in the dict, as ``fabric.load`` does).
+    One optimizer step per batch.
 
     With local SGD, call :meth:`finish` on every rank when training ends (a :class:`~lightning_ddpopt.fabric.Monitor`'s
     ``finish()`` does): the ranks trained apart since the last sync and end with their average.
@@ -110,6 +119,7 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
         local_sgd: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
         hierarchical: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
+        fault_tolerance: see :class:`lightning_ddpopt.OptimizedDDPStrategy` and above.
         **kwargs: forwarded to ``DistributedDataParallel``.
     """
 
@@ -136,9 +146,11 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         checkpoint_timeout: float = 30.0,
         local_sgd: LocalSGDConfig | None = None,
         hierarchical: bool | Literal["auto"] = "auto",
+        fault_tolerance: FaultTolerance | None = None,
         **kwargs: Any,
     ) -> None:
         check_versions()
+        check_fault_tolerance(fault_tolerance, local_sgd)
         self._core = StrategyCore(
             comm_hook=comm_hook,
             comm_state=comm_state,
@@ -166,6 +178,11 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
             self, FabricDDPStrategy, FABRIC_DDP_STRATEGY_INTERNALS, FABRIC_DDP_STRATEGY_ATTRIBUTES
         )
         self._ddp_kwargs.update(self._core.ddp_flags)
+        self._fault_tolerance = (
+            FaultTolerantSteps(fault_tolerance, self._core.local_sgd) if fault_tolerance is not None else None
+        )
+        #: With ``fault_tolerance``: more of the loop's state a healing island receives from a peer (see above).
+        self.heal_state: dict[str, Any] = {}
         self._backward_sync_control = _SyncControl(self)
         #: Called with the optimizer before each optimizer step, its gradients unscaled (a Monitor's callbacks).
         self.before_optimizer_step: list[Callable[[Optimizer], None]] = []
@@ -173,7 +190,7 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         self.optimizers: list[Optimizer] = []
         #: Optimizer steps taken (the Trainer's ``global_step``), those before a resume included.
         self.optimizer_steps = 0
-        #: Checkpoints loaded with a step count (a Monitor restarts its callbacks' step counting after one).
+        #: Checkpoints loaded with a step count, and heals (a Monitor restarts its callbacks' step counting after one).
         self.resumes = 0
         self._warned_partial_load = False  # fabric.load(path, module) leaves our state behind: said once
         self._restored = False  # a checkpoint's state of ours was restored (a later whole read loses nothing)
@@ -193,6 +210,11 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
     def synced_gradients_identical(self) -> bool:
         """Whether this step's synchronised gradients are the same on every rank (see the Trainer strategy's)."""
         return self._core.gradients_identical(self.model)
+
+    @property
+    def fault_tolerance_stats(self) -> ReplicaStats | None:
+        """With ``fault_tolerance``: the steps this island committed and dropped, its heals and quorum changes."""
+        return self._fault_tolerance.stats if self._fault_tolerance is not None else None
 
     @override
     def setup_environment(self) -> None:
@@ -228,19 +250,28 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        scaler = self._scaler()
-        if self.before_optimizer_step:
+        take = True
+        ft = self._fault_tolerance
+        if ft is not None and ft.per_step and ft.replica is not None and self.model is not None:
+            # Across the islands before anything unscales them: each island's GradScaler then sees the average.
+            take = ft.vote([p for p in self.model.module.parameters() if p.requires_grad])
+            if not take:
+                optimizer.zero_grad()
+        scaler = self.grad_scaler
+        if take and self.before_optimizer_step:
             if scaler is not None and isinstance(optimizer, Optimizer):
                 unscale_once(scaler, optimizer)  # as the Trainer does before on_before_optimizer_step
             for observe in self.before_optimizer_step:
                 observe(optimizer)
         output, records = self._core.optimizer_step(
             optimizer,
-            lambda: super(OptimizedDDPStrategy, self).optimizer_step(optimizer, **kwargs),
+            (lambda: super(OptimizedDDPStrategy, self).optimizer_step(optimizer, **kwargs)) if take else lambda: None,
             self.model,
             rank_zero_info,
             self._rewrap,
         )
+        if take and ft is not None and ft.per_step:
+            ft.after_step()
         self.optimizer_steps += 1
         for record in records:
             self._extra_syncs.check(record.sync_rounds, record.micro_batches)
@@ -254,121 +285,9 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
         """
         if self._core.local_sgd is not None:
             self._core.local_sgd.finish(rank_zero_info)
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.teardown()  # leaves the quorum: a later training forward joins again
         self._log_final_layout(self.model, rank_zero_info)
-
-    @override
-    def save_checkpoint(
-        self,
-        path: PathType,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Add local SGD's state, the GradScaler's and the step count, write what differs per rank to shards, save.
-
-        What differs per rank (comm-hook state, local SGD's inner optimizer and island outer states) goes to the
-        directory ``path + ".ddpopt"``, each rank writing its own (see :mod:`lightning_ddpopt.checkpoint_shards`).
-
-        Every rank must call it, as Fabric requires; with a stateful hook a call on fewer ranks raises within
-        ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
-
-        Args:
-            path: where the checkpoint goes, as for ``fabric.save``.
-            state: what ``fabric.save`` was given; it must not hold a key ``"ddpopt"``.
-            storage_options: passed on to Fabric's checkpoint IO.
-            filter: Fabric's per-key filters of what to save.
-        """
-        if CHECKPOINT_KEY in state:
-            raise ValueError(f"the checkpoint state has a key {CHECKPOINT_KEY!r}, which OptimizedDDPStrategy uses")
-        if state and all(isinstance(value, torch.Tensor) for value in state.values()):
-            # The weights alone (fabric.save(path, model.state_dict())): a file to load into a module, as it is.
-            super().save_checkpoint(path, state, storage_options, filter)
-            return
-        optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
-        scaler = self._scaler()
-        entry = self._core.checkpoint_entry(
-            optimizers or None,
-            path,
-            grad_scaler=scaler.state_dict() if scaler is not None else None,
-            optimizer_steps=self.optimizer_steps,
-        )
-        if entry is not None:
-            state = {**state, CHECKPOINT_KEY: entry}
-        super().save_checkpoint(path, state, storage_options, filter)
-
-    @override
-    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Load a module's weights, without our entry: said once not to be restored.
-
-        A checkpoint of the weights alone read back with ``fabric.load_raw(path, model)`` holds no entry of ours
-        (:meth:`save_checkpoint` adds none to a state of tensors alone), except one saved by an earlier release: the
-        entry is taken out, so the weights load, strictly or not.
-
-        Args:
-            module: the module to load into.
-            state_dict: its weights (a whole checkpoint, for ``fabric.load_raw``).
-            strict: whether every key must match.
-        """
-        if CHECKPOINT_KEY in state_dict:
-            state_dict = {key: value for key, value in state_dict.items() if key != CHECKPOINT_KEY}
-            self._warn_partial_load("fabric.load_raw(path, model) restores the weights alone")
-        super().load_module_state_dict(module, state_dict, strict)
-
-    def _warn_partial_load(self, what: str) -> None:
-        """Say once that a load left this package's part of the checkpoint behind, and which load restores it."""
-        if not self._warned_partial_load:
-            self._warned_partial_load = True
-            rank_zero_warn(
-                f"ddpopt: {what}: this checkpoint's comm-hook state, local SGD's outer loop, GradScaler and step "
-                "count are restored by fabric.load(path, {'model': model, 'optimizer': optimizer})"
-            )
-
-    @override
-    def load_checkpoint(
-        self,
-        path: PathType,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load as Fabric does, then restore this package's part of the checkpoint (not returned to the caller).
-
-        Args:
-            path: the checkpoint, as for ``fabric.load``.
-            state: the objects to restore in place, as for ``fabric.load``.
-            strict: whether every key of ``state`` must be in the checkpoint.
-            weights_only: passed on to ``torch.load``.
-        """
-        remainder = super().load_checkpoint(path, state, strict, weights_only)
-        entry = remainder.pop(CHECKPOINT_KEY, None)
-        if not isinstance(state, dict) or not state:  # a raw state dict, or the file read whole: nothing to restore
-            if entry is not None and not self._restored:  # (read again after a load that restored it: nothing lost)
-                self._warn_partial_load("fabric.load(path) without the objects to restore returns the checkpoint alone")
-            return remainder
-        saved = self._core.load(entry, model_wrapped=self.model is not None, path=path)
-        if saved is None:
-            return remainder
-        self._restored = True
-        scaler = self._scaler()
-        if saved.grad_scaler and scaler is not None:
-            scaler.load_state_dict(saved.grad_scaler)
-        if saved.optimizer_steps is not None:
-            self.optimizer_steps = saved.optimizer_steps
-            self.resumes += 1
-        if self.model is not None:
-            self._core.warn_decisions_not_reused()
-        own = self._core.saved_optimizer_states()
-        optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
-        if own is not None and optimizers:
-            if len(own) != len(optimizers):
-                rank_zero_warn(
-                    f"ddpopt: the checkpoint holds {len(own)} inner optimizer states per rank and the loaded state "
-                    f"has {len(optimizers)} optimizers; every rank keeps rank 0's optimizer state"
-                )
-            else:
-                for optimizer, optimizer_state in zip(optimizers, own, strict=True):
-                    optimizer.load_state_dict(optimizer_state)
-        return remainder
 
     @override
     def teardown(self) -> None:
@@ -406,9 +325,28 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
                 samples = None
         self._core.before_micro_batch(model, samples, first_of_epoch=self._between_steps)
         self._between_steps = False
+        if self._fault_tolerance is not None:
+            self._join_quorum(self._fault_tolerance)
+            self._fault_tolerance.before_batch()
         if self._sync_blocked:  # fabric.no_backward_sync outranks local SGD's warm-up, which just allowed the sync
             assert isinstance(model, DistributedDataParallel)
             set_ddp_sync(model, gradients=False)
+
+    def _join_quorum(self, ft: FaultTolerantSteps) -> None:
+        """Join the quorum at the first training forward (the model and optimizers are set up by then)."""
+        if ft.replica is not None:
+            return
+        environment = self.cluster_environment
+        assert environment is not None
+        ft.setup(
+            self.global_rank,
+            self.world_size,
+            (environment.main_address, environment.main_port),
+            self.root_device,
+            state_dict=lambda: fabric_state(self),
+            load_state_dict=lambda state: load_fabric_state(self, state),
+            broadcast=self.broadcast,
+        )
 
     @contextmanager
     def _blocking_sync(self, model: DistributedDataParallel) -> Iterator[None]:
@@ -440,16 +378,13 @@ class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
     def _loss_scale(self) -> torch.Tensor | None:
         return current_loss_scale(self.precision)
 
-    def _scaler(self) -> torch.amp.GradScaler | None:
-        """Fabric's GradScaler when fp16 AMP runs with one (``None`` without, or disabled)."""
-        scaler = getattr(self.precision, "scaler", None)
-        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
-
     def _close(self) -> None:
         """Our threads and groups go before the process group (Fabric calls no teardown; exit does this)."""
         if not self._closed:
             self._closed = True
             self._core.stop_local_sgd()
+            if self._fault_tolerance is not None:
+                self._fault_tolerance.teardown()
             self._core.close()
 
 

@@ -32,9 +32,9 @@ class FaultTolerance:
         lighthouse: the Lighthouse's address, ``"http://host:port"`` (or ``"host:port"``); ``None`` (default):
             the ``TORCHFT_LIGHTHOUSE`` environment variable, as torchft reads it. Start one with
             ``ddpopt lighthouse --min-replicas N``.
-        min_replicas: islands that must take part for a step (or a local SGD sync) to commit, at least 1. A quorum
-            with fewer drops its steps, each with a warning naming both counts: keep it at most the Lighthouse's
-            ``--min-replicas``, which is what a quorum waits for.
+        min_replicas: islands that must take part for a step (or a local SGD sync) to commit, at least 1; the
+            Lighthouse's ``--min-replicas`` (what a quorum waits for) must be at least this: a quorum of fewer
+            islands stops every island in it with an error naming both counts.
         replica_id: this island's name in the quorum (default: ``REPLICA_GROUP_ID`` from the environment, else
             the host name and ``MASTER_PORT``); give a restarted island the same name.
         timeout_s: seconds a cross-island collective, a commit vote or a heal's transfer may take before the step

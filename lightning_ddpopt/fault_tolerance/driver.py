@@ -1,11 +1,14 @@
 """How a strategy runs a fault-tolerant step: the quorum before the forward, the average and the vote before the step.
 
-The strategy calls :meth:`FaultTolerantSteps.before_batch` in ``on_train_batch_start`` and hands its optimizer step
-to :meth:`FaultTolerantSteps.optimizer_step`; everything else (DDP inside the island, the hooks, the callbacks) runs
-as without fault tolerance. With local SGD the islands meet only at its syncs: the loop's exchange of the change
-goes through the quorum (:meth:`~lightning_ddpopt.fault_tolerance.replica.Replica.sync_mean`), a sync is the commit
-point, and the steps between syncs vote on nothing. Lightning's own collectives (barriers, ``sync_dist``,
-checkpoint broadcasts) stay inside the island: each island is its own Lightning job, whose world is the island.
+Both strategies drive the same :class:`FaultTolerantSteps`: :meth:`~FaultTolerantSteps.before_batch` at a training
+micro-batch's start (the Trainer's ``on_train_batch_start``, the Fabric model's forward), and the vote before the
+optimizer step (:meth:`~FaultTolerantSteps.optimizer_step` around the Trainer's closure,
+:meth:`~FaultTolerantSteps.vote` on the gradients a Fabric loop's backward left); everything else (DDP inside the
+island, the hooks, the callbacks) runs as without fault tolerance. With local SGD the islands meet only at its
+syncs: the loop's exchange of the change goes through the quorum
+(:meth:`~lightning_ddpopt.fault_tolerance.replica.Replica.sync_mean`), a sync is the commit point, and the steps
+between syncs vote on nothing. The front ends' own collectives (barriers, ``sync_dist``, checkpoint broadcasts) stay
+inside the island: each island is its own job, whose world is the island.
 """
 
 from __future__ import annotations
@@ -13,47 +16,72 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance
 from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
-from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
-from lightning_ddpopt.localsgd import LocalSGD
+from lightning_ddpopt.localsgd import LocalSGDDriver
 
 __all__ = ["FaultTolerantSteps"]
 
 
 class FaultTolerantSteps:
-    """Drives :class:`~lightning_ddpopt.fault_tolerance.replica.Replica` from a Lightning strategy's hooks."""
+    """Drives :class:`~lightning_ddpopt.fault_tolerance.replica.Replica` from a strategy's hooks.
 
-    def __init__(self, config: FaultTolerance, outer_loop: Callable[[], LocalSGD | None] | None = None) -> None:
+    Args:
+        config: the user's :class:`~lightning_ddpopt.fault_tolerance.FaultTolerance`.
+        local_sgd: the strategy's local SGD (its syncs cross the islands; the job becomes one island of them), or
+            ``None``: every step's gradients cross them.
+    """
+
+    def __init__(self, config: FaultTolerance, local_sgd: LocalSGDDriver | None = None) -> None:
         self.config = config
-        #: With local SGD: the loop, whose syncs across the islands go through the quorum (no vote per step).
-        self._outer_loop = outer_loop
+        if local_sgd is not None:
+            local_sgd.one_island = True  # each island is a job of its own: the job is one replica
+        self._local_sgd = local_sgd
         self.replica: Replica | None = None
         #: What the quorum did to this island (kept after the fit ends); ``None`` before the first fit.
         self.stats: ReplicaStats | None = None
         self._joined = False
+        self._aligned = False
+        self._island: tuple[int, int] = (0, 1)
+        self._state: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]] | None = None
+        self._broadcast: Callable[[Any], Any] | None = None
 
-    def setup(self, trainer: pl.Trainer, island_rank: int, island_size: int, store: tuple[str, int]) -> None:
-        """Join the quorum (at the start of fit, once the island's process group and optimizers exist)."""
-        module = trainer.lightning_module
-        if not module.automatic_optimization:
-            raise ValueError(
-                "fault_tolerance needs automatic optimization: the strategy votes on each optimizer step before "
-                "taking it; manual optimization is not supported yet"
-            )
-        self.replica = Replica(
-            self.config,
-            island_rank,
-            island_size,
-            store,
-            state_dict=lambda: training_state(trainer),
-            load_state_dict=lambda state: load_training_state(trainer, state),
-            device=module.device,
-        )
+    @property
+    def per_step(self) -> bool:
+        """Whether every optimizer step votes (no local SGD: its syncs vote instead)."""
+        return self._local_sgd is None
+
+    def setup(
+        self,
+        island_rank: int,
+        island_size: int,
+        store: tuple[str, int],
+        device: torch.device,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        broadcast: Callable[[Any], Any],
+    ) -> None:
+        """Join the quorum, once the island's process group, model and optimizers exist.
+
+        Args:
+            island_rank: this rank in its island (the job).
+            island_size: the island's ranks.
+            store: the island's TCPStore, as its process group was set up with.
+            device: where the gradients are.
+            state_dict: the island's training state, for a peer that heals.
+            load_state_dict: loads a peer's state into this island when it heals.
+            broadcast: sends an object from the island's first rank to its others (the strategy's ``broadcast``).
+        """
+        self.replica = Replica(self.config, island_rank, island_size, store, state_dict, load_state_dict, device)
         self.stats = self.replica.stats
+        self._island, self._state, self._broadcast = (
+            (island_rank, island_size),
+            (state_dict, load_state_dict),
+            broadcast,
+        )
+        self._aligned = island_size == 1
 
     def before_batch(self) -> None:
         """Start the next step's quorum unless a step is open (the first micro-batch of an accumulated step).
@@ -63,10 +91,10 @@ class FaultTolerantSteps:
         replica = self.replica
         if replica is None:
             return
-        if self._outer_loop is not None:
-            loop = self._outer_loop()
-            if loop is not None and loop.across_islands is None:
-                loop.across_islands = replica.sync_mean
+        if self._local_sgd is not None:
+            loop = self._local_sgd.loop
+            if loop is not None:
+                loop.across_islands = replica.sync_mean  # this fit's replica (a later fit joins with a new one)
             if loop is not None and not self._joined:
                 # Join with a sync after the first step: at a fresh start every island (torchft gives the first
                 # island's state to the others), a restarted one at the live islands' next sync, healed there instead
@@ -76,43 +104,67 @@ class FaultTolerantSteps:
         if not replica.step_open:
             replica.start_step()
 
+    def vote(self, parameters: list[torch.nn.Parameter]) -> bool:
+        """Per step: average ``parameters``' gradients over the islands of the quorum, then vote on the step.
+
+        Returns whether to take the step; on ``False`` the step is dropped on every island of the quorum.
+
+        Raises:
+            RuntimeError: no step is open (a second optimizer step in one batch: one vote per step).
+        """
+        replica = self.replica
+        assert replica is not None and self.per_step
+        if not replica.step_open:
+            raise RuntimeError(
+                "fault_tolerance votes once per step, started by the step's first training forward: a second "
+                "optimizer step without a forward between (several optimizers) is not supported; step one optimizer"
+            )
+        replica.average_gradients(parameters)
+        return replica.commit()
+
+    def after_step(self) -> None:
+        """Per step, after a committed step's optimizer step: at this island's first, make its ranks one again.
+
+        At a run's first quorum torchft gives each rank of an island the state of another island's same rank (its
+        ``init_sync``, the source chosen per rank), and the first average runs over different islands per rank: the
+        ranks of an island can leave the first step apart. The island's first rank's training state goes to the
+        others once, there (later heals come whole from islands at the same step, and stay aligned).
+        """
+        if self._aligned or self._state is None or self._broadcast is None:
+            return
+        self._aligned = True
+        state_dict, load_state_dict = self._state
+        state = self._broadcast(state_dict() if self._island[0] == 0 else None)
+        if self._island[0] != 0:
+            load_state_dict(state)
+
     def optimizer_step(
         self,
         optimizer: torch.optim.Optimizer,
         closure: Callable[[], Any],
         step: Callable[[Callable[[], Any]], Any],
-        module: pl.LightningModule,
+        parameters: list[torch.nn.Parameter],
     ) -> Any:
         """Run ``closure`` (forward, backward), average across islands, vote, then ``step`` with its result or drop.
 
         ``step(closure)`` is the strategy's own optimizer step; it receives a closure that returns the result
-        already computed, so precision plugins and callbacks see the averaged gradients as usual.
+        already computed, so precision plugins (which unscale after the closure) and callbacks see the averaged
+        gradients as usual. A dropped step zeroes the gradients.
         """
-        replica = self.replica
-        if replica is None:
+        if self.replica is None or not self.per_step:  # local SGD: its syncs vote, inside this step
             return step(closure)
-        if self._outer_loop is not None:  # local SGD: its syncs vote, inside this step
-            output = step(closure)
-            self._log(module, replica.stats)
-            return output
         result = closure()
-        replica.average_gradients([p for p in module.parameters() if p.requires_grad])
-        committed = replica.commit()
-        self._log(module, replica.stats)
-        if not committed:
+        if not self.vote(parameters):
             optimizer.zero_grad()
             return result
-        return step(lambda: result)
-
-    @staticmethod
-    def _log(module: pl.LightningModule, stats: ReplicaStats) -> None:
-        module.log("ddpopt/ft/participants", float(stats.participants), on_step=True, on_epoch=False)
-        module.log("ddpopt/ft/dropped_steps", float(stats.dropped), on_step=True, on_epoch=False)
-        module.log("ddpopt/ft/heals", float(stats.heals), on_step=True, on_epoch=False)
+        output = step(lambda: result)
+        self.after_step()
+        return output
 
     def teardown(self) -> None:
-        """Leave the quorum (a later fit joins again)."""
+        """Leave the quorum (a later fit, or a Fabric loop's next training forward, joins again)."""
         self._joined = False
+        self._aligned = self._island[1] == 1
         if self.replica is not None:
             self.replica.close()
             self.replica = None

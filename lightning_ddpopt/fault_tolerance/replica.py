@@ -54,6 +54,14 @@ class ReplicaStats:
     #: ``(step, participants)`` at each change of the quorum's size (the step counts the run's committed steps).
     history: list[tuple[int, int]] = field(default_factory=list)
 
+    def metrics(self) -> dict[str, float]:
+        """What the strategies log each step, under ``ddpopt/ft/``."""
+        return {
+            "ddpopt/ft/participants": float(self.participants),
+            "ddpopt/ft/dropped_steps": float(self.dropped),
+            "ddpopt/ft/heals": float(self.heals),
+        }
+
 
 class Replica:
     """This island's torchft manager, with the Lightning state a returning island heals from.
@@ -152,6 +160,15 @@ class Replica:
                 "the Lighthouse started with --min-replicas at most that? (With local SGD an island waits here for the "
                 "others' next sync: give quorum_timeout_s more than a sync window's time.)"
             ) from error
+        if participants < self._min_replicas:
+            # A Lighthouse forms no quorum below its own --min-replicas: this one was started with fewer than the
+            # islands ask for, and every step would be dropped. Every island of the quorum stops here alike.
+            raise ValueError(
+                f"FaultTolerance(min_replicas={self._min_replicas}) is above the quorum the Lighthouse at "
+                f"{self._address} formed, of {participants} island(s): its --min-replicas is lower, and every step "
+                f"would be dropped. Start the Lighthouse with --min-replicas {self._min_replicas}, or give "
+                "min_replicas at most the Lighthouse's"
+            )
         if participants != self.stats.participants:
             self.stats.quorum_changes += self.stats.participants != 0
             self.stats.participants = participants
@@ -190,15 +207,9 @@ class Replica:
             return True
         self.stats.dropped += 1
         if self._island_rank == 0:
-            participants = self.stats.participants
-            why = (
-                f"the quorum has {participants} island(s), fewer than FaultTolerance(min_replicas="
-                f"{self._min_replicas}) (is the Lighthouse's --min-replicas lower, or are fewer islands running?)"
-                if participants < self._min_replicas
-                else "a collective failed (an island lost mid-step, or FaultTolerance timeout_s too short for the link)"
-            )
             warnings.warn(
-                f"ddpopt: island {self.replica_id} dropped its commit after commit {self.stats.step}: {why}",
+                f"ddpopt: island {self.replica_id} dropped its commit after commit {self.stats.step}: a collective "
+                "failed (an island lost mid-step, or FaultTolerance timeout_s too short for the link)",
                 RuntimeWarning,
                 stacklevel=2,
             )

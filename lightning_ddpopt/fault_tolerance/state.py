@@ -9,6 +9,10 @@ this rank's shard of the anchor and outer momentum, and the loop's counters. Not
 the quorum and the commit, except, per step, what the forward updates in place (BatchNorm's running statistics),
 which may come over half-updated.
 
+A Fabric loop's island heals the same: its model, its optimizers (those set up through the strategy), the
+GradScaler, the strategy's optimizer-step count, local SGD's state, and what the loop put in the strategy's
+``heal_state`` (its schedulers, its own counters), as ``fabric.load`` restores a checkpoint's.
+
 Not healed: the data position (each island draws its own batches from its own sampler: a returning island starts
 its epoch again), and the comm hook's error feedback, which the healed island forgets (it was computed on the
 weights it had before).
@@ -16,7 +20,7 @@ weights it had before).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
@@ -24,7 +28,10 @@ from lightning_ddpopt._compat import batches_that_stepped
 from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState
 
-__all__ = ["load_training_state", "training_state"]
+if TYPE_CHECKING:
+    from lightning_ddpopt.fabric.strategy import OptimizedDDPStrategy as FabricStrategy
+
+__all__ = ["fabric_state", "load_fabric_state", "load_training_state", "training_state"]
 
 
 def training_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -64,10 +71,59 @@ def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     for counts in (step.total, step.current):
         counts.ready = counts.completed + 1
     batches_that_stepped(trainer, state["batches_that_stepped"])
-    strategy = trainer.strategy
-    comm_state = strategy.comm_state if isinstance(strategy, CoreViews) else None
+    if isinstance(trainer.strategy, CoreViews):
+        _load_ours(trainer.strategy, state["local_sgd"])
+
+
+def fabric_state(strategy: FabricStrategy) -> dict[str, Any]:
+    """A Fabric island's state as a peer heals from it (see the module): tensors by reference."""
+    assert strategy.model is not None
+    scaler = strategy.grad_scaler
+    outer = strategy.local_sgd
+    return {
+        "local_sgd": outer.heal_state() if outer is not None else None,
+        "module": strategy.model.module.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in strategy.optimizers],
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "optimizer_steps": strategy.optimizer_steps,
+        "heal_state": {key: _state_of(value) for key, value in strategy.heal_state.items()},
+    }
+
+
+def load_fabric_state(strategy: FabricStrategy, state: dict[str, Any]) -> None:
+    """Load a peer's :func:`fabric_state` into this Fabric island, inside the same optimizer step (see the module).
+
+    The objects of ``strategy.heal_state`` with ``load_state_dict`` load the peer's in place; any other value is
+    replaced in the dict by the peer's, as ``fabric.load`` does.
+    """
+    assert strategy.model is not None
+    strategy.model.module.load_state_dict(state["module"])
+    for optimizer, saved in zip(strategy.optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(saved)
+    scaler = strategy.grad_scaler
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    if strategy.optimizer_steps != state["optimizer_steps"]:
+        strategy.optimizer_steps = state["optimizer_steps"]  # the peer's, inside this step: it counts it as we will
+        strategy.resumes += 1  # a Monitor's callbacks count steps from here, as after a fabric.load
+    extra = strategy.heal_state
+    for key, saved in state["heal_state"].items():
+        if key in extra and callable(getattr(extra[key], "load_state_dict", None)):
+            extra[key].load_state_dict(saved)
+        else:
+            extra[key] = saved
+    _load_ours(strategy, state["local_sgd"])
+
+
+def _state_of(value: Any) -> Any:
+    return value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+
+
+def _load_ours(strategy: CoreViews, local_sgd: dict[str, Any] | None) -> None:
+    """The comm hook's error feedback forgotten, local SGD's state loaded: the parts both front ends share."""
+    comm_state = strategy.comm_state
     if isinstance(comm_state, ErrorFeedbackState):
         comm_state.forget_errors()  # computed on the weights this island had before: they would mislead
-    outer = strategy.local_sgd if isinstance(strategy, CoreViews) else None
-    if outer is not None and state["local_sgd"] is not None:
-        outer.load_heal_state(state["local_sgd"])
+    outer = strategy.local_sgd
+    if outer is not None and local_sgd is not None:
+        outer.load_heal_state(local_sgd)

@@ -1,0 +1,108 @@
+"""One island of a fault-tolerant run as a Fabric loop, started by torchrun (``tests/test_fault_tolerance.py``).
+
+Usage: torchrun --standalone --nproc-per-node M -m tests.ft_fabric_worker ISLAND LIGHTHOUSE OUT [--max-steps N]
+    [--step-seconds S] [--overflow-at K]
+
+A hand-written Fabric loop over an MLP with Adam, a per-step LR schedule (healed through the strategy's
+``heal_state``), real fp16 autocast with a GradScaler, the int8 hook inside the island, and a Monitor with the three
+measuring callbacks. The loop runs until the strategy's optimizer-step count (which a heal brings) reaches N. With
+``--overflow-at K`` this island's loss is inf at the K-th batch: the average across the islands is inf, so every
+island's GradScaler skips that step. The first rank writes ``OUT/islandI.started`` and the step after every batch
+to ``OUT/islandI.step``; every rank holds at its start while ``OUT/hold_start`` exists and after a batch while
+``OUT/hold`` names a step it has reached; at the end each rank writes its parameters, step, LR, loss scale, the
+Monitor's figures and the quorum stats to ``OUT/islandI_rankR.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_ddpopt.fabric import Monitor, OptimizedDDPStrategy, fp16_mixed_precision
+from lightning_ddpopt.fault_tolerance import FaultTolerance
+from tests.helpers import WIDTH
+
+
+def _hold(path: Path, step: int | None = None) -> None:
+    while path.exists() and (step is None or ((text := path.read_text()) and step >= int(text))):
+        time.sleep(0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("island", type=int)
+    parser.add_argument("lighthouse")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--step-seconds", type=float, default=0.1)
+    parser.add_argument("--overflow-at", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = FaultTolerance(
+        lighthouse=args.lighthouse,
+        min_replicas=2,
+        replica_id=f"island{args.island}",
+        timeout_s=5.0,
+        quorum_timeout_s=60.0,
+        connect_timeout_s=5.0,
+    )
+    strategy = OptimizedDDPStrategy(comm_hook="int8", fault_tolerance=config)
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=strategy,
+        plugins=[fp16_mixed_precision("cpu", init_scale=2.0**10)],
+    )
+    fabric.launch()
+    torch.manual_seed(0)  # every island starts from the same model
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    strategy.heal_state["scheduler"] = scheduler
+    monitor = Monitor(fabric, report_dir=args.out / f"island{args.island}")
+    generator = torch.Generator().manual_seed(100 * (1 + args.island) + fabric.global_rank)
+    if fabric.global_rank == 0:
+        (args.out / f"island{args.island}.started").write_text("")
+    _hold(args.out / "hold_start")
+    batches = 0
+    while strategy.optimizer_steps < args.max_steps:
+        x = torch.randn(8, WIDTH, generator=generator)
+        batches += 1
+        with monitor.batch():
+            loss = nn.functional.mse_loss(model(x), torch.tanh(x.flip(1)))
+            if batches == args.overflow_at:
+                loss = loss * float("inf")
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        scheduler.step()
+        if fabric.global_rank == 0:
+            (args.out / f"island{args.island}.step").write_text(str(strategy.optimizer_steps))
+        time.sleep(args.step_seconds)
+        _hold(args.out / "hold", strategy.optimizer_steps)
+    monitor.finish()
+    scaler = strategy.grad_scaler
+    stats = strategy.fault_tolerance_stats
+    torch.save(
+        {
+            "parameters": {name: p.detach().clone() for name, p in model.named_parameters()},
+            "global_step": strategy.optimizer_steps,
+            "lr": optimizer.param_groups[0]["lr"],
+            "scale": scaler.get_scale() if scaler is not None else None,
+            "metrics": monitor.metrics,
+            "stats": dataclasses.asdict(stats) if stats is not None else None,
+        },
+        args.out / f"island{args.island}_rank{fabric.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
