@@ -23,6 +23,7 @@ import torch
 
 from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy
 from lightning_ddpopt.cli import main as ddpopt
+from lightning_ddpopt.fabric import OptimizedDDPStrategy as FabricStrategy
 from lightning_ddpopt.fault_tolerance import FaultTolerance, config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,16 +299,21 @@ def test_the_lighthouse_address_comes_from_the_argument_or_the_environment(monke
 
 
 @pytest.mark.quick
-def test_the_strategy_refuses_what_fault_tolerance_cannot_do_yet_and_says_what_to_install(monkeypatch):
+@pytest.mark.parametrize("strategy", [OptimizedDDPStrategy, FabricStrategy], ids=["trainer", "fabric"])
+def test_the_strategies_refuse_what_fault_tolerance_cannot_do_and_say_what_to_install(monkeypatch, strategy):
     with pytest.raises(TypeError, match="fault_tolerance='host:1' must be a FaultTolerance"):
-        OptimizedDDPStrategy(fault_tolerance="host:1")  # type: ignore[arg-type]
+        strategy(fault_tolerance="host:1")
     ft = FaultTolerance(lighthouse="h:1")
     with pytest.raises(ValueError, match="local_sgd overlap_steps=4 is not supported with fault_tolerance yet"):
-        OptimizedDDPStrategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, overlap_steps=4))
+        strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, overlap_steps=4))
     with pytest.raises(ValueError, match="local_sgd replica='node' is not supported with fault_tolerance yet"):
-        OptimizedDDPStrategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, replica="node"))
-    with pytest.raises(ValueError, match="local_sgd compression='int8' is not supported with fault_tolerance yet"):
-        OptimizedDDPStrategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, compression="int8"))
+        strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, replica="node"))
+    with pytest.raises(
+        ValueError,
+        match="local_sgd compression='int8' is not supported with fault_tolerance: torchft's fault-tolerant "
+        "collective is an all-reduce",
+    ):
+        strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, compression="int8"))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= config.TORCHFT_TORCH_FLOOR:
@@ -315,7 +321,7 @@ def test_the_strategy_refuses_what_fault_tolerance_cannot_do_yet_and_says_what_t
     else:
         expected = r"torchft, which needs torch >= 2.7 \(this is torch .*\): upgrade torch, then pip install"
     with pytest.raises(ImportError, match=expected):
-        OptimizedDDPStrategy(fault_tolerance=FaultTolerance(lighthouse="h:1"))
+        strategy(fault_tolerance=FaultTolerance(lighthouse="h:1"))
 
 
 @pytest.mark.quick

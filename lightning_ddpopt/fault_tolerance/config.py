@@ -114,7 +114,8 @@ def check_fault_tolerance(config: object, local_sgd: LocalSGDConfig | None) -> N
                 )
         if local_sgd.compression == "int8":
             raise ValueError(
-                "local_sgd compression='int8' is not supported with fault_tolerance yet: choose 'fp32', 'fp16' or "
-                "'bf16', sent through torchft's fault-tolerant all-reduce"
+                "local_sgd compression='int8' is not supported with fault_tolerance: torchft's fault-tolerant "
+                "collective is an all-reduce, which cannot sum int8 values in int8 (the int8 mean needs an all-gather);"
+                " choose 'fp16' or 'bf16' (half the bytes of 'fp32')"
             )
     require_torchft()
