@@ -20,18 +20,41 @@ weights it had before).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from lightning_ddpopt._compat import batches_that_stepped
 from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState
+from lightning_ddpopt.localsgd import LocalSGD
 
-if TYPE_CHECKING:
-    from lightning_ddpopt.fabric.strategy import OptimizedDDPStrategy as FabricStrategy
+__all__ = ["FabricIsland", "fabric_state", "load_fabric_state", "load_training_state", "training_state"]
 
-__all__ = ["fabric_state", "load_fabric_state", "load_training_state", "training_state"]
+
+class FabricIsland(Protocol):
+    """What a Fabric loop's training state is held in: :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy`."""
+
+    model: DistributedDataParallel | None
+    optimizers: list[Optimizer]
+    optimizer_steps: int
+    resumes: int
+    heal_state: dict[str, Any]
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler under fp16 AMP."""
+
+    @property
+    def comm_state(self) -> object | None:
+        """The comm hook's state."""
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        """Local SGD's outer loop."""
 
 
 def training_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -75,7 +98,7 @@ def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
         _load_ours(trainer.strategy, state["local_sgd"])
 
 
-def fabric_state(strategy: FabricStrategy) -> dict[str, Any]:
+def fabric_state(strategy: FabricIsland) -> dict[str, Any]:
     """A Fabric island's state as a peer heals from it (see the module): tensors by reference."""
     assert strategy.model is not None
     scaler = strategy.grad_scaler
@@ -90,7 +113,7 @@ def fabric_state(strategy: FabricStrategy) -> dict[str, Any]:
     }
 
 
-def load_fabric_state(strategy: FabricStrategy, state: dict[str, Any]) -> None:
+def load_fabric_state(strategy: FabricIsland, state: dict[str, Any]) -> None:
     """Load a peer's :func:`fabric_state` into this Fabric island, inside the same optimizer step (see the module).
 
     The objects of ``strategy.heal_state`` with ``load_state_dict`` load the peer's in place; any other value is
@@ -119,7 +142,7 @@ def _state_of(value: Any) -> Any:
     return value.state_dict() if callable(getattr(value, "state_dict", None)) else value
 
 
-def _load_ours(strategy: CoreViews, local_sgd: dict[str, Any] | None) -> None:
+def _load_ours(strategy: CoreViews | FabricIsland, local_sgd: dict[str, Any] | None) -> None:
     """The comm hook's error feedback forgotten, local SGD's state loaded: the parts both front ends share."""
     comm_state = strategy.comm_state
     if isinstance(comm_state, ErrorFeedbackState):
