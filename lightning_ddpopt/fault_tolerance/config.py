@@ -32,9 +32,11 @@ class FaultTolerance:
         lighthouse: the Lighthouse's address, ``"http://host:port"`` (or ``"host:port"``); ``None`` (default):
             the ``TORCHFT_LIGHTHOUSE`` environment variable, as torchft reads it. Start one with
             ``ddpopt lighthouse --min-replicas N``.
-        min_replicas: islands that must take part for a step (or a local SGD sync) to commit, at least 1; the
-            Lighthouse's ``--min-replicas`` (what a quorum waits for) must be at least this: a quorum of fewer
-            islands stops every island in it with an error naming both counts.
+        min_replicas: islands that must take part for a step (or a local SGD sync) to commit, at least 1 (an island
+            that heals at a quorum takes part from the next). The Lighthouse's ``--min-replicas`` (what a quorum
+            waits for) must be at least this: a run whose first quorum has fewer islands stops on every island of it
+            with an error naming both counts. Later, a quorum with fewer islands taking part drops its steps, with a
+            warning.
         replica_id: this island's name in the quorum (default: ``REPLICA_GROUP_ID`` from the environment, else
             the host name and ``MASTER_PORT``); give a restarted island the same name.
         timeout_s: seconds a cross-island collective, a commit vote or a heal's transfer may take before the step

@@ -160,9 +160,11 @@ class Replica:
                 "the Lighthouse started with --min-replicas at most that? (With local SGD an island waits here for the "
                 "others' next sync: give quorum_timeout_s more than a sync window's time.)"
             ) from error
-        if participants < self._min_replicas:
-            # A Lighthouse forms no quorum below its own --min-replicas: this one was started with fewer than the
-            # islands ask for, and every step would be dropped. Every island of the quorum stops here alike.
+        if participants < self._min_replicas and self.manager.current_step() == 0:
+            # The run's first quorum: every island in it is at step 0 and takes part (later, healing islands do not
+            # count, and a quorum can legitimately have fewer). A Lighthouse forms no quorum below its own
+            # --min-replicas: this one was started with fewer than the islands ask for, and every step would be
+            # dropped. Every island of the quorum stops here alike.
             raise ValueError(
                 f"FaultTolerance(min_replicas={self._min_replicas}) is above the quorum the Lighthouse at "
                 f"{self._address} formed, of {participants} island(s): its --min-replicas is lower, and every step "
@@ -207,9 +209,15 @@ class Replica:
             return True
         self.stats.dropped += 1
         if self._island_rank == 0:
+            participants = self.stats.participants
+            why = (
+                f"the quorum has {participants} island(s) taking part (the others heal first), fewer than "
+                f"FaultTolerance(min_replicas={self._min_replicas})"
+                if participants < self._min_replicas
+                else "a collective failed (an island lost mid-step, or FaultTolerance timeout_s too short for the link)"
+            )
             warnings.warn(
-                f"ddpopt: island {self.replica_id} dropped its commit after commit {self.stats.step}: a collective "
-                "failed (an island lost mid-step, or FaultTolerance timeout_s too short for the link)",
+                f"ddpopt: island {self.replica_id} dropped its commit after commit {self.stats.step}: {why}",
                 RuntimeWarning,
                 stacklevel=2,
             )
