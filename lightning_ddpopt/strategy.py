@@ -336,6 +336,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             self._say,
             self._rewrap,
         )
+        if ft is not None:
+            ft.after_step()
         if ft is not None and ft.stats is not None and module is not None:
             for name, value in ft.stats.metrics().items():
                 module.log(name, value, on_step=True, on_epoch=False)

@@ -1,16 +1,17 @@
 """One island of a fault-tolerant run as a Fabric loop, started by torchrun (``tests/test_fault_tolerance.py``).
 
 Usage: torchrun --standalone --nproc-per-node M -m tests.ft_fabric_worker ISLAND LIGHTHOUSE OUT [--max-steps N]
-    [--step-seconds S] [--overflow-at K]
+    [--step-seconds S] [--overflow-at K] [--local-sgd H]
 
 A hand-written Fabric loop over an MLP with Adam, a per-step LR schedule (healed through the strategy's
-``heal_state``), real fp16 autocast with a GradScaler, the int8 hook inside the island, and a Monitor with the three
-measuring callbacks. The loop runs until the strategy's optimizer-step count (which a heal brings) reaches N. With
-``--overflow-at K`` this island's loss is inf at the K-th batch: the average across the islands is inf, so every
-island's GradScaler skips that step. The first rank writes ``OUT/islandI.started`` and the step after every batch
-to ``OUT/islandI.step``; every rank holds at its start while ``OUT/hold_start`` exists and after a batch while
-``OUT/hold`` names a step it has reached; at the end each rank writes its parameters, step, LR, loss scale, the
-Monitor's figures and the quorum stats to ``OUT/islandI_rankR.pt``.
+``heal_state``), real fp16 autocast with a GradScaler, gradient clipping, the int8 hook inside the island, and a
+Monitor with the three measuring callbacks; with ``--local-sgd H`` DiLoCo every H steps across the islands. The loop
+runs until the strategy's optimizer-step count (which a heal brings) reaches N. With ``--overflow-at K`` this
+island's loss is inf at the K-th batch: per step, the average across the islands is inf, so every island's
+GradScaler skips that step (the islands vote at the clip, before it unscales). The first rank writes
+``OUT/islandI.started`` and the step after every batch to ``OUT/islandI.step``; every rank holds at its start while
+``OUT/hold_start`` exists and after a batch while ``OUT/hold`` names a step it has reached; at the end each rank
+writes its parameters, step, LR, loss scale, the Monitor's figures and the quorum stats to ``OUT/islandI_rankR.pt``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from lightning_ddpopt import LocalSGDConfig
 from lightning_ddpopt.fabric import Monitor, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt.fault_tolerance import FaultTolerance
 from tests.helpers import WIDTH
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--overflow-at", type=int, default=0)
+    parser.add_argument("--local-sgd", type=int, default=0, metavar="H")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = FaultTolerance(
@@ -53,7 +56,8 @@ def main() -> None:
         quorum_timeout_s=60.0,
         connect_timeout_s=5.0,
     )
-    strategy = OptimizedDDPStrategy(comm_hook="int8", fault_tolerance=config)
+    local_sgd = LocalSGDConfig.diloco(args.local_sgd) if args.local_sgd else None
+    strategy = OptimizedDDPStrategy(comm_hook="int8", fault_tolerance=config, local_sgd=local_sgd)
     fabric = Fabric(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -81,6 +85,7 @@ def main() -> None:
             if batches == args.overflow_at:
                 loss = loss * float("inf")
             fabric.backward(loss)
+            fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=False)
             optimizer.step()
             optimizer.zero_grad()
         scheduler.step()

@@ -190,22 +190,24 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
 
 
 @needs_torchft
-def test_fabric_islands_started_by_torchrun_lose_one_and_heal_it_with_fp16_an_overflow_and_the_int8_hook(tmp_path):
+@pytest.mark.parametrize("mode", ["every_step", "diloco"])
+def test_fabric_islands_started_by_torchrun_lose_one_and_heal_it(tmp_path, mode):
     # Three Fabric loops of two ranks each, every one started by torchrun (the island a torchrun job, as on a
-    # cluster), fp16 with a GradScaler, the int8 hook inside each island, a Monitor attached. Island 0's loss
-    # overflows at its 5th batch: the average across the islands is inf, so every island's GradScaler skips that step
-    # and halves its scale. Island 1 is killed with its whole process group (the torchrun agent and both ranks) at
-    # step 8, restarted, and heals: the model, Adam's state, the GradScaler, the step count and the LR schedule
-    # (through the strategy's heal_state) come from a live island.
-    max_steps = 30
+    # cluster), fp16 with a GradScaler and gradient clipping, the int8 hook inside each island, a Monitor attached;
+    # per step, or DiLoCo every 4 steps. Per step, island 0's loss overflows at its 5th batch: the islands vote at the
+    # clip, before it unscales, so the average is inf on every island and every GradScaler skips that step and halves
+    # its scale. Island 1 is killed with its whole process tree (the torchrun agent and both ranks) at step 8,
+    # restarted, and heals: the model, Adam's state, the GradScaler, the step count, local SGD's state and the LR
+    # schedule (through the strategy's heal_state) come from a live island.
+    max_steps, every_step = 30, mode == "every_step"
 
     def start(index: int, lighthouse: str, log: Path) -> subprocess.Popen:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         worker = ["-m", "tests.ft_fabric_worker", str(index), lighthouse, str(tmp_path), "--max-steps", str(max_steps)]
-        overflow = ["--overflow-at", "5"] if index == 0 else []
+        options = (["--overflow-at", "5"] if index == 0 else []) if every_step else ["--local-sgd", "4"]
         with log.open("a") as sink:
             return subprocess.Popen(
-                [*torchrun, *worker, *overflow], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+                [*torchrun, *worker, *options], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
             )
 
     others = _lose_one_and_heal_it(tmp_path, 1, start, _kill_with_its_processes)
@@ -215,23 +217,25 @@ def test_fabric_islands_started_by_torchrun_lose_one_and_heal_it_with_fp16_an_ov
     reference = results[0][0]["parameters"]
     for result in every:
         assert all(torch.equal(reference[name], value) for name, value in result["parameters"].items())
-    # One overflow in the run: one backoff on every island (the healed one's GradScaler came from a peer), and the
-    # schedule stepped once a batch everywhere.
-    assert [r["scale"] for r in every] == [2.0**9] * 6
+    # The schedule stepped once a batch everywhere. Per step, one overflow in the run: one backoff on every island
+    # (the healed one's GradScaler came from a peer); with DiLoCo none.
     assert len({r["lr"] for r in every}) == 1 and every[0]["lr"] == pytest.approx(0.05 * 0.9**10)
-    assert [r["stats"]["step"] for r in every] == [max_steps] * 6  # the overflowed step committed, then was skipped
+    assert [r["scale"] for r in every] == [2.0**9 if every_step else 2.0**10] * 6
+    # The run's commits: every step (the overflowed one committed, then skipped), or the join, 7 syncs and the end.
+    commits = max_steps if every_step else 1 + max_steps // 4 + 1
+    assert [r["stats"]["step"] for r in every] == [commits] * 6
     for index in others:
         stats, metrics = results[index][0]["stats"], results[index][0]["metrics"]
         assert stats["dropped"] == 0 and [n for _, n in stats["history"]][-3:] == [3, 2, 3]
         # The islands that stayed saw the skipped step in their AMPMonitor; the Monitor logged the quorum.
-        assert metrics["ddpopt/amp/skipped_steps"] == 1.0 and metrics["ddpopt/amp/scale"] == 2.0**9
+        assert metrics["ddpopt/amp/skipped_steps"] == (1.0 if every_step else 0.0)
         assert metrics["ddpopt/ft/participants"] == 3.0 and metrics["ddpopt/ft/dropped_steps"] == 0.0
     healed = results[1][0]
     assert healed["stats"]["heals"] >= 1 and healed["metrics"]["ddpopt/ft/heals"] >= 1.0
     for index in range(3):
         report = json.loads((tmp_path / f"island{index}" / "ddpopt_report.json").read_text())
         (islands,) = [f for f in report["findings"] if f["area"] == "islands"]
-        assert islands["evidence"].startswith(f"island island{index}: {max_steps} commits in the run")
+        assert islands["evidence"].startswith(f"island island{index}: {commits} commits in the run")
 
 
 @needs_torchft

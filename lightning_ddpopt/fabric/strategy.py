@@ -183,6 +183,7 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         )
         #: With ``fault_tolerance``: more of the loop's state a healing island receives from a peer (see above).
         self.heal_state: dict[str, Any] = {}
+        self._vote: bool | None = None  # this step's, per step, once voted (at a clip or the step)
         self._backward_sync_control = _SyncControl(self)
         #: Called with the optimizer before each optimizer step, its gradients unscaled (a Monitor's callbacks).
         self.before_optimizer_step: list[Callable[[Optimizer], None]] = []
@@ -250,13 +251,8 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        take = True
+        take, self._vote = self._voted(optimizer), None
         ft = self._fault_tolerance
-        if ft is not None and ft.per_step and ft.replica is not None and self.model is not None:
-            # Across the islands before anything unscales them: each island's GradScaler then sees the average.
-            take = ft.vote([p for p in self.model.module.parameters() if p.requires_grad])
-            if not take:
-                optimizer.zero_grad()
         scaler = self.grad_scaler
         if take and self.before_optimizer_step:
             if scaler is not None and isinstance(optimizer, Optimizer):
@@ -270,12 +266,52 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
             rank_zero_info,
             self._rewrap,
         )
-        if take and ft is not None and ft.per_step:
+        if ft is not None:
             ft.after_step()
         self.optimizer_steps += 1
         for record in records:
             self._extra_syncs.check(record.sync_rounds, record.micro_batches)
         return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip as Fabric does; with per-step fault tolerance the islands vote first (a dropped step: zeros, 0)."""
+        if not self._voted(optimizer):
+            return torch.zeros((), device=self.root_device)
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clip as Fabric does; with per-step fault tolerance the islands vote first (a dropped step: zeros)."""
+        if self._voted(optimizer):
+            super().clip_gradients_value(module, optimizer, clip_val)
+
+    def _voted(self, optimizer: Optimizer) -> bool:
+        """Per-step fault tolerance: whether this step commits, voted once (at the clip or the step).
+
+        The gradients are averaged across the islands before anything unscales them (a clip, the step), so every
+        island's GradScaler sees the same average; a dropped step's gradients are zeroed.
+        """
+        ft = self._fault_tolerance
+        if ft is None or not ft.per_step:
+            return True
+        if self._vote is None:
+            if ft.replica is None or self.model is None:
+                raise RuntimeError(
+                    "fault_tolerance joins the quorum at the model's first training forward: call the model that "
+                    "fabric.setup returned (in train mode, with gradients enabled) before optimizer.step()"
+                )
+            self._vote = ft.vote([p for p in self.model.module.parameters() if p.requires_grad])
+            if not self._vote:
+                optimizer.zero_grad()
+        return self._vote
 
     def finish(self) -> None:
         """End training, on every rank: local SGD averages the ranks; DDP's bucket layout is logged if not yet.

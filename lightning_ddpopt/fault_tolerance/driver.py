@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance
 from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
@@ -74,7 +75,16 @@ class FaultTolerantSteps:
             load_state_dict: loads a peer's state into this island when it heals.
             broadcast: sends an object from the island's first rank to its others (the strategy's ``broadcast``).
         """
-        self.replica = Replica(self.config, island_rank, island_size, store, state_dict, load_state_dict, device)
+
+        def join() -> Replica:
+            return Replica(self.config, island_rank, island_size, store, state_dict, load_state_dict, device)
+
+        # The island's first rank first: it leaves its manager's address in the island's store, which the others
+        # read (a rejoin after an earlier fit would otherwise find the address of the manager that fit closed).
+        self.replica = join() if island_rank == 0 else None
+        broadcast(None)
+        if self.replica is None:
+            self.replica = join()
         self.stats = self.replica.stats
         self._island, self._state, self._broadcast = (
             (island_rank, island_size),
@@ -123,18 +133,26 @@ class FaultTolerantSteps:
         return replica.commit()
 
     def after_step(self) -> None:
-        """Per step, after a committed step's optimizer step: at this island's first, make its ranks one again.
+        """After every optimizer step (and local SGD's sync): once this island has committed, align its ranks.
 
         At a run's first quorum torchft gives each rank of an island the state of another island's same rank (its
-        ``init_sync``, the source chosen per rank), and the first average runs over different islands per rank: the
-        ranks of an island can leave the first step apart. The island's first rank's training state goes to the
-        others once, there (later heals come whole from islands at the same step, and stay aligned).
+        ``init_sync``, the source chosen per rank), and per step the first average runs over different islands per
+        rank: the ranks of an island can leave the first commit apart (with local SGD: in their inner optimizer
+        state, GradScaler and counters; the outer loop's shards are per rank by design). The island's first rank's
+        training state goes to the others once, there, through the CPU (later heals come whole from islands at the
+        same step, and keep the ranks aligned). It is no heal: error feedback and step counts stay.
         """
-        if self._aligned or self._state is None or self._broadcast is None:
+        replica = self.replica
+        if self._aligned or replica is None or replica.stats.committed == 0:
             return
         self._aligned = True
+        assert self._state is not None and self._broadcast is not None
         state_dict, load_state_dict = self._state
-        state = self._broadcast(state_dict() if self._island[0] == 0 else None)
+        state = None
+        if self._island[0] == 0:
+            state = move_data_to_device({**state_dict(), "local_sgd": None}, torch.device("cpu"))
+            state["heal"] = False
+        state = self._broadcast(state)
         if self._island[0] != 0:
             load_state_dict(state)
 
@@ -151,15 +169,15 @@ class FaultTolerantSteps:
         already computed, so precision plugins (which unscale after the closure) and callbacks see the averaged
         gradients as usual. A dropped step zeroes the gradients.
         """
-        if self.replica is None or not self.per_step:  # local SGD: its syncs vote, inside this step
+        if self.replica is None:
+            return step(closure)
+        if not self.per_step:  # local SGD: its syncs vote, inside this step
             return step(closure)
         result = closure()
         if not self.vote(parameters):
             optimizer.zero_grad()
             return result
-        output = step(lambda: result)
-        self.after_step()
-        return output
+        return step(lambda: result)
 
     def teardown(self) -> None:
         """Leave the quorum (a later fit, or a Fabric loop's next training forward, joins again)."""

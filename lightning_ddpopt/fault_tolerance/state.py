@@ -95,7 +95,7 @@ def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
         counts.ready = counts.completed + 1
     batches_that_stepped(trainer, state["batches_that_stepped"])
     if isinstance(trainer.strategy, CoreViews):
-        _load_ours(trainer.strategy, state["local_sgd"])
+        _load_ours(trainer.strategy, state)
 
 
 def fabric_state(strategy: FabricIsland) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def load_fabric_state(strategy: FabricIsland, state: dict[str, Any]) -> None:
     scaler = strategy.grad_scaler
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
-    if strategy.optimizer_steps != state["optimizer_steps"]:
+    if state.get("heal", True) and strategy.optimizer_steps != state["optimizer_steps"]:
         strategy.optimizer_steps = state["optimizer_steps"]  # the peer's, inside this step: it counts it as we will
         strategy.resumes += 1  # a Monitor's callbacks count steps from here, as after a fabric.load
     extra = strategy.heal_state
@@ -135,18 +135,21 @@ def load_fabric_state(strategy: FabricIsland, state: dict[str, Any]) -> None:
             extra[key].load_state_dict(saved)
         else:
             extra[key] = saved
-    _load_ours(strategy, state["local_sgd"])
+    _load_ours(strategy, state)
 
 
 def _state_of(value: Any) -> Any:
     return value.state_dict() if callable(getattr(value, "state_dict", None)) else value
 
 
-def _load_ours(strategy: CoreViews | FabricIsland, local_sgd: dict[str, Any] | None) -> None:
-    """The comm hook's error feedback forgotten, local SGD's state loaded: the parts both front ends share."""
+def _load_ours(strategy: CoreViews | FabricIsland, state: dict[str, Any]) -> None:
+    """At a heal, the comm hook's error feedback forgotten; local SGD's state loaded: what both front ends share.
+
+    ``state["heal"]`` is ``False`` where an island's first rank aligns the others (no heal: nothing to forget).
+    """
     comm_state = strategy.comm_state
-    if isinstance(comm_state, ErrorFeedbackState):
+    if state.get("heal", True) and isinstance(comm_state, ErrorFeedbackState):
         comm_state.forget_errors()  # computed on the weights this island had before: they would mislead
     outer = strategy.local_sgd
-    if outer is not None and local_sgd is not None:
-        outer.load_heal_state(local_sgd)
+    if outer is not None and state["local_sgd"] is not None:
+        outer.load_heal_state(state["local_sgd"])
