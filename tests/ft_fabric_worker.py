@@ -5,10 +5,10 @@ Usage: torchrun --standalone --nproc-per-node M -m tests.ft_fabric_worker ISLAND
 
 A hand-written Fabric loop over an MLP with Adam, a per-step LR schedule (healed through the strategy's
 ``heal_state``), real fp16 autocast with a GradScaler, gradient clipping, the int8 hook inside the island, and a
-Monitor with the three measuring callbacks; with ``--local-sgd H`` DiLoCo every H steps across the islands. The loop
-runs until the strategy's optimizer-step count (which a heal brings) reaches N. With ``--overflow-at K`` this
-island's loss is inf at the K-th batch: per step, the average across the islands is inf, so every island's
-GradScaler skips that step (the islands vote at the clip, before it unscales). The first rank writes
+Monitor with the three measuring callbacks; with ``--local-sgd H`` DiLoCo every H steps across the islands (and no
+hook). The loop runs until the strategy's optimizer-step count (which a heal brings) reaches N. With
+``--overflow-at K`` this island's loss is inf at the K-th batch: per step, the average across the islands is inf,
+so every island's GradScaler skips that step (the islands vote at the clip, before it unscales). The first rank writes
 ``OUT/islandI.started`` and the step after every batch to ``OUT/islandI.step``; every rank holds at its start while
 ``OUT/hold_start`` exists and after a batch while ``OUT/hold`` names a step it has reached; at the end each rank
 writes its parameters, step, LR, loss scale, the Monitor's figures and the quorum stats to ``OUT/islandI_rankR.pt``.
@@ -57,7 +57,9 @@ def main() -> None:
         connect_timeout_s=5.0,
     )
     local_sgd = LocalSGDConfig.diloco(args.local_sgd) if args.local_sgd else None
-    strategy = OptimizedDDPStrategy(comm_hook="int8", fault_tolerance=config, local_sgd=local_sgd)
+    # Per step the int8 hook syncs inside the island; with DiLoCo DDP's own sync does (no warm-up, no hook).
+    hook = "int8" if local_sgd is None else None
+    strategy = OptimizedDDPStrategy(comm_hook=hook, fault_tolerance=config, local_sgd=local_sgd)
     fabric = Fabric(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
