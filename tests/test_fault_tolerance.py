@@ -378,6 +378,27 @@ def _islands_summary(history, heals=0, dropped=0):
     }
 
 
+@needs_torchft
+@pytest.mark.quick
+@pytest.mark.parametrize(("host", "shown"), [("10.1.2.3", "10.1.2.3"), ("fd00::5", "[fd00::5]")])
+def test_the_checkpoint_server_is_advertised_at_the_islands_address_not_the_machines_name(host, shown):
+    # A healing island fetches a peer's state from the peer's checkpoint server: at the address the islands reach
+    # each other at (torchft's own names the machine, which shaped namespaces, containers or hosts with several
+    # interfaces resolve to another address).
+    from datetime import timedelta
+
+    from lightning_ddpopt.fault_tolerance.replica import _checkpoint_server
+
+    server = _checkpoint_server(host, timedelta(seconds=5))
+    try:
+        address = server.metadata()
+        port = int(address.split(":")[-1].split("/")[0])
+        assert address == f"http://{shown}:{port}/checkpoint/"
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # it listens on every interface
+    finally:
+        server.shutdown(wait=False)
+
+
 class _Quorum:
     """What the replica asks of torchft's manager at a quorum and a vote: so many islands taking part, at a step."""
 

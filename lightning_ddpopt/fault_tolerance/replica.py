@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -111,6 +112,7 @@ class Replica:
             config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{socket.gethostname()}_{store[1]}"
         )
         self.stats.replica_id = self.replica_id
+        advertised = _advertised(store[0])
         self.manager = Manager(
             pg=group,
             load_state_dict=self._healed,
@@ -125,7 +127,8 @@ class Replica:
             store_port=store[1],
             lighthouse_addr=address,
             replica_id=self.replica_id,
-            hostname=_advertised(store[0]),
+            hostname=advertised,
+            checkpoint_transport=_checkpoint_server(advertised, timeout),
         )
         self._open = False
 
@@ -233,6 +236,23 @@ class Replica:
     def close(self) -> None:
         """Leave the quorum (at the end of fit)."""
         self.manager.shutdown(wait=False)
+
+
+def _checkpoint_server(host: str, timeout: timedelta) -> Any:
+    """The HTTP checkpoint server of torchft (a healing peer fetches this island's state there), advertised at ``host``.
+
+    torchft's own advertises the machine's name, which peers may not resolve to this island (a host with several
+    interfaces, a container): the manager's address (see :func:`_advertised`) is the one the other islands reach.
+    """
+    from torchft.checkpointing import HTTPTransport
+
+    class _Advertised(HTTPTransport):
+        def address(self) -> str:
+            parts = urlsplit(super().address())
+            name = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            return urlunsplit(parts._replace(netloc=f"{name}:{parts.port}"))
+
+    return _Advertised(timeout=timeout, num_chunks=0)
 
 
 def _advertised(store_host: str) -> str:
