@@ -15,10 +15,11 @@ committed step (a fault-tolerant step counts the islands absent from its quorum;
 again after the checkpoint on every host), and island-seconds (the wall time over its kind's run without a fault,
 times the islands).
 
-Run:  .venv/bin/python benchmarks/fault_tolerance.py --loopback [--steps 120] [--kill-at 70]
+Run:  .venv/bin/python benchmarks/fault_tolerance.py [--steps 120] [--kill-at 70] [--rounds 3]
 
-Without ``--loopback`` (as root, with iproute2) the hosts are shaped network namespaces; there torchft's gloo group
-timed out receiving in the first steps on 2026-12-06, which is not understood yet.
+As root with iproute2 the hosts are shaped network namespaces (``--loopback``: every island on this machine's
+loopback instead). ``--rounds N`` repeats the four runs N times, in reverse order every other round, and reports
+each figure's median with the rounds' values.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -124,7 +126,7 @@ def run_fault_tolerant(cluster: Cluster, out: Path, args: argparse.Namespace, ki
 
 def run_checkpoint_restart(cluster: Cluster, out: Path, args: argparse.Namespace, kill: bool) -> dict[str, Any]:
     out.mkdir(parents=True)
-    options = ("--address", cluster.hosts[0].address, "--whole-job", str(ISLANDS))
+    options: tuple[str, ...] = ("--address", cluster.hosts[0].address, "--whole-job", str(ISLANDS))
     options += ("--checkpoint-every", str(args.checkpoint_every))
     started = time.monotonic()
     hosts = [_start(cluster, i, out, args, *options) for i in range(ISLANDS)]
@@ -157,60 +159,66 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--step-seconds", type=float, default=0.05, help="each step's pacing: its compute")
     parser.add_argument("--rate", default="1gbit")
-    parser.add_argument(
-        "--loopback",
-        action="store_true",
-        help="every island on this machine's loopback, unshaped (no namespaces): on the shaped namespaces, torchft's "
-        "gloo group timed out receiving on 2026-12-06, which is not understood yet",
-    )
+    parser.add_argument("--loopback", action="store_true", help="every island on this machine's loopback, unshaped")
+    parser.add_argument("--rounds", type=int, default=1, help="the four runs this many times, interleaved")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="fault_tolerance")
     args = parser.parse_args()
     reason = "--loopback" if args.loopback else can_emulate()
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddpopt-ft-{os.getpid()}"
-    results: dict[str, Any] = {}
+    runs = {
+        "no_fault": lambda cluster, path: run_fault_tolerant(cluster, path, args, kill=False),
+        "fault_tolerant": lambda cluster, path: run_fault_tolerant(cluster, path, args, kill=True),
+        "job_no_fault": lambda cluster, path: run_checkpoint_restart(cluster, path, args, kill=False),
+        "checkpoint_restart": lambda cluster, path: run_checkpoint_restart(cluster, path, args, kill=True),
+    }
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     with Cluster(ISLANDS, args.rate, loopback=reason is not None) as cluster:
-        link = "loopback (unshaped)" if reason else f"{args.rate}"
-        print(f"fault tolerance: {ISLANDS} hosts on {link}; {args.steps} steps", flush=True)
-        results["no_fault"] = run_fault_tolerant(cluster, work / "no_fault", args, kill=False)
-        print(f"  no_fault {results['no_fault']['wall_s']:.1f} s", flush=True)
-        results["fault_tolerant"] = run_fault_tolerant(cluster, work / "fault_tolerant", args, kill=True)
-        print(f"  fault_tolerant {results['fault_tolerant']['wall_s']:.1f} s", flush=True)
-        results["job_no_fault"] = run_checkpoint_restart(cluster, work / "job_no_fault", args, kill=False)
-        print(f"  job_no_fault {results['job_no_fault']['wall_s']:.1f} s", flush=True)
-        results["checkpoint_restart"] = run_checkpoint_restart(cluster, work / "checkpoint_restart", args, kill=True)
-        print(f"  checkpoint_restart {results['checkpoint_restart']['wall_s']:.1f} s", flush=True)
-    # Each run against its own kind's run without a fault: the whole job has no quorum to ask every step.
+        link = "loopback (unshaped)" if reason else f"{args.rate} shaped link between namespaces"
+        print(f"fault tolerance: {ISLANDS} hosts on {link}; {args.steps} steps, {args.rounds} round(s)", flush=True)
+        for index in range(args.rounds):
+            for name in list(runs) if index % 2 == 0 else list(reversed(runs)):
+                rounds[name].append(runs[name](cluster, work / f"round{index}" / name))
+                print(f"  round {index} {name} {rounds[name][-1]['wall_s']:.1f} s", flush=True)
+    # Each run against its own kind's run without a fault (the whole job has no quorum to ask every step), per round.
     references = {
         "no_fault": "no_fault",
         "fault_tolerant": "no_fault",
         "job_no_fault": "job_no_fault",
         "checkpoint_restart": "job_no_fault",
     }
+
     lines = [
         f"Fault tolerance: {ISLANDS} emulated hosts on {link}, one island (one rank) each, {args.steps} steps of "
         f"{args.step_seconds * 1e3:g} ms compute, island 1 lost at step {args.kill_at}; checkpoints every "
-        f"{args.checkpoint_every} steps for the restart",
+        f"{args.checkpoint_every} steps for the restart; medians of {args.rounds} round(s) (each round's values in "
+        "brackets)",
         f"Command: `benchmarks/fault_tolerance.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}",
         "",
         "| run | wall s | over its run without a fault s | island-seconds lost | island-steps of samples lost |",
         "|---|---|---|---|---|",
     ]
-    for name, result in results.items():
-        extra = result["wall_s"] - results[references[name]]["wall_s"]
+    for name, results in rounds.items():
+        walls = [r["wall_s"] for r in results]
+        extras = [r["wall_s"] - ref["wall_s"] for r, ref in zip(results, rounds[references[name]], strict=True)]
+        lost = [r["lost_island_steps"] for r in results]
+        shown = ", ".join(f"{extra:+.1f}" for extra in extras)
+        extra = statistics.median(extras)
         lines.append(
-            f"| {name} | {result['wall_s']:.1f} | {extra:+.1f} | {max(extra, 0.0) * ISLANDS:.1f} | "
-            f"{result['lost_island_steps']} |"
+            f"| {name} | {statistics.median(walls):.1f} | {extra:+.1f} [{shown}] | {max(extra, 0.0) * ISLANDS:.1f} | "
+            f"{statistics.median(lost):g} [{', '.join(map(str, lost))}] |"
         )
-    ft = results["fault_tolerant"]
+    ft = rounds["fault_tolerant"]
+    back = statistics.median([r["island_down_s"] for r in ft])
     lines += [
         "",
-        f"The killed island was back in the quorum {ft['island_down_s']:.1f} s after it was killed; the quorum's sizes "
-        f"(step, islands): {ft['quorum_sizes']}; every island's parameters equal at the end: {ft['parameters_equal']}.",
+        f"The killed island was back in the quorum {back:.1f} s after it was "
+        f"killed (median); the quorum's sizes (step, islands) in the first round: {ft[0]['quorum_sizes']}; every "
+        f"island's parameters equal at the end of every round: {all(r['parameters_equal'] for r in ft)}.",
     ]
     out = Path(args.out)
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "rounds": rounds}, indent=2))
     print("\n".join(lines))
 
 
