@@ -1,7 +1,7 @@
 """One island of a fault-tolerant run, as its own Lightning job (``tests/test_fault_tolerance.py`` starts three).
 
 Usage: python -m tests.ft_worker ISLAND LIGHTHOUSE PORT OUT [--max-steps N] [--step-seconds S] [--devices M]
-    [--local-sgd H]
+    [--local-sgd H] [--comm-hook NAME]
 
 Trains StackModel on its own data (seeded by ISLAND and rank) with M ranks,
 ``OptimizedDDPStrategy(fault_tolerance=...)`` (with ``--local-sgd``: DiLoCo every H steps across the islands) and the
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--local-sgd", type=int, default=0, metavar="H")
+    parser.add_argument("--comm-hook", default="allreduce", help="the hook inside the island (a registry name)")
     parser.add_argument("--address", default="127.0.0.1", help="this island's address (MASTER_ADDR)")
     parser.add_argument(
         "--whole-job",
@@ -107,7 +108,10 @@ def main() -> None:
         devices=args.devices,
         num_nodes=args.whole_job or 1,
         strategy=OptimizedDDPStrategy(
-            fault_tolerance=None if args.whole_job else config, local_sgd=local_sgd, start_method="popen"
+            fault_tolerance=None if args.whole_job else config,
+            local_sgd=local_sgd,
+            start_method="popen",
+            comm_hook=args.comm_hook,
         ),
         max_steps=args.max_steps,
         callbacks=[

@@ -129,13 +129,14 @@ def _lose_one_and_heal_it(
 
 MODES = {
     # Each step's gradients averaged across the islands, each step a commit point; islands of one rank.
-    "every_step": ("1", "0"),
-    # The same with islands of two ranks: rank r of each island meets rank r of the others (torchft's first quorum
-    # gives each rank another island's state, the island's first rank realigns them after the first step).
-    "every_step_2ranks": ("2", "0"),
+    "every_step": ("1", "0", "allreduce"),
+    # The same with islands of two ranks syncing through PowerSGD: rank r of each island meets rank r of the others
+    # (torchft's first quorum gives each rank another island's state, the island's first rank realigns them after
+    # the first step).
+    "every_step_2ranks": ("2", "0", "powersgd"),
     # DiLoCo every 4 steps across the islands, each sync the commit point; islands of two ranks (each rank carries
     # its half of the change across, with the same rank of the other islands).
-    "diloco": ("2", "4"),
+    "diloco": ("2", "4", "allreduce"),
 }
 
 
@@ -151,8 +152,8 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     # parameters, and the two that stayed dropped nothing. The first island (which torchft's first quorum made the
     # others' source) is lost as well as another.
     max_steps = 30
-    devices, sync_every = MODES[mode]
-    options = ("--devices", devices, "--local-sgd", sync_every)
+    devices, sync_every, hook = MODES[mode]
+    options = ("--devices", devices, "--local-sgd", sync_every, "--comm-hook", hook)
 
     def start(index: int, lighthouse: str, log: Path) -> subprocess.Popen:
         return _island(index, lighthouse, tmp_path, max_steps, log, *options)
