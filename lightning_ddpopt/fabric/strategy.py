@@ -361,9 +361,12 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
                 samples = None
         self._core.before_micro_batch(model, samples, first_of_epoch=self._between_steps)
         self._between_steps = False
-        if self._fault_tolerance is not None:
-            self._join_quorum(self._fault_tolerance)
-            self._fault_tolerance.before_batch()
+        ft = self._fault_tolerance
+        if ft is not None:
+            self._join_quorum(ft)
+            if ft.replica is not None and not ft.replica.step_open:
+                self._vote = None  # a new step: a vote at a clip not followed by a step does not carry over
+            ft.before_batch()
         if self._sync_blocked:  # fabric.no_backward_sync outranks local SGD's warm-up, which just allowed the sync
             assert isinstance(model, DistributedDataParallel)
             set_ddp_sync(model, gradients=False)
