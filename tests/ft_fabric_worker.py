@@ -67,7 +67,7 @@ def main() -> None:
         plugins=[fp16_mixed_precision("cpu", init_scale=2.0**10)],
     )
     fabric.launch()
-    torch.manual_seed(0)  # every island starts from the same model
+    torch.manual_seed(args.island)  # each island its own model: torchft's first quorum makes them one
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)

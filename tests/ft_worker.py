@@ -127,7 +127,9 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=str(args.out / f"island{args.island}"),
     )
-    model = _Scheduled(lr=0.05)
+    # Each island its own initial model: torchft's first quorum makes them one (each rank from a source island of its
+    # own: the island's first rank then realigns the others).
+    model = _Scheduled(lr=0.05, seed=args.island)
     last = args.out / "checkpoints" / "last.ckpt"
     trainer.fit(model, data, ckpt_path=last if args.checkpoint_every and last.exists() else None)
     strategy = trainer.strategy

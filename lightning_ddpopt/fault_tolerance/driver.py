@@ -80,9 +80,17 @@ class FaultTolerantSteps:
             return Replica(self.config, island_rank, island_size, store, state_dict, load_state_dict, device)
 
         # The island's first rank first: it leaves its manager's address in the island's store, which the others
-        # read (a rejoin after an earlier fit would otherwise find the address of the manager that fit closed).
-        self.replica = join() if island_rank == 0 else None
-        broadcast(None)
+        # read (a rejoin after an earlier fit would otherwise find the address of the manager that fit closed). If it
+        # fails, the others say so instead of waiting for it.
+        if island_rank == 0:
+            try:
+                self.replica = join()
+            except Exception as error:
+                broadcast(f"{type(error).__name__}: {error}")
+                raise
+        failure = broadcast(None)
+        if failure is not None:
+            raise RuntimeError(f"the island's first rank could not join the quorum: {failure}")
         if self.replica is None:
             self.replica = join()
         self.stats = self.replica.stats

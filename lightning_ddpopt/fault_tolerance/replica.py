@@ -163,7 +163,8 @@ class Replica:
                 "the Lighthouse started with --min-replicas at most that? (With local SGD an island waits here for the "
                 "others' next sync: give quorum_timeout_s more than a sync window's time.)"
             ) from error
-        if participants < self._min_replicas and self.manager.current_step() == 0:
+        first = self.manager.current_step() == 0 and self.manager.errored() is None  # (a failed heal stays at 0)
+        if participants < self._min_replicas and first:
             # The run's first quorum: every island in it is at step 0 and takes part (later, healing islands do not
             # count, and a quorum can legitimately have fewer). A Lighthouse forms no quorum below its own
             # --min-replicas: this one was started with fewer than the islands ask for, and every step would be
@@ -250,7 +251,7 @@ def _checkpoint_server(host: str, timeout: timedelta) -> Any:
         def address(self) -> str:
             parts = urlsplit(super().address())
             name = f"[{host}]" if ":" in host and not host.startswith("[") else host
-            return urlunsplit(parts._replace(netloc=f"{name}:{parts.port}"))
+            return urlunsplit((parts.scheme, f"{name}:{parts.port}", parts.path, parts.query, parts.fragment))
 
     return _Advertised(timeout=timeout, num_chunks=0)
 
@@ -258,11 +259,14 @@ def _checkpoint_server(host: str, timeout: timedelta) -> Any:
 def _advertised(store_host: str) -> str:
     """The address the other islands reach this island's manager at.
 
-    Its store's host, unless that is a loopback address (a job on one machine, launched without ``MASTER_ADDR``):
-    then the machine's name, torchft's default.
+    Its store's host (an IPv6 address in brackets, as a URL needs it), unless that is a loopback address (a job on
+    one machine, launched without ``MASTER_ADDR``): then the machine's name, torchft's default.
     """
+    bare = store_host.strip("[]")
     try:
-        loopback = ipaddress.ip_address(store_host).is_loopback
+        address = ipaddress.ip_address(bare)
     except ValueError:  # a host name
-        loopback = store_host == "localhost"
-    return socket.gethostname() if loopback else store_host
+        return socket.gethostname() if store_host == "localhost" else store_host
+    if address.is_loopback:
+        return socket.gethostname()
+    return f"[{bare}]" if address.version == 6 else bare

@@ -131,8 +131,11 @@ def load_fabric_state(strategy: FabricIsland, state: dict[str, Any]) -> None:
         strategy.resumes += 1  # a Monitor's callbacks count steps from here, as after a fabric.load
     extra = strategy.heal_state
     for key, saved in state["heal_state"].items():
-        if key in extra and callable(getattr(extra[key], "load_state_dict", None)):
-            extra[key].load_state_dict(saved)
+        mine = extra.get(key)
+        if callable(getattr(mine, "load_state_dict", None)):
+            mine.load_state_dict(saved)  # type: ignore[union-attr]
+        elif isinstance(mine, torch.Tensor) and isinstance(saved, torch.Tensor):
+            extra[key] = saved.to(mine.device)  # where this island kept it (it came through the CPU)
         else:
             extra[key] = saved
     _load_ours(strategy, state)
