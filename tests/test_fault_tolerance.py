@@ -412,6 +412,9 @@ class _Quorum:
     def current_step(self) -> int:
         return self.step
 
+    def errored(self) -> None:
+        return None
+
     def should_commit(self) -> bool:
         return False  # torchft's own rule: fewer than min_replica_size taking part
 
@@ -419,15 +422,18 @@ class _Quorum:
 @pytest.mark.quick
 def test_too_few_islands_stop_the_run_at_its_first_quorum_and_drop_a_later_step_with_a_warning():
     # At the run's first quorum every island is at step 0 and takes part: fewer than min_replicas there means the
-    # Lighthouse's --min-replicas is lower, refused. Later, an island that heals at a quorum does not take part in
-    # it (torchft counts the islands at the run's step), so two taking part of min_replicas=3 is a drop, warned.
+    # Lighthouse's --min-replicas is lower, refused at the vote. Later, an island that heals at a quorum does not
+    # take part in it (torchft counts the islands at the run's step), so two taking part of min_replicas=3 is a drop,
+    # warned.
     replica = Replica.__new__(Replica)
     replica._island_rank, replica._address, replica._min_replicas, replica._quorum_timeout_s = 0, "http://h:1", 3, 60.0
     replica.stats, replica.replica_id, replica._open = ReplicaStats(), "island0", True
     replica.manager = _Quorum(participants=2, step=0)  # type: ignore[assignment]
+    replica._note_participants()
     with pytest.raises(ValueError, match=r"FaultTolerance\(min_replicas=3\) is above the quorum the Lighthouse at "):
-        replica._note_participants()
+        replica.commit()
     replica.manager = _Quorum(participants=2, step=12)  # type: ignore[assignment]
+    replica._open = True
     replica._note_participants()
     with pytest.warns(RuntimeWarning) as warned:
         assert replica.commit() is False
@@ -435,7 +441,7 @@ def test_too_few_islands_stop_the_run_at_its_first_quorum_and_drop_a_later_step_
         "ddpopt: island island0 dropped its commit after commit 12: the quorum has 2 island(s) taking part (the "
         "others heal first), fewer than FaultTolerance(min_replicas=3)"
     )
-    assert (replica.stats.dropped, replica.stats.participants, replica.step_open) == (1, 2, False)
+    assert (replica.stats.dropped, replica.stats.participants, replica.step_open) == (2, 2, False)
 
 
 @pytest.mark.quick

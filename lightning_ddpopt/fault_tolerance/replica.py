@@ -163,18 +163,6 @@ class Replica:
                 "the Lighthouse started with --min-replicas at most that? (With local SGD an island waits here for the "
                 "others' next sync: give quorum_timeout_s more than a sync window's time.)"
             ) from error
-        first = self.manager.current_step() == 0 and self.manager.errored() is None  # (a failed heal stays at 0)
-        if participants < self._min_replicas and first:
-            # The run's first quorum: every island in it is at step 0 and takes part (later, healing islands do not
-            # count, and a quorum can legitimately have fewer). A Lighthouse forms no quorum below its own
-            # --min-replicas: this one was started with fewer than the islands ask for, and every step would be
-            # dropped. Every island of the quorum stops here alike.
-            raise ValueError(
-                f"FaultTolerance(min_replicas={self._min_replicas}) is above the quorum the Lighthouse at "
-                f"{self._address} formed, of {participants} island(s): its --min-replicas is lower, and every step "
-                f"would be dropped. Start the Lighthouse with --min-replicas {self._min_replicas}, or give "
-                "min_replicas at most the Lighthouse's"
-            )
         if participants != self.stats.participants:
             self.stats.quorum_changes += self.stats.participants != 0
             self.stats.participants = participants
@@ -212,8 +200,20 @@ class Replica:
             self.stats.committed += 1
             return True
         self.stats.dropped += 1
+        participants = self.stats.participants
+        if participants < self._min_replicas and self.stats.step == 0 and self.manager.errored() is None:
+            # The run's first quorum (a heal that failed leaves its island at step 0 too: errored): every island in
+            # it was at step 0 and took part (later, healing islands do not count, and a quorum can legitimately
+            # have fewer). A Lighthouse forms no quorum below its own --min-replicas: this one was started with fewer
+            # than the islands ask for, and every step would be dropped. Raised after the step's collective, which
+            # every island of the quorum reached with its heal done (none stops while another fetches from it).
+            raise ValueError(
+                f"FaultTolerance(min_replicas={self._min_replicas}) is above the quorum the Lighthouse at "
+                f"{self._address} formed, of {participants} island(s): its --min-replicas is lower, and every step "
+                f"would be dropped. Start the Lighthouse with --min-replicas {self._min_replicas}, or give "
+                "min_replicas at most the Lighthouse's"
+            )
         if self._island_rank == 0:
-            participants = self.stats.participants
             why = (
                 f"the quorum has {participants} island(s) taking part (the others heal first), fewer than "
                 f"FaultTolerance(min_replicas={self._min_replicas})"
