@@ -271,17 +271,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
                     "fault_tolerance needs automatic optimization: the strategy votes on each optimizer step before "
                     "taking it; manual optimization is not supported yet"
                 )
-            environment = self.cluster_environment
-            assert environment is not None
-            self._fault_tolerance.setup(
-                self.global_rank,
-                self.world_size,
-                (environment.main_address, environment.main_port),
-                self.root_device,
-                state_dict=lambda: training_state(trainer),
-                load_state_dict=lambda state: load_training_state(trainer, state),
-                broadcast=self.broadcast,
-            )
+            state = (lambda: training_state(trainer), lambda saved: load_training_state(trainer, saved))
+            self._join_islands(self._fault_tolerance, *state)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:

@@ -14,9 +14,11 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+from lightning.fabric.plugins import ClusterEnvironment
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt.core import CoreViews, StrategyCore
+from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
 
 __all__ = ["CoreStrategy"]
 
@@ -50,6 +52,9 @@ class _DDPStrategyLike(Protocol):
 
     @property
     def bucket_layout(self) -> tuple[int, ...] | None: ...
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None: ...
 
     @property
     def ledger(self) -> Any: ...
@@ -107,3 +112,22 @@ class CoreStrategy(CoreViews):
         """At the end of training: DDP's bucket layout, if no step logged it yet."""
         if self.bucket_layout is None and isinstance(model, DistributedDataParallel):
             self._core.buckets.log_layout(self.ledger, say, self._core.local_phase, final=True)
+
+    def _join_islands(
+        self: _DDPStrategyLike,
+        ft: FaultTolerantSteps,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """Join the fault-tolerant quorum as one island: this job's ranks, its store, its training state."""
+        environment = self.cluster_environment
+        assert environment is not None
+        ft.setup(
+            self.global_rank,
+            self.world_size,
+            (environment.main_address, environment.main_port),
+            self.root_device,
+            state_dict=state_dict,
+            load_state_dict=load_state_dict,
+            broadcast=self.broadcast,
+        )

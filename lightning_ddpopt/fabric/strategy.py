@@ -373,19 +373,8 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
 
     def _join_quorum(self, ft: FaultTolerantSteps) -> None:
         """Join the quorum at the first training forward (the model and optimizers are set up by then)."""
-        if ft.replica is not None:
-            return
-        environment = self.cluster_environment
-        assert environment is not None
-        ft.setup(
-            self.global_rank,
-            self.world_size,
-            (environment.main_address, environment.main_port),
-            self.root_device,
-            state_dict=lambda: fabric_state(self),
-            load_state_dict=lambda state: load_fabric_state(self, state),
-            broadcast=self.broadcast,
-        )
+        if ft.replica is None:
+            self._join_islands(ft, lambda: fabric_state(self), lambda state: load_fabric_state(self, state))
 
     @contextmanager
     def _blocking_sync(self, model: DistributedDataParallel) -> Iterator[None]:
