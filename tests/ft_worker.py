@@ -1,7 +1,7 @@
 """One island of a fault-tolerant run, as its own Lightning job (``tests/test_fault_tolerance.py`` starts three).
 
 Usage: python -m tests.ft_worker ISLAND LIGHTHOUSE PORT OUT [--max-steps N] [--step-seconds S] [--devices M]
-    [--local-sgd H] [--comm-hook NAME]
+    [--local-sgd H] [--comm-hook NAME] [--ft-compression fp32|fp16|bf16]
 
 Trains StackModel on its own data (seeded by ISLAND and rank) with M ranks,
 ``OptimizedDDPStrategy(fault_tolerance=...)`` (with ``--local-sgd``: DiLoCo every H steps across the islands) and the
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--local-sgd", type=int, default=0, metavar="H")
     parser.add_argument("--comm-hook", default="allreduce", help="the hook inside the island (a registry name)")
+    parser.add_argument("--ft-compression", default="fp32", help="FaultTolerance(compression=...)")
     parser.add_argument("--address", default="127.0.0.1", help="this island's address (MASTER_ADDR)")
     parser.add_argument(
         "--whole-job",
@@ -97,6 +98,7 @@ def main() -> None:
         timeout_s=5.0,
         quorum_timeout_s=60.0,
         connect_timeout_s=5.0,
+        compression=args.ft_compression,
     )
     local_sgd = LocalSGDConfig.diloco(args.local_sgd) if args.local_sgd else None
     checkpoints: list[pl.Callback] = []

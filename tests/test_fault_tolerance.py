@@ -128,15 +128,15 @@ def _lose_one_and_heal_it(
 
 
 MODES = {
-    # Each step's gradients averaged across the islands, each step a commit point; islands of one rank.
-    "every_step": ("1", "0", "allreduce"),
+    # Each step's gradients averaged across the islands in bf16, each step a commit point; islands of one rank.
+    "every_step": ("1", "0", "allreduce", "bf16"),
     # The same with islands of two ranks syncing through PowerSGD: rank r of each island meets rank r of the others
     # (torchft's first quorum gives each rank another island's state, the island's first rank realigns them after
     # the first step).
-    "every_step_2ranks": ("2", "0", "powersgd"),
+    "every_step_2ranks": ("2", "0", "powersgd", "fp32"),
     # DiLoCo every 4 steps across the islands, each sync the commit point; islands of two ranks (each rank carries
     # its half of the change across, with the same rank of the other islands).
-    "diloco": ("2", "4", "allreduce"),
+    "diloco": ("2", "4", "allreduce", "fp32"),
 }
 
 
@@ -152,8 +152,8 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     # parameters, and the two that stayed dropped nothing. The first island (which torchft's first quorum made the
     # others' source) is lost as well as another.
     max_steps = 30
-    devices, sync_every, hook = MODES[mode]
-    options = ("--devices", devices, "--local-sgd", sync_every, "--comm-hook", hook)
+    devices, sync_every, hook, across = MODES[mode]
+    options = ("--devices", devices, "--local-sgd", sync_every, "--comm-hook", hook, "--ft-compression", across)
 
     def start(index: int, lighthouse: str, log: Path) -> subprocess.Popen:
         return _island(index, lighthouse, tmp_path, max_steps, log, *options)
@@ -286,6 +286,7 @@ def test_a_lighthouse_that_is_not_there_fails_setup_naming_its_address(tmp_path)
         ({"min_replicas": 0}, "FaultTolerance min_replicas=0 must be an int >= 1"),
         ({"replica_id": ""}, "FaultTolerance replica_id='' must be a non-empty string or None"),
         ({"timeout_s": 0}, "FaultTolerance timeout_s=0 must be a positive number"),
+        ({"compression": "int8"}, "FaultTolerance compression='int8' must be one of 'fp32', 'fp16', 'bf16'"),
     ],
 )
 def test_bad_fault_tolerance_arguments(kwargs, message):
@@ -314,6 +315,10 @@ def test_the_strategies_refuse_what_fault_tolerance_cannot_do_and_say_what_to_in
         strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, overlap_steps=4))
     with pytest.raises(ValueError, match="local_sgd replica='node' is not supported with fault_tolerance yet"):
         strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, replica="node"))
+    with pytest.raises(ValueError, match="FaultTolerance compression='bf16' is for the per-step average across"):
+        strategy(
+            fault_tolerance=FaultTolerance(lighthouse="h:1", compression="bf16"), local_sgd=LocalSGDConfig.diloco(8)
+        )
     with pytest.raises(
         ValueError,
         match="local_sgd compression='int8' is not supported with fault_tolerance: torchft's fault-tolerant "
@@ -418,6 +423,13 @@ class _Quorum:
     def should_commit(self) -> bool:
         return False  # torchft's own rule: fewer than min_replica_size taking part
 
+    def allreduce(self, tensor: torch.Tensor, reduce_op: object = "avg") -> _Quorum:
+        self.sent = (tensor.dtype, reduce_op, tensor.clone())  # the other islands sent zeros (they heal)
+        return self
+
+    def wait(self) -> None:
+        return None
+
 
 @pytest.mark.quick
 def test_too_few_islands_stop_the_run_at_its_first_quorum_and_drop_a_later_step_with_a_warning():
@@ -442,6 +454,33 @@ def test_too_few_islands_stop_the_run_at_its_first_quorum_and_drop_a_later_step_
         "others heal first), fewer than FaultTolerance(min_replicas=3)"
     )
     assert (replica.stats.dropped, replica.stats.participants, replica.step_open) == (2, 2, False)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("compression", ["fp32", "bf16", "fp16"])
+def test_the_gradients_cross_the_islands_in_their_compression_divided_before_the_cast(compression):
+    # Per step the island's gradients travel in FaultTolerance(compression=...): fp32 as torchft's average, fp16 and
+    # bf16 divided by the islands taking part first and summed (the fp16 hook's way: no overflow the mean would not
+    # have). A missing gradient travels as zeros and comes back as the average.
+    from torch.distributed import ReduceOp
+
+    replica = Replica.__new__(Replica)
+    replica._island_rank, replica._address, replica._min_replicas, replica._quorum_timeout_s = 0, "http://h:1", 1, 60.0
+    replica.stats, replica.replica_id, replica._open = ReplicaStats(), "island0", True
+    replica._wire = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compression]
+    replica.manager = _Quorum(participants=4, step=3)  # type: ignore[assignment]
+    used, unused = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    used.grad = torch.tensor([1.0, -2.0, 1000.0])
+    replica.average_gradients([used, unused])
+    dtype, op, sent = replica.manager.sent  # type: ignore[attr-defined]
+    if compression == "fp32":
+        assert (dtype, op) == (torch.float32, "avg")  # torchft divides by the participants itself
+        assert torch.equal(sent, torch.tensor([1.0, -2.0, 1000.0, 0.0, 0.0]))
+    else:
+        assert (dtype, op) == (replica._wire, ReduceOp.SUM)
+        assert torch.equal(sent, torch.tensor([0.25, -0.5, 250.0, 0.0, 0.0], dtype=replica._wire))
+        assert torch.equal(used.grad, torch.tensor([0.25, -0.5, 250.0]))
+    assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(2))
 
 
 @pytest.mark.quick

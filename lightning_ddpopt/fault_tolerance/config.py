@@ -10,11 +10,12 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from lightning_ddpopt._validate import require_int, require_number
-from lightning_ddpopt.localsgd.config import LocalSGDConfig
+from lightning_ddpopt.localsgd.config import WIRE_DTYPES, LocalSGDConfig
 
 __all__ = ["FaultTolerance", "check_fault_tolerance", "lighthouse_host_port", "require_torchft"]
 
@@ -45,6 +46,10 @@ class FaultTolerance:
             local SGD a restarted island waits for the live islands' next sync: give it more than a sync window.
         connect_timeout_s: seconds to reach the Lighthouse and the other islands' managers; an unreachable
             Lighthouse fails setup after this, naming the address.
+        compression: the precision each step's gradients cross the islands in: ``"fp32"`` (default), or ``"fp16"``
+            or ``"bf16"`` (half the bytes on the link between islands; each island's gradients are divided by the
+            islands taking part before the cast, as the ``fp16`` hook does, so the sum overflows only where the mean
+            would). Per step only: with ``local_sgd`` the change travels in ``LocalSGDConfig(compression=...)``.
     """
 
     lighthouse: str | None = None
@@ -53,6 +58,7 @@ class FaultTolerance:
     timeout_s: float = 60.0
     quorum_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
+    compression: Literal["fp32", "fp16", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         if self.lighthouse is not None:
@@ -62,6 +68,10 @@ class FaultTolerance:
             raise ValueError(f"FaultTolerance replica_id={self.replica_id!r} must be a non-empty string or None")
         for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
             require_number(f"FaultTolerance {name}", getattr(self, name))
+        if self.compression not in WIRE_DTYPES:
+            raise ValueError(
+                f"FaultTolerance compression={self.compression!r} must be one of {', '.join(map(repr, WIRE_DTYPES))}"
+            )
 
     def address(self) -> str:
         """The Lighthouse's address as torchft takes it (``http://host:port``), from the argument or environment."""
@@ -102,6 +112,11 @@ def check_fault_tolerance(config: object, local_sgd: LocalSGDConfig | None) -> N
         return
     if not isinstance(config, FaultTolerance):
         raise TypeError(f"fault_tolerance={config!r} must be a FaultTolerance(...) or None")
+    if local_sgd is not None and config.compression != "fp32":
+        raise ValueError(
+            f"FaultTolerance compression={config.compression!r} is for the per-step average across islands; with "
+            "local_sgd the change travels in LocalSGDConfig(compression=...): leave FaultTolerance's at 'fp32'"
+        )
     if local_sgd is not None:
         # The islands sync every H steps through torchft, blocking, the change sent whole in its own precision.
         for name, value, allowed in (

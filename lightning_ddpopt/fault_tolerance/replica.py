@@ -30,9 +30,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
+from torch.distributed import ReduceOp
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, require_torchft
 from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
+from lightning_ddpopt.localsgd.config import WIRE_DTYPES
 
 __all__ = ["Replica", "ReplicaStats"]
 
@@ -104,6 +106,7 @@ class Replica:
             config.quorum_timeout_s,
         )
         self._load = load_state_dict
+        self._wire = WIRE_DTYPES[config.compression]
         timeout = timedelta(seconds=config.timeout_s)
         group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         logging.getLogger("torchft_quorums").setLevel(logging.WARNING)
@@ -169,7 +172,7 @@ class Replica:
             self.stats.history.append((self.manager.current_step() + 1, participants))
 
     def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Average the gradients over the islands of the quorum, in place (one flat fp32 all-reduce)."""
+        """Average the gradients over the islands of the quorum, in place (one flat all-reduce, in ``compression``)."""
         self._note_participants()
         # Every trainable parameter in one order on every island, a missing gradient as zeros: the same shape
         # everywhere, whichever parameters this island's batch used.
@@ -181,7 +184,12 @@ class Replica:
                 for p in parameters
             ]
         )
-        self.manager.allreduce(flat).wait()
+        if self._wire == torch.float32:
+            self.manager.allreduce(flat).wait()
+        else:  # divided before the cast, as the fp16 hook does: the sum overflows only where the mean would
+            wire = flat.div_(max(self.stats.participants, 1)).to(self._wire)
+            self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
+            flat.copy_(wire)
         offset = 0
         for p in parameters:
             averaged = flat[offset : offset + p.numel()].view_as(p)
