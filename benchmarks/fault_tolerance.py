@@ -77,7 +77,9 @@ def _kill_at(process: subprocess.Popen, out: Path, island: int, step: int) -> fl
     return time.monotonic()
 
 
-def run_fault_tolerant(cluster: Cluster, out: Path, args: argparse.Namespace, kill: bool) -> dict[str, Any]:
+def run_fault_tolerant(
+    cluster: Cluster, out: Path, args: argparse.Namespace, kill: bool, compression: str = "fp32"
+) -> dict[str, Any]:
     out.mkdir(parents=True)
     lighthouse_cmd = [sys.executable, "-m", "lightning_ddpopt.cli", "lighthouse", "--port", "29510"]
     lighthouse_cmd += ["--min-replicas", "2", "--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "20000"]
@@ -91,11 +93,12 @@ def run_fault_tolerant(cluster: Cluster, out: Path, args: argparse.Namespace, ki
     while "Lighthouse at" not in log.read_text():  # serving
         time.sleep(0.05)
     started = time.monotonic()
-    islands = [_start(cluster, i, out, args, "--address", cluster.hosts[i].address) for i in range(ISLANDS)]
+    across = ("--ft-compression", compression)
+    islands = [_start(cluster, i, out, args, "--address", cluster.hosts[i].address, *across) for i in range(ISLANDS)]
     downtime = 0.0
     if kill:
         killed = _kill_at(islands[1], out, 1, args.kill_at)
-        islands[1] = _start(cluster, 1, out, args, "--address", cluster.hosts[1].address)
+        islands[1] = _start(cluster, 1, out, args, "--address", cluster.hosts[1].address, *across)
         while _step(out, 1) <= args.kill_at and islands[1].poll() is None:
             time.sleep(0.01)
         downtime = time.monotonic() - killed
@@ -160,7 +163,13 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.05, help="each step's pacing: its compute")
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--loopback", action="store_true", help="every island on this machine's loopback, unshaped")
-    parser.add_argument("--rounds", type=int, default=1, help="the four runs this many times, interleaved")
+    parser.add_argument("--rounds", type=int, default=1, help="the runs this many times, interleaved")
+    parser.add_argument(
+        "--ft-compression",
+        choices=("fp16", "bf16"),
+        help="also run no_fault_<this>: the fault-tolerant run without a fault, its gradients across in this",
+    )
+    parser.add_argument("--runs", help="only these runs, comma-separated (default: all)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="fault_tolerance")
     args = parser.parse_args()
@@ -172,6 +181,21 @@ def main() -> None:
         "job_no_fault": lambda cluster, path: run_checkpoint_restart(cluster, path, args, kill=False),
         "checkpoint_restart": lambda cluster, path: run_checkpoint_restart(cluster, path, args, kill=True),
     }
+    references = {
+        "no_fault": "no_fault",
+        "fault_tolerant": "no_fault",
+        "job_no_fault": "job_no_fault",
+        "checkpoint_restart": "job_no_fault",
+    }
+    if args.ft_compression:
+        compressed = f"no_fault_{args.ft_compression}"
+        runs[compressed] = lambda cluster, path: run_fault_tolerant(cluster, path, args, False, args.ft_compression)
+        references[compressed] = "no_fault"
+    if args.runs:
+        runs = {name: run for name, run in runs.items() if name in args.runs.split(",")}
+        missing = {references[name] for name in runs} - set(runs)
+        if missing:
+            parser.error(f"--runs needs {', '.join(sorted(missing))} too: the runs are compared with it")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     with Cluster(ISLANDS, args.rate, loopback=reason is not None) as cluster:
         link = "loopback (unshaped)" if reason else f"{args.rate} shaped link between namespaces"
@@ -181,12 +205,6 @@ def main() -> None:
                 rounds[name].append(runs[name](cluster, work / f"round{index}" / name))
                 print(f"  round {index} {name} {rounds[name][-1]['wall_s']:.1f} s", flush=True)
     # Each run against its own kind's run without a fault (the whole job has no quorum to ask every step), per round.
-    references = {
-        "no_fault": "no_fault",
-        "fault_tolerant": "no_fault",
-        "job_no_fault": "job_no_fault",
-        "checkpoint_restart": "job_no_fault",
-    }
 
     lines = [
         f"Fault tolerance: {ISLANDS} emulated hosts on {link}, one island (one rank) each, {args.steps} steps of "
@@ -208,14 +226,21 @@ def main() -> None:
             f"| {name} | {statistics.median(walls):.1f} | {extra:+.1f} [{shown}] | {max(extra, 0.0) * ISLANDS:.1f} | "
             f"{statistics.median(lost):g} [{', '.join(map(str, lost))}] |"
         )
-    ft = rounds["fault_tolerant"]
-    back = statistics.median([r["island_down_s"] for r in ft])
-    lines += [
-        "",
-        f"The killed island was back in the quorum {back:.1f} s after it was "
-        f"killed (median); the quorum's sizes (step, islands) in the first round: {ft[0]['quorum_sizes']}; every "
-        f"island's parameters equal at the end of every round: {all(r['parameters_equal'] for r in ft)}.",
-    ]
+    if "fault_tolerant" in rounds:
+        ft = rounds["fault_tolerant"]
+        back = statistics.median([r["island_down_s"] for r in ft])
+        lines += [
+            "",
+            f"The killed island was back in the quorum {back:.1f} s after it was "
+            f"killed (median); the quorum's sizes (step, islands) in the first round: {ft[0]['quorum_sizes']}; every "
+            f"island's parameters equal at the end of every round: {all(r['parameters_equal'] for r in ft)}.",
+        ]
+    if "job_no_fault" in rounds:
+        # The quorum's price: each fault-tolerant run without a fault against the plain job of the same round.
+        for name in (name for name in rounds if name.startswith("no_fault")):
+            ratios = [r["wall_s"] / job["wall_s"] for r, job in zip(rounds[name], rounds["job_no_fault"], strict=True)]
+            shown = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+            lines.append(f"\n{name} / job_no_fault wall time: {statistics.median(ratios):.2f}x (rounds: {shown}).")
     out = Path(args.out)
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "rounds": rounds}, indent=2))
