@@ -208,9 +208,14 @@ def main() -> None:
 
     lines = [
         f"Fault tolerance: {ISLANDS} emulated hosts on {link}, one island (one rank) each, {args.steps} steps of "
-        f"{args.step_seconds * 1e3:g} ms compute, island 1 lost at step {args.kill_at}; checkpoints every "
-        f"{args.checkpoint_every} steps for the restart; medians of {args.rounds} round(s) (each round's values in "
-        "brackets)",
+        f"{args.step_seconds * 1e3:g} ms compute"
+        + (f", island 1 lost at step {args.kill_at}" if "fault_tolerant" in rounds else "")
+        + (
+            f"; checkpoints every {args.checkpoint_every} steps for the restart"
+            if "checkpoint_restart" in rounds
+            else ""
+        )
+        + f"; medians of {args.rounds} round(s) (each round's values in brackets)",
         f"Command: `benchmarks/fault_tolerance.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}",
         "",
         "| run | wall s | over its run without a fault s | island-seconds lost | island-steps of samples lost |",
