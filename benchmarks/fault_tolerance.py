@@ -205,7 +205,6 @@ def main() -> None:
                 rounds[name].append(runs[name](cluster, work / f"round{index}" / name))
                 print(f"  round {index} {name} {rounds[name][-1]['wall_s']:.1f} s", flush=True)
     # Each run against its own kind's run without a fault (the whole job has no quorum to ask every step), per round.
-
     lines = [
         f"Fault tolerance: {ISLANDS} emulated hosts on {link}, one island (one rank) each, {args.steps} steps of "
         f"{args.step_seconds * 1e3:g} ms compute"
