@@ -6,7 +6,8 @@ Three emulated hosts (network namespaces on a shaped link, as ``benchmarks/clust
 - ``no_fault``: the fault-tolerant run with nothing killed (the reference);
 - ``fault_tolerant``: island 1 killed with SIGKILL at ``--kill-at`` and started again at once: the other two train
   on, and it heals from them;
-- ``job_no_fault``: the same three hosts as one DDP job without fault tolerance (its reference: no quorum a step);
+- ``job_no_fault``: the same three hosts as one DDP job, ``OptimizedDDPStrategy`` without fault tolerance (its
+  reference: no quorum a step);
 - ``checkpoint_restart``: that job with a checkpoint every ``--checkpoint-every`` steps; host 1 killed at
   ``--kill-at``, the job dies, and all three are started again from the last checkpoint.
 
