@@ -2,8 +2,9 @@
 namespace whose loopback a test shaped (tests/test_network_finding.py).
 
 ``CASE`` is ``saturated`` (many gradient bytes for little compute) or ``busy_backward`` (80 ms of backward compute
-between the first bucket and the rest). Two ranks started by Lightning's spawn launcher, every measuring callback
-attached; rank 0 writes ``ddpopt_report.json`` under ``OUT_DIR``.
+between the first bucket and the rest). Two ranks started by Lightning's fork launcher (forked from this fresh
+interpreter, which has imported everything already), every measuring callback attached; rank 0 writes
+``ddpopt_report.json`` under ``OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main(case: str, out_dir: Path) -> None:
     make_model, bucket_cap_mb = CASES[case]
     fit_ddp(
         out_dir,
-        OptimizedDDPStrategy(bucket_cap_mb=bucket_cap_mb, start_method="spawn"),
+        OptimizedDDPStrategy(bucket_cap_mb=bucket_cap_mb, start_method="fork"),
         model=make_model(),
         callbacks=[CommProfiler(every_n_steps=4), StragglerDetector(every_n_steps=4), AMPMonitor()],
         samples=128,  # 8 steps of 8 samples on each of 2 ranks

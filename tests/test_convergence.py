@@ -76,7 +76,17 @@ def allreduce_accuracy(tmp_path_factory):
     return _accuracy(tmp_path_factory.mktemp("allreduce"), "allreduce")
 
 
-@pytest.mark.parametrize("hook", sorted(set(COMM_HOOKS) - {"allreduce"}))
+#: The hooks whose convergence the default run checks (each family's first); the slow run checks every hook.
+DEFAULT_RUN_HOOKS = ("int8", "powersgd")
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        pytest.param(hook, marks=() if hook in DEFAULT_RUN_HOOKS else pytest.mark.slow)
+        for hook in sorted(set(COMM_HOOKS) - {"allreduce"})
+    ],
+)
 def test_hook_converges_like_allreduce(tmp_path, allreduce_accuracy, hook):
     assert allreduce_accuracy > 0.9
     accuracy = _accuracy(tmp_path, hook)
@@ -89,6 +99,7 @@ def _fp16_amp() -> dict:
     return {"plugins": [fp16_mixed_precision("cpu", growth_interval=20)]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hook", ["powersgd", "batched_powersgd", "int8"])
 def test_lossy_hooks_under_fp16_amp_converge_like_allreduce(tmp_path, allreduce_accuracy, hook):
     # Real fp16 autocast with a GradScaler on CPU: overflows, backoffs and growths reach the hook's state. Against

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_digits.py"
 FABRIC_EXAMPLE = EXAMPLE.with_name("fabric_digits.py")
 
@@ -39,6 +41,7 @@ def test_two_ranks_print_each_warning_once_and_point_at_what_was_written(tmp_pat
     assert "4.51 MB of gradients/step, 2.25 MB sent/step" in out
 
 
+@pytest.mark.slow
 def test_one_process_without_callbacks_gives_no_report_hint(tmp_path):
     out = _run(tmp_path, "--devices", "1", "--no-callbacks")
     assert "ddpopt report" not in out and "ddpopt findings" not in out
@@ -46,6 +49,7 @@ def test_one_process_without_callbacks_gives_no_report_hint(tmp_path):
     assert "test accuracy: " in out
 
 
+@pytest.mark.slow
 def test_the_fabric_example_accumulates_reports_and_saves(tmp_path):
     out = _run(tmp_path, "--accumulate", "2", "--hook", "int8", example=FABRIC_EXAMPLE)
     run_dir = tmp_path / "fabric_digits" / "version_0"

@@ -420,7 +420,7 @@ def test_a_second_model_and_static_graph_under_no_backward_sync_are_refused():
     "slow",
     [
         pytest.param((0, "compute", "fork"), id="rank0-compute-fork"),
-        pytest.param((1, "data", "spawn"), id="rank1-data-spawn"),
+        pytest.param((1, "data", "spawn"), id="rank1-data-spawn", marks=pytest.mark.slow),
     ],
 )
 def test_a_slow_rank_is_named_in_the_report(tmp_path, slow):

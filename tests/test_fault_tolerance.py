@@ -143,8 +143,11 @@ MODES = {
 @needs_torchft
 @pytest.mark.parametrize(
     ("mode", "lost"),
-    [("every_step", 2), ("every_step_2ranks", 0), ("diloco", 1)],
-    ids=["every_step-island2", "every_step_2ranks-island0", "diloco-island1"],
+    [
+        pytest.param("every_step", 2, id="every_step-island2"),
+        pytest.param("every_step_2ranks", 0, id="every_step_2ranks-island0", marks=pytest.mark.slow),
+        pytest.param("diloco", 1, id="diloco-island1", marks=pytest.mark.slow),
+    ],
 )
 def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, lost):
     # Three islands; one is killed with SIGKILL at step 8 (between two steps), the other two go on without it, it is
@@ -191,6 +194,7 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
 
 
 @needs_torchft
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["every_step", "diloco"])
 def test_fabric_islands_started_by_torchrun_lose_one_and_heal_it(tmp_path, mode):
     # Three Fabric loops of two ranks each, every one started by torchrun (the island a torchrun job, as on a

@@ -143,13 +143,23 @@ def _choice_line(nodes: int, ranks_per_node: int, hook: str, hierarchical: bool 
     ("nodes", "ranks_per_node", "chosen", "tiered_hook", "rank_zero"),
     [
         # (the *_tiers fits are "auto"'s on gloo, with True: for NCCL, tests/test_gpu.py)
-        (2, 2, [*(name for name in FITS if not name.endswith("_tiers")), "resume", "callbacks"], "int8", False),
+        pytest.param(
+            2,
+            2,
+            [*(name for name in FITS if not name.endswith("_tiers")), "resume", "callbacks"],
+            "int8",
+            False,
+            id="2x2",
+        ),
         # rank 0 slow and overflowing
-        (3, 2, ["fp16", "int8", "callbacks", "callbacks_powersgd"], "fp16", True),
-        (2, 4, ["int8", "powersgd"], "fp16", False),  # 8 ranks: a smoke run (PowerSGD: 4 owners per node)
-        (2, 2, ["resume"], "powersgd", False),  # two-tier PowerSGD through Lightning's checkpoint
+        pytest.param(
+            3, 2, ["fp16", "int8", "callbacks", "callbacks_powersgd"], "fp16", True, id="3x2", marks=pytest.mark.slow
+        ),
+        # 8 ranks: a smoke run (PowerSGD: 4 owners per node)
+        pytest.param(2, 4, ["int8", "powersgd"], "fp16", False, id="2x4", marks=pytest.mark.slow),
+        # two-tier PowerSGD through Lightning's checkpoint
+        pytest.param(2, 2, ["resume"], "powersgd", False, id="2x2-powersgd-resume"),
     ],
-    ids=["2x2", "3x2", "2x4", "2x2-powersgd-resume"],
 )
 def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_node, chosen, tiered_hook, rank_zero):
     output = _run_nodes(tmp_path, nodes, ranks_per_node, chosen, tiered_hook, rank_zero)
@@ -745,6 +755,7 @@ def test_powersgd_in_two_tiers_is_flat_powersgd_over_the_node_means(tmp_path, lo
     assert set(results[0]["tiers"]["errors"]) == {"0.weight"} and not results[1]["tiers"]["errors"]
 
 
+@pytest.mark.slow
 def test_fabric_on_two_nodes_syncs_in_two_tiers_with_its_ranks_spawned(tmp_path):
     # Each node's process starts Fabric with NODE_RANK set; Fabric's spawn launcher starts the node's two ranks.
     _run_nodes(tmp_path, 2, 2, [], fabric=True)

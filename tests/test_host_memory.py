@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,17 @@ class _Reserving:
         os.posix_fallocate(fd, offset, nbytes)
 
 
-def _worker(rank: int, port: int, case: str, directory: str, other: str, out: str) -> None:
+def _worker(rank: int, port: int, cases: dict[str, tuple[str, str, str]]) -> None:
+    """Every case in turn in the same two processes (one spawn for all), each on an island group of its own."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for case, (directory, other, out) in cases.items():
+        host_memory.os = os  # type: ignore[attr-defined]
+        RESERVED.clear()
+        _gather(rank, case, directory, other, out)
+    destroy_all_groups()
+
+
+def _gather(rank: int, case: str, directory: str, other: str, out: str) -> None:
     host_memory.SHARED_DIR = directory
     if case == "other_host" and rank == 1:
         host_memory.os = _OtherHost(directory, other)  # type: ignore[attr-defined]
@@ -66,7 +76,12 @@ def _worker(rank: int, port: int, case: str, directory: str, other: str, out: st
     record["in_place"] = shard.gather(stage).clone()
     shard.release()
     torch.save(record, f"{out}_{rank}.pt")
-    destroy_all_groups()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_the_island_gathers_through_shared_memory_or_gloo(tmp_path):
@@ -75,12 +90,12 @@ def test_the_island_gathers_through_shared_memory_or_gloo(tmp_path):
     other.mkdir()
     expected = {value: torch.cat([torch.full((10,), value), torch.full((9,), 1 + value)]) for value in (1.0, 2.0)}
     in_place = torch.cat([torch.full((10,), 10.0), torch.full((9,), 20.0)])
-    cases = {"shared": 29591, "other_host": 29592, "no_dir": 29593, "full": 29594}
-    for case, port in cases.items():
-        where = tmp_path / "missing" if case == "no_dir" else directory
-        out = str(tmp_path / case)
-        args = (port, case, str(where), str(other), out)
-        mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")
+    cases = {
+        case: (str(tmp_path / "missing" if case == "no_dir" else directory), str(other), str(tmp_path / case))
+        for case in ("shared", "other_host", "no_dir", "full")
+    }
+    mp.start_processes(_worker, args=(_free_port(), cases), nprocs=2, start_method="spawn")
+    for case, (where, _, out) in cases.items():
         records = [torch.load(f"{out}_{rank}.pt") for rank in range(2)]
         for record in records:
             assert record["shared"] is (case == "shared"), (case, record["reason"])

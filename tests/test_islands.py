@@ -35,7 +35,9 @@ def _outer_step(anchor: torch.Tensor, before: list[torch.Tensor], momentum: torc
     return anchor - 0.7 * (mean + 0.9 * momentum)
 
 
-@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
+@pytest.mark.parametrize(
+    ("nodes", "per_node"), [pytest.param(2, 2, id="2x2"), pytest.param(3, 2, id="3x2", marks=pytest.mark.slow)]
+)
 def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
     resumes = ["resume_full", "resume_half", "islands_to_ranks", "ranks_save", "ranks_to_islands"]
     resumes += ["overlap_full", "overlap_half"]

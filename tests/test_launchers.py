@@ -130,7 +130,11 @@ def _records(out: Path, fit: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.skipif(len(SLURM_CORES) < 2, reason="the cpu_affinity checks need two cores")
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+@pytest.mark.parametrize(
+    "launcher",
+    # The script launcher (``python train.py``, as the README runs it) in the default run; every other one is slow.
+    [pytest.param(name, marks=() if name == "script" else pytest.mark.slow) for name in LAUNCHERS],
+)
 def test_every_launcher(tmp_path, launcher):
     slow_rank, environment = LAUNCHERS[launcher]
     output = _run(launcher, tmp_path, slow_rank)

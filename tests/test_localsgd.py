@@ -857,7 +857,9 @@ trainer.fit(StackModel(), DataLoader(regression_data(64), batch_size=8))
 """
 
 
-@pytest.mark.parametrize(("signalled", "overlap"), [(0, 0), (1, 2)])
+@pytest.mark.parametrize(
+    ("signalled", "overlap"), [pytest.param(0, 0, id="0-0"), pytest.param(1, 2, id="1-2", marks=pytest.mark.slow)]
+)
 def test_a_sigterm_on_any_rank_stops_every_rank_within_two_sync_windows(tmp_path, signalled, overlap):
     # Lightning's handler broadcasts from inside the handler, to be matched by the others' next per-batch check;
     # with checks at sync windows only, the others would be waiting in a sync meanwhile: a deadlock. With local SGD

@@ -1,6 +1,6 @@
 """The network finding tells the link from the backward pass: exposed sync time, the link's busy time, one advice table.
 
-Real runs: 2 ranks under Lightning's spawn launcher with every measuring callback, over this machine's loopback and
+Real runs: 2 ranks under Lightning's fork launcher with every measuring callback, over this machine's loopback and
 over a loopback shaped with ``tc`` in a network namespace of the test's own (skipped where namespaces cannot be made).
 """
 
@@ -261,9 +261,11 @@ def shaped_loopback(request):
 
 @pytest.mark.parametrize(
     ("case", "shaped_loopback"),
-    [("saturated", "1gbit"), ("busy_backward", "100mbit")],
+    [
+        pytest.param("saturated", "1gbit", id="saturated-1gbit"),
+        pytest.param("busy_backward", "100mbit", id="busy-backward-100mbit", marks=pytest.mark.slow),
+    ],
     indirect=["shaped_loopback"],
-    ids=["saturated-1gbit", "busy-backward-100mbit"],
 )
 def test_a_slow_link_is_a_network_problem_even_behind_a_busy_backward(tmp_path, case, shaped_loopback):
     report = _fit(case, tmp_path, namespace=shaped_loopback)

@@ -148,6 +148,7 @@ print(light, type(trainer_side).__module__, trainer_side._core.hooks.spec.name, 
 """
 
 
+@pytest.mark.slow
 def test_the_names_are_registered_whatever_the_package_gives_first():
     import subprocess
     import sys
