@@ -241,6 +241,19 @@ class LaggingStrategy(OptimizedDDPStrategy):
         self.ledger.timeline = LaggingTimeline(self.lags[self.global_rank])
 
 
+def straggler_excess_ms(last: dict[str, Any]) -> float:
+    """The excess a StragglerDetector verdict must report, from its own per-rank figures: the slowest rank's own time
+    (data, compute, optimizer) above the sum of the other ranks' per-phase medians (the lower middle one of an even
+    count, as torch's median takes). What the detector guarantees on any load, unlike the excess's size, which a
+    loaded machine's scheduler stretches."""
+    phases = ("data", "compute", "optimizer")
+    rows = {int(rank): figures for rank, figures in last["per_rank_ms"].items()}
+    slowest = last["slowest_rank"]
+    others = [rows[rank] for rank in sorted(rows) if rank != slowest]
+    medians = [torch.tensor([row[phase] for row in others], dtype=torch.float64).median().item() for phase in phases]
+    return sum(rows[slowest][phase] for phase in phases) - sum(medians)
+
+
 def stack_gradient_bytes() -> int:
     return LAYERS * (WIDTH * WIDTH + WIDTH) * 4
 

@@ -44,6 +44,7 @@ def _gather_worker(rank: int, port: int, world_size: int, out: str) -> None:
     destroy_all_groups()
 
 
+@pytest.mark.slow
 def test_states_travel_to_rank_0_on_the_cpu_one_rank_at_a_time(tmp_path):
     # Rank 0 receives each other rank's pickled state in turn: the largest buffer it holds at once is one rank's
     # state, not world_size x the largest (what gathering every rank's state in one collective allocates).

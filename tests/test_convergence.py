@@ -113,13 +113,12 @@ def test_lossy_hooks_under_fp16_amp_converge_like_allreduce(tmp_path, allreduce_
 @pytest.mark.parametrize(
     "local_sgd",
     [
-        LocalSGDConfig.diloco(16),
-        LocalSGDConfig.diloco(16, overlap_steps=4),
-        LocalSGDConfig.diloco(16, overlap_steps=8),
-        LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8"),
-        LocalSGDConfig.post_local_sgd(16),
+        pytest.param(LocalSGDConfig.diloco(16), id="diloco16"),
+        pytest.param(LocalSGDConfig.diloco(16, overlap_steps=4), id="diloco16_overlap4", marks=pytest.mark.slow),
+        pytest.param(LocalSGDConfig.diloco(16, overlap_steps=8), id="diloco16_overlap8", marks=pytest.mark.slow),
+        pytest.param(LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8"), id="diloco16_int8_overlap8"),
+        pytest.param(LocalSGDConfig.post_local_sgd(16), id="post_local16", marks=pytest.mark.slow),
     ],
-    ids=["diloco16", "diloco16_overlap4", "diloco16_overlap8", "diloco16_int8_overlap8", "post_local16"],
 )
 def test_local_sgd_every_16_steps_converges_like_allreduce(tmp_path, allreduce_accuracy, local_sgd):
     # The same samples as synchronous DDP (6 epochs, about 23 steps per epoch and rank: 8 parameter syncs in all).
@@ -179,11 +178,10 @@ def cancer_allreduce_accuracy(tmp_path_factory):
 @pytest.mark.parametrize(
     "local_sgd",
     [
-        LocalSGDConfig.diloco(16),
-        LocalSGDConfig.diloco(16, overlap_steps=8),
-        LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8"),
+        pytest.param(LocalSGDConfig.diloco(16), id="diloco16", marks=pytest.mark.slow),
+        pytest.param(LocalSGDConfig.diloco(16, overlap_steps=8), id="diloco16_overlap8", marks=pytest.mark.slow),
+        pytest.param(LocalSGDConfig.diloco(16, overlap_steps=8, compression="int8"), id="diloco16_int8_overlap8"),
     ],
-    ids=["diloco16", "diloco16_overlap8", "diloco16_int8_overlap8"],
 )
 def test_local_sgd_on_a_second_task_converges_like_allreduce(tmp_path, cancer_allreduce_accuracy, local_sgd):
     # A second small real task: the same samples (40 epochs) as synchronous DDP, within 1 point (114 tumours held

@@ -353,6 +353,7 @@ def test_the_lighthouse_command_checks_its_arguments(capsys, argv, message):
 
 
 @needs_torchft
+@pytest.mark.slow
 def test_the_lighthouse_command_serves_until_stopped(tmp_path):
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

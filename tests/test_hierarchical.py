@@ -158,7 +158,7 @@ def _choice_line(nodes: int, ranks_per_node: int, hook: str, hierarchical: bool 
         # 8 ranks: a smoke run (PowerSGD: 4 owners per node)
         pytest.param(2, 4, ["int8", "powersgd"], "fp16", False, id="2x4", marks=pytest.mark.slow),
         # two-tier PowerSGD through Lightning's checkpoint
-        pytest.param(2, 2, ["resume"], "powersgd", False, id="2x2-powersgd-resume"),
+        pytest.param(2, 2, ["resume"], "powersgd", False, id="2x2-powersgd-resume", marks=pytest.mark.slow),
     ],
 )
 def test_nodes_sync_in_two_tiers_like_the_flat_sync(tmp_path, nodes, ranks_per_node, chosen, tiered_hook, rank_zero):

@@ -200,6 +200,7 @@ def _pipelined_worker(rank: int, port: int, world_size: int, steps: int, jitter:
     destroy_all_groups()
 
 
+@pytest.mark.slow
 def test_pipelined_powersgd_keeps_ranks_identical_whatever_the_timing(tmp_path):
     # 3 ranks, 9 buckets, random per-rank sleeps inside every backward pass, 60 steps: the worker thread issues
     # every bucket's collectives in DDP's order on every rank, and the result equals the in-hook chain bit for bit.

@@ -147,7 +147,8 @@ class _WideModel(StackModel):
         self.net = nn.Sequential(nn.Linear(WIDTH, 16384), nn.Tanh(), nn.Linear(16384, WIDTH))
 
 
-@pytest.mark.parametrize("hook", [pytest.param("powersgd", marks=pytest.mark.slow), "int8"])
+@pytest.mark.slow
+@pytest.mark.parametrize("hook", ["powersgd", "int8"])
 def test_numba_loops_run_whatever_the_thread_count_with_the_same_bits_on_every_rank(tmp_path, hook):
     """Lightning gives each rank cores / local ranks torch threads; the loops must not switch off with more than one.
     Rank 0 runs two threads and rank 1 one: PowerSGD still agrees on numba's loops and int8 still takes them, and the

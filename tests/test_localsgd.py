@@ -290,6 +290,7 @@ torch.save(again.strategy.local_sgd.syncs, out / f"syncs{rank}.pt")
 """
 
 
+@pytest.mark.slow
 def test_a_second_fit_of_one_trainer_resumes_its_outer_loop(tmp_path):
     # 4 steps per epoch, H = 4: the first fit's checkpoint lies on a sync, so the second fit from it must end as an
     # uninterrupted run does, bit for bit. Ranks started as a script starts them (one Trainer fitting twice).
@@ -627,7 +628,7 @@ class _SaveAt(pl.Callback):
             trainer.save_checkpoint(self.path)
 
 
-@pytest.mark.parametrize("slow_rank", [0, 1])
+@pytest.mark.parametrize("slow_rank", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_save_waits_for_a_rank_that_trains_on_apart(tmp_path, slow_rank):
     # H = 8: the ranks train apart for the whole run. The slow rank sleeps 0.4 s a step, so it reaches the save at
     # step 6 about 2.4 s after the other, beyond checkpoint_timeout=1 s: it trains on (its beats say so), and the
@@ -808,7 +809,7 @@ class _LateAfterLaunch(pl.Callback):
         torch.save(self.ended, self.out / f"ended{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("late_rank", [0, 1])
+@pytest.mark.parametrize("late_rank", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_the_window_meeting_does_not_wait_for_a_late_rank(tmp_path, late_rank):
     # H = 4, warm-up 2, tau = 2: a sync launched at the end of step 6 arrives at the end of step 8, and a window's
     # meeting opens step 7. The late rank sleeps 3 s after launching; the other passes the meeting (a barrier in
@@ -890,7 +891,10 @@ class _LateRank(_LateAfterLaunch):
         torch.save(record, self.out / f"late{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize(("late_rank", "overlap", "devices"), [(0, 0, 2), (1, 2, 3)])
+@pytest.mark.parametrize(
+    ("late_rank", "overlap", "devices"),
+    [pytest.param(0, 0, 2, id="0-0-2"), pytest.param(1, 2, 3, id="1-2-3", marks=pytest.mark.slow)],
+)
 def test_with_every_measuring_callback_the_ranks_meet_only_at_syncs(tmp_path, late_rank, overlap, devices):
     # H = 4 after a warm-up of 2: parameter syncs start at steps 6 and 10 (overlapped: applied 2 steps later). The
     # callbacks want to meet every step (every_n_steps=1; AMPMonitor's check of every step); between syncs they keep

@@ -29,7 +29,14 @@ from lightning_ddpopt.diagnosis import (
     summarize,
 )
 from lightning_ddpopt.units import format_bytes
-from tests.helpers import LaggingStrategy, StackModel, fit_ddp, regression_data, stack_gradient_bytes
+from tests.helpers import (
+    LaggingStrategy,
+    StackModel,
+    fit_ddp,
+    regression_data,
+    stack_gradient_bytes,
+    straggler_excess_ms,
+)
 
 COMM_KEYS = {
     "step_time_ms",
@@ -238,7 +245,9 @@ def test_straggler_is_named_with_its_phase(tmp_path):
     )
     last = torch.load(tmp_path / "detector.pt")
     assert last["is_straggler"] and last["slowest_rank"] == 1 and last["phase"] == "data"
-    assert 150 < last["excess_ms"] < 400
+    # At least the 200 ms stall, less the other rank's noise; its size above that is the machine's load.
+    assert last["excess_ms"] > 150
+    assert last["excess_ms"] == pytest.approx(straggler_excess_ms(last), rel=1e-9)
     assert last["per_rank_ms"]["1"]["data"] > 150 > last["per_rank_ms"]["0"]["data"]
     # The fast rank spends the difference waiting at the sync point.
     assert last["per_rank_ms"]["0"]["wait"] > 150

@@ -65,7 +65,11 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize(
+    # fp16 and parameter averaging every 4 steps (each a lighter form of int8 and of DiLoCo) in the slow run
+    "option",
+    [pytest.param(option, marks=pytest.mark.slow if option in ("fp16", "localsgd4") else ()) for option in OPTIONS],
+)
 def test_option_keeps_the_transformers_held_out_loss(tmp_path, allreduce_loss, option):
     arguments, bound = OPTIONS[option]
     result = _held_out(tmp_path, OptimizedDDPStrategy(start_method="fork", **arguments))
@@ -78,6 +82,7 @@ def test_option_keeps_the_transformers_held_out_loss(tmp_path, allreduce_loss, o
         assert result["rank"] > 4 and result["rises"]
 
 
+@pytest.mark.slow
 def test_a_fixed_rank_4_costs_this_model_more_than_the_defaults_bound(tmp_path, allreduce_loss):
     # What the default's error bound is for: without it, PowerSGD's rank 4 loses more than the bound above.
     config = PowerSGDConfig(rank=4, max_error=None)
