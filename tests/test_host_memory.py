@@ -49,22 +49,25 @@ class _Reserving:
 
 
 def _worker(rank: int, port: int, cases: dict[str, tuple[str, str, str]]) -> None:
-    """Every case in turn in the same two processes (one spawn for all), each on an island group of its own."""
+    """Every case in turn in the same two processes (one spawn for all), on one island group.
+
+    One group for all: torch 2.4's gloo hangs destroying several groups that gathered objects at the process's end.
+    """
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    island = dist.new_group([0, 1])
     for case, (directory, other, out) in cases.items():
         host_memory.os = os  # type: ignore[attr-defined]
         RESERVED.clear()
-        _gather(rank, case, directory, other, out)
+        _gather(island, rank, case, directory, other, out)
     destroy_all_groups()
 
 
-def _gather(rank: int, case: str, directory: str, other: str, out: str) -> None:
+def _gather(island: dist.ProcessGroup, rank: int, case: str, directory: str, other: str, out: str) -> None:
     host_memory.SHARED_DIR = directory
     if case == "other_host" and rank == 1:
         host_memory.os = _OtherHost(directory, other)  # type: ignore[attr-defined]
     if rank == 0:
         host_memory.os = _Reserving(full=case == "full")  # type: ignore[attr-defined]
-    island = dist.new_group([0, 1])
     shard = Shard(PARAMETERS, island, 2, rank, 1)
     stage, _ = shard.buffers(torch.device("cpu"))
     record: dict = {"shared": shard.shared, "reason": shard.unshared_reason, "reserved": RESERVED}
