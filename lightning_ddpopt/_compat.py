@@ -45,6 +45,7 @@ __all__ = [
     "unscale_once",
     "group_backends",
     "last_batch_of_epoch",
+    "move_training_data",
     "say_during_training",
     "scaler_scale",
     "replace_sigterm_hooks",
@@ -257,6 +258,31 @@ def batches_that_stepped(trainer: pl.Trainer, value: int | None = None) -> int:
     if value is not None:
         loop._batches_that_stepped = value
     return int(loop._batches_that_stepped)
+
+
+def move_training_data(trainer: pl.Trainer, epoch: int, batches: int) -> int:
+    """Point the fit loop's training data at ``epoch``, past its first ``batches`` batches; the batches skipped.
+
+    For a heal. The samplers' epoch is set (their order for that epoch), the fetcher's iterator made anew, and
+    ``batches`` batches read and dropped: the loop's next batch is the one after them, as the live islands' is.
+    """
+    loop = trainer.fit_loop
+    fetcher, combined = getattr(loop, "_data_fetcher", None), getattr(loop, "_combined_loader", None)
+    if fetcher is None or combined is None or not hasattr(combined, "flattened"):
+        raise _changed("lightning", "_FitLoop._data_fetcher/_combined_loader", "to move a healed island's data")
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    for dataloader in combined.flattened:
+        _set_sampler_epoch(dataloader, epoch)
+    iter(fetcher)  # a new iterator at the start of that epoch
+    skipped = 0
+    for _ in range(batches):
+        try:
+            next(fetcher)
+        except StopIteration:
+            break
+        skipped += 1
+    return skipped
 
 
 _warned: set[str] = set()

@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_ddpopt.core import CoreViews
-from lightning_ddpopt.fault_tolerance.finding import islands_finding, islands_summary
+from lightning_ddpopt.fault_tolerance.finding import across_islands_finding, islands_finding, islands_summary
 from lightning_ddpopt.finding import Finding, Status
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, is_adaptive
@@ -219,6 +219,8 @@ def _network(summary: dict[str, Any]) -> Finding:
             "backward compute that overlaps the sync",
             "re-run with this release's CommProfiler: it measures the exposed sync, what the step waits for",
         )
+    if share is None and (across := across_islands_finding(summary, COMM_SHARE_PROBLEM)) is not None:
+        return across
     if share is None:
         return Finding(
             "network",

@@ -19,9 +19,10 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -40,6 +41,7 @@ from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.checkpoint_shards import remove_shards
 from lightning_ddpopt.core import StrategyCore
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
+from lightning_ddpopt.fault_tolerance.driver import CHECKPOINT_KEY as FT_CHECKPOINT_KEY
 from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
 from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
@@ -126,7 +128,9 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             fault-tolerant run on torchft (the ``[ft]`` extra; see :mod:`lightning_ddpopt.fault_tolerance`): each
             step's gradients are averaged over the islands of the quorum and the step commits only where all of
             them succeeded (with ``local_sgd``: each sync's change, the sync the commit point); a lost island's step
-            is dropped, and a restarted island heals from a live one.
+            is dropped, and a restarted island heals from a live one. Each island trains on its own shards of the
+            data (``FaultTolerance(islands=N)``): Lightning's ``DistributedSampler`` splits the training data over
+            every rank of every island.
         **kwargs: forwarded to ``DistributedDataParallel``.
 
     Example::
@@ -220,6 +224,22 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         """With ``fault_tolerance``: the steps this island committed and dropped, its heals and quorum changes."""
         return self._fault_tolerance.stats if self._fault_tolerance is not None else None
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DDP's, except with ``fault_tolerance`` in training: this rank's shard of every island's data.
+
+        Validation, test and predict keep the island's own split: each island evaluates the whole set.
+        """
+        ft, module = self._fault_tolerance, self.lightning_module
+        try:
+            stage = module.trainer.state.stage if module is not None else None
+        except RuntimeError:  # not attached to a Trainer
+            stage = None
+        if ft is None or stage != RunningStage.TRAINING:
+            return super().distributed_sampler_kwargs
+        return ft.config.sampler_kwargs(self.world_size, self.global_rank)
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -235,6 +255,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         wrapped = isinstance(self.model, DistributedDataParallel)
         self._core.load(checkpoint.get(CHECKPOINT_KEY), wrapped, checkpoint_path)
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.resume(checkpoint.get(FT_CHECKPOINT_KEY))
         return checkpoint
 
     @override
@@ -270,6 +292,12 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
                 raise ValueError(
                     "fault_tolerance needs automatic optimization: the strategy votes on each optimizer step before "
                     "taking it; manual optimization is not supported yet"
+                )
+            if is_param_in_hook_signature(trainer.lightning_module.training_step, "dataloader_iter", explicit=True):
+                raise ValueError(
+                    "fault_tolerance cannot heal a training_step that takes dataloader_iter: a returning island is "
+                    "moved to the live islands' position in the epoch by reading past the batches they have passed, "
+                    "and a step that reads its own batches has no position to move to; take the batch as an argument"
                 )
             state = (lambda: training_state(trainer), lambda saved: load_training_state(trainer, saved))
             self._join_islands(self._fault_tolerance, *state)
@@ -395,6 +423,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         entry = self._core.checkpoint_entry(optimizers, filepath)
         if entry is not None:
             checkpoint[CHECKPOINT_KEY] = entry
+        if self._fault_tolerance is not None and (quorum := self._fault_tolerance.checkpoint_state()) is not None:
+            checkpoint[FT_CHECKPOINT_KEY] = quorum
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

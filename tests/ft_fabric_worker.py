@@ -25,11 +25,14 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpopt import LocalSGDConfig
 from lightning_ddpopt.fabric import Monitor, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt.fault_tolerance import FaultTolerance
 from tests.helpers import WIDTH
+
+SAMPLES = 288  # 3 islands x 2 ranks x 8 samples x 6 batches
 
 
 def _hold(path: Path, step: int | None = None) -> None:
@@ -49,9 +52,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = FaultTolerance(
+        islands=3,
+        island=args.island,
         lighthouse=args.lighthouse,
         min_replicas=2,
-        replica_id=f"island{args.island}",
         timeout_s=5.0,
         quorum_timeout_s=60.0,
         connect_timeout_s=5.0,
@@ -74,13 +78,24 @@ def main() -> None:
     model, optimizer = fabric.setup(model, optimizer)
     strategy.heal_state["scheduler"] = scheduler
     monitor = Monitor(fabric, report_dir=args.out / f"island{args.island}")
-    generator = torch.Generator().manual_seed(100 * (1 + args.island) + fabric.global_rank)
+    # The same data on every island and rank, shuffled: setup_dataloaders gives each rank its shard of the run's.
+    data = torch.randn(SAMPLES, WIDTH, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(data, torch.arange(SAMPLES)), batch_size=8, shuffle=True)
+    loader = fabric.setup_dataloaders(loader)
+    epoch, batches_iter = 0, iter(loader)
+    samples: list[tuple[int, int, list[int]]] = []
     if fabric.global_rank == 0:
         (args.out / f"island{args.island}.started").write_text("")
     _hold(args.out / "hold_start")
     batches = 0
     while strategy.optimizer_steps < args.max_steps:
-        x = torch.randn(8, WIDTH, generator=generator)
+        try:
+            x, index = next(batches_iter)
+        except StopIteration:
+            epoch += 1
+            batches_iter = iter(loader)  # Fabric sets the sampler's epoch to the count of iter() calls
+            x, index = next(batches_iter)
+        samples.append((strategy.optimizer_steps, epoch, index.tolist()))
         batches += 1
         with monitor.batch():
             loss = nn.functional.mse_loss(model(x), torch.tanh(x.flip(1)))
@@ -105,6 +120,7 @@ def main() -> None:
             "lr": optimizer.param_groups[0]["lr"],
             "scale": scaler.get_scale() if scaler is not None else None,
             "metrics": monitor.metrics,
+            "samples": samples,
             "stats": dataclasses.asdict(stats) if stats is not None else None,
         },
         args.out / f"island{args.island}_rank{fabric.global_rank}.pt",

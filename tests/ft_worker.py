@@ -3,11 +3,13 @@
 Usage: python -m tests.ft_worker ISLAND LIGHTHOUSE PORT OUT [--max-steps N] [--step-seconds S] [--devices M]
     [--local-sgd H] [--comm-hook NAME] [--ft-compression fp32|fp16|bf16]
 
-Trains StackModel on its own data (seeded by ISLAND and rank) with M ranks,
+As a user runs an island: every island the same script, ``seed_everything(0)``, the same dataset with
+``shuffle=True``, its index in ``REPLICA_GROUP_ID`` and ``FaultTolerance(islands=3)``; the strategy gives each rank
+its shard of the run's data. Trains StackModel with M ranks, Adam, a per-step and a per-epoch LR schedule,
 ``OptimizedDDPStrategy(fault_tolerance=...)`` (with ``--local-sgd``: DiLoCo every H steps across the islands) and the
-three measuring callbacks; its first rank writes the optimizer step to ``OUT/islandI.step`` after every batch (the
-test kills the island at a chosen step) and, at the end, each rank its parameters, step and quorum stats to
-``OUT/islandI_rankR.pt``.
+three measuring callbacks; each rank records the samples of every batch it trains on. Its first rank writes the
+optimizer step to ``OUT/islandI.step`` after every batch (the test kills the island at a chosen step) and, at the end,
+each rank its parameters, step, LR, samples and quorum stats to ``OUT/islandI_rankR.pt``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, Optimized
 from lightning_ddpopt.fault_tolerance import FaultTolerance
 from tests.helpers import WIDTH, StackModel
 
+#: The dataset: 3 islands x 8 samples x 12 batches, an epoch of 12 steps for one-rank islands.
+SAMPLES = 288
+
 
 class _Paced(pl.Callback):
     """Paces the steps and lets the test act between them: the first rank writes ``islandI.started`` at the start
@@ -42,6 +47,17 @@ class _Paced(pl.Callback):
         while (self.out / "hold_start").exists():  # until the test has seen every island start
             time.sleep(0.05)
 
+    def on_after_backward(self, trainer: pl.Trainer, *args: object) -> None:
+        # ``hold_collective`` holds "STEP ISLAND": at that step that island waits here, before the cross-island
+        # average, while the file exists; the others go into the average (and write islandI.averaging).
+        hold = self.out / "hold_collective"
+        if hold.exists() and (text := hold.read_text()) and int(text.split()[0]) == trainer.global_step:
+            if int(text.split()[1]) == self.island:
+                while hold.exists():
+                    time.sleep(0.01)
+            elif trainer.global_rank == 0:
+                (self.out / f"island{self.island}.averaging").write_text("")
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_rank == 0:
             (self.out / f"island{self.island}.step").write_text(str(trainer.global_step))
@@ -52,12 +68,23 @@ class _Paced(pl.Callback):
 
 
 class _Scheduled(StackModel):
-    """StackModel with Adam and a per-step LR schedule: a heal must bring the schedule's position too."""
+    """StackModel with Adam, a per-step and a per-epoch LR schedule (a heal must bring both schedules' positions and
+    the epoch), recording ``(global step, epoch, batch index, sample indices)`` for every batch it trains on."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.samples: list[tuple[int, int, int, list[int]]] = []
+
+    def training_step(self, batch, batch_idx):  # type: ignore[override]
+        x, y, index = batch
+        self.samples.append((self.trainer.global_step, self.current_epoch, batch_idx, index.tolist()))
+        return super().training_step((x, y), batch_idx)
 
     def configure_optimizers(self):  # type: ignore[override]
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        per_step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+        per_epoch = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+        return [optimizer], [{"scheduler": per_step, "interval": "step"}, {"scheduler": per_epoch, "interval": "epoch"}]
 
 
 def main() -> None:
@@ -69,6 +96,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--min-replicas", type=int, default=2)
+    parser.add_argument("--islands", type=int, default=3)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--local-sgd", type=int, default=0, metavar="H")
     parser.add_argument("--comm-hook", default="allreduce", help="the hook inside the island (a registry name)")
@@ -87,14 +115,17 @@ def main() -> None:
     os.environ.update(MASTER_ADDR=args.address, MASTER_PORT=str(args.port))
     if args.whole_job:
         os.environ.update(NODE_RANK=str(args.island))
+    if not args.whole_job:
+        os.environ["REPLICA_GROUP_ID"] = str(args.island)  # as torchft's launchers give each island its index
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(100 * (1 + args.island) + int(os.environ.get("LOCAL_RANK", "0")))
-    x = torch.randn(64 * args.max_steps, WIDTH, generator=generator)
-    data = DataLoader(TensorDataset(x, torch.tanh(x.flip(1))), batch_size=8)
+    pl.seed_everything(0, verbose=False)
+    # The same data on every island and rank: the strategy's sampler gives each rank of each island its shard.
+    x = torch.randn(SAMPLES, WIDTH, generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(x, torch.tanh(x.flip(1)), torch.arange(SAMPLES)), batch_size=8, shuffle=True)
     config = FaultTolerance(
+        islands=args.islands,
         lighthouse=args.lighthouse,
         min_replicas=args.min_replicas,
-        replica_id=f"island{args.island}",
         timeout_s=5.0,
         quorum_timeout_s=60.0,
         connect_timeout_s=5.0,
@@ -102,9 +133,11 @@ def main() -> None:
     )
     local_sgd = LocalSGDConfig.diloco(args.local_sgd) if args.local_sgd else None
     checkpoints: list[pl.Callback] = []
+    # One job's nodes share a checkpoint; each island writes its own.
+    saved = args.out / ("checkpoints" if args.whole_job else f"checkpoints{args.island}")
     if args.checkpoint_every:
         every = args.checkpoint_every
-        checkpoints = [ModelCheckpoint(args.out / "checkpoints", every_n_train_steps=every, save_last=True)]
+        checkpoints = [ModelCheckpoint(saved, every_n_train_steps=every, save_last=True)]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -132,7 +165,7 @@ def main() -> None:
     # Each island its own initial model: torchft's first quorum makes them one (each rank from a source island of its
     # own: the island's first rank then realigns the others).
     model = _Scheduled(lr=0.05, seed=args.island)
-    last = args.out / "checkpoints" / "last.ckpt"
+    last = saved / "last.ckpt"
     trainer.fit(model, data, ckpt_path=last if args.checkpoint_every and last.exists() else None)
     strategy = trainer.strategy
     assert isinstance(strategy, OptimizedDDPStrategy)
@@ -142,6 +175,7 @@ def main() -> None:
             "parameters": {name: p.detach().clone() for name, p in model.named_parameters()},
             "global_step": trainer.global_step,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "samples": model.samples,
             "stats": dataclasses.asdict(stats) if stats is not None else None,
         },
         args.out / f"island{args.island}_rank{trainer.global_rank}.pt",

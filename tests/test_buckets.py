@@ -52,6 +52,9 @@ def test_a_measured_latency_replaces_the_ring_model_in_the_floor():
 
 
 def _latency_worker(rank: int, port: int, out: str) -> None:
+    # One thread before any op: libgomp is not fork-safe, and a forked rank whose parent (pytest, after earlier
+    # tests) ran OpenMP's thread pool can hang in its first parallel op (seen once on torch 2.4).
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     module = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))

@@ -26,6 +26,8 @@ from lightning_ddpopt.cli import main as ddpopt
 from lightning_ddpopt.fabric import OptimizedDDPStrategy as FabricStrategy
 from lightning_ddpopt.fault_tolerance import FaultTolerance, config
 from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
+from lightning_ddpopt.units import format_bytes
+from tests import ft_fabric_worker, ft_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_torchft = pytest.mark.skipif(
@@ -79,10 +81,16 @@ def _lose_one_and_heal_it(
     lost: int,
     start: Callable[[int, str, Path], subprocess.Popen],
     kill: Callable[[subprocess.Popen], None],
+    inside_collective: bool = False,
 ) -> list[int]:
     """A Lighthouse and three islands (``start(index, lighthouse, log)``); island ``lost`` is killed at step 8, the
     others go on and wait at step 20 until it is restarted under its name; every island must end with exit code 0.
-    Returns the islands that stayed."""
+    Returns the islands that stayed.
+
+    ``inside_collective``: killed inside step 9's cross-island average rather than between steps: one other island
+    holds before the average while ``lost`` and the third are inside it (waiting for the one held), and is let go
+    once ``lost`` is dead (``tests/ft_worker.py``'s ``hold_collective``).
+    """
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
@@ -100,14 +108,23 @@ def _lose_one_and_heal_it(
         while not all((out / f"island{i}.started").exists() for i in range(3)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in islands), tails()
             time.sleep(0.05)
+        others = [i for i in range(3) if i != lost]
+        if inside_collective:
+            (out / "hold_collective").write_text(f"8 {others[1]}")
         (out / "hold_start").unlink()
+        if inside_collective:
+            inside = [out / f"island{i}.averaging" for i in (lost, others[0])]
+            while not all(path.exists() for path in inside):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in islands), tails()
+                time.sleep(0.01)
+            time.sleep(0.5)  # both are in the all-reduce now, waiting for the held island
         while _step(out, lost) < 8:
             assert time.monotonic() < deadline and islands[lost].poll() is None, tails()
             time.sleep(0.02)
         kill(islands[lost])
         islands[lost].wait()
+        (out / "hold_collective").unlink(missing_ok=True)
         killed_at = _step(out, lost)
-        others = [i for i in range(3) if i != lost]
         # The others train on without it (the Lighthouse drops it after a second without heartbeats), then wait at
         # step 20 until it is back: both modes then have live islands to heal from, however long the start takes.
         (out / "hold").write_text("20")
@@ -140,20 +157,31 @@ MODES = {
 }
 
 
+def _shard(rank: int, ranks: int, epoch: int, samples: int = ft_worker.SAMPLES) -> list[int]:
+    """The samples of a worker's data that rank ``rank`` of a run of ``ranks`` draws in ``epoch``."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(samples), num_replicas=ranks, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
 @needs_torchft
 @pytest.mark.parametrize(
-    ("mode", "lost"),
+    ("mode", "lost", "inside_collective"),
     [
-        pytest.param("every_step", 2, id="every_step-island2"),
-        pytest.param("every_step_2ranks", 0, id="every_step_2ranks-island0", marks=pytest.mark.slow),
-        pytest.param("diloco", 1, id="diloco-island1", marks=pytest.mark.slow),
+        pytest.param("every_step", 2, True, id="every_step-island2-inside_collective"),
+        pytest.param("every_step_2ranks", 0, False, id="every_step_2ranks-island0", marks=pytest.mark.slow),
+        pytest.param("diloco", 1, False, id="diloco-island1", marks=pytest.mark.slow),
     ],
 )
-def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, lost):
-    # Three islands; one is killed with SIGKILL at step 8 (between two steps), the other two go on without it, it is
-    # started again under its name and heals from a live island: every island ends at step 30 with the same
-    # parameters, and the two that stayed dropped nothing. The first island (which torchft's first quorum made the
-    # others' source) is lost as well as another.
+def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, lost, inside_collective):
+    # Three islands, each the same script, seed and dataset (shuffled), its index in REPLICA_GROUP_ID; one is killed
+    # with SIGKILL at step 8 (between two steps, or inside step 9's cross-island average), the other two go on
+    # without it, it is started again under its name and heals from a live island: every island ends at step 30
+    # with the same parameters, and the two that stayed dropped nothing but the step the kill broke. Every island
+    # trained on its own shard of the data, and the returning one went on at the others' epoch and position. The
+    # first island (which torchft's first quorum made the others' source) is lost as well as another.
     max_steps = 30
     devices, sync_every, hook, across = MODES[mode]
     options = ("--devices", devices, "--local-sgd", sync_every, "--comm-hook", hook, "--ft-compression", across)
@@ -161,31 +189,71 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     def start(index: int, lighthouse: str, log: Path) -> subprocess.Popen:
         return _island(index, lighthouse, tmp_path, max_steps, log, *options)
 
-    others = _lose_one_and_heal_it(tmp_path, lost, start, lambda island: island.send_signal(signal.SIGKILL))
+    kill = lambda island: island.send_signal(signal.SIGKILL)  # noqa: E731
+    others = _lose_one_and_heal_it(tmp_path, lost, start, kill, inside_collective=inside_collective)
     ranks = range(int(devices))
     results = [[torch.load(tmp_path / f"island{i}_rank{r}.pt") for r in ranks] for i in range(3)]
     assert [r["global_step"] for island in results for r in island] == [max_steps] * 3 * len(ranks)
     reference = results[others[0]][0]["parameters"]
     for result in (r for island in results for r in island):
         assert all(torch.equal(reference[name], value) for name, value in result["parameters"].items())
-    # The per-step LR schedule came over with the heal: every island ends at the same LR, 0.05 x 0.9^(30 // 3).
+    # Each rank of each island trained on its shard of the run's data (3 x devices shards): the batch of each step
+    # is the shard's at that epoch and position, also on the returning island after its heal (its first batch, the
+    # heal's step, counts as zeros). The islands that stayed drew disjoint samples in their first 8 steps.
+    per_epoch = ft_worker.SAMPLES // (3 * len(ranks) * 8)
+    for index, island in enumerate(results):
+        for rank, result in enumerate(island):
+            samples = result["samples"][1:] if index == lost else result["samples"]
+            assert samples and samples[-1][0] == max_steps - 1
+            for step, epoch, batch, indices in samples:
+                assert (epoch, batch) == divmod(step, per_epoch), (index, rank, step)
+                shard = _shard(index * len(ranks) + rank, 3 * len(ranks), epoch)
+                assert indices == shard[8 * batch : 8 * batch + 8], (index, rank, step)
+    first = [i for index in others for r in results[index] for s, _, _, batch in r["samples"] if s < 8 for i in batch]
+    assert len(first) == len(set(first)) == 2 * len(ranks) * 8 * 8
+    # Both LR schedules came over with the heal: every island ends at the same LR, 0.05 x 0.9^(30 // 3) per step and
+    # x 0.5 per epoch ended.
     lrs = [r["lr"] for island in results for r in island]
-    assert len(set(lrs)) == 1 and lrs[0] == pytest.approx(0.05 * 0.9**10)
-    # The run's commits (torchft's count): every step, or every sync (DiLoCo: the islands' join after the first step,
-    # a sync every 4 steps up to step 28, and the end of fit's average of the last 2 steps).
-    commits = max_steps if mode.startswith("every_step") else 1 + max_steps // int(sync_every) + 1
+    assert len(set(lrs)) == 1 and lrs[0] == pytest.approx(0.05 * 0.9**10 * 0.5 ** (max_steps // per_epoch))
+    # The run's commits (torchft's count): every step but one the kill inside it broke, or every sync (DiLoCo: the
+    # islands' join after the first step, a sync every 4 steps up to step 28, and the end of fit's average of the
+    # last 2 steps).
+    dropped = 1 if inside_collective else 0
+    commits = max_steps - dropped if mode.startswith("every_step") else 1 + max_steps // int(sync_every) + 1
     assert [r["stats"]["step"] for island in results for r in island] == [commits] * 3 * len(ranks)
     for index in others:
         stats = results[index][0]["stats"]
-        # Nothing dropped, and no heal but the first quorum's (an island that joined it late heals into it).
-        assert stats["dropped"] == 0 and stats["heals"] <= 1
+        # Nothing dropped but the broken step, and no heal but the first quorum's (an island that joined it late
+        # heals into it).
+        assert stats["dropped"] == dropped and stats["heals"] <= 1
         # 3 islands, then 2 while the lost one was away, then 3 again.
         assert [n for _, n in stats["history"]][-3:] == [3, 2, 3]
     healed = results[lost][0]["stats"]
     assert healed["heals"] >= 1 and healed["participants"] == 3
-    # Each island's report has the islands finding: the run's commits, and the restarted island's heal.
+    # What a user reads during the fault: one line for the dropped step, naming the island, the step and the error;
+    # none of torchft's tracebacks and CPU notes, the checkpoint server's access log or torch's buffer warning.
+    for index in range(3):
+        log = (tmp_path / f"log{index}.txt").read_text()
+        for chatter in ("Traceback", "flight recorder", '"GET /checkpoint', "buffer is not writable"):
+            assert chatter not in log, (index, chatter, log[-3000:])
+    for index in others:
+        log_lines = (tmp_path / f"log{index}.txt").read_text().splitlines()
+        dropped_lines = [line for line in log_lines if "dropped its commit" in line]
+        assert len(dropped_lines) == dropped, dropped_lines
+        if dropped:
+            assert (
+                f"ddpopt: island island{index} dropped its commit after commit 8: a collective failed"
+                in (dropped_lines[0])
+            )
+    # Each island's report has the islands finding: the run's commits, and the restarted island's heal; an island
+    # of one rank's network finding is what crossed the islands.
     for index in range(3):
         report = json.loads((tmp_path / f"island{index}" / "ddpopt_report.json").read_text())
+        if len(ranks) == 1 and mode.startswith("every_step"):
+            (network,) = [f for f in report["findings"] if f["area"] == "network"]
+            numel = sum(value.numel() for value in reference.values())
+            wire = format_bytes(numel * (2 if across in ("bf16", "fp16") else 4))
+            assert network["evidence"].startswith(f"across the islands: {wire} sent per average by each rank")
         (islands,) = [f for f in report["findings"] if f["area"] == "islands"]
         assert islands["evidence"].startswith(f"island island{index}: {commits} commits in the run")
         assert islands["status"] == "ok"
@@ -235,12 +303,57 @@ def test_fabric_islands_started_by_torchrun_lose_one_and_heal_it(tmp_path, mode)
         # The islands that stayed saw the skipped step in their AMPMonitor; the Monitor logged the quorum.
         assert metrics["ddpopt/amp/skipped_steps"] == (1.0 if every_step else 0.0)
         assert metrics["ddpopt/ft/participants"] == 3.0 and metrics["ddpopt/ft/dropped_steps"] == 0.0
+    # Each rank's loader (through fabric.setup_dataloaders) drew its shard of the run's data (3 islands x 2 ranks):
+    # before the kill, every island's rank its own batches, in its shard's order.
+    for index in others:
+        for rank, result in enumerate(results[index]):
+            early = [(step, batch) for step, epoch, batch in result["samples"] if step < 6 and epoch == 0]
+            assert len(early) >= 6
+            shard = _shard(index * 2 + rank, 6, 0, samples=ft_fabric_worker.SAMPLES)
+            assert [batch for _, batch in early[:6]] == [shard[8 * i : 8 * i + 8] for i in range(6)], (index, rank)
     healed = results[1][0]
     assert healed["stats"]["heals"] >= 1 and healed["metrics"]["ddpopt/ft/heals"] >= 1.0
     for index in range(3):
         report = json.loads((tmp_path / f"island{index}" / "ddpopt_report.json").read_text())
         (islands,) = [f for f in report["findings"] if f["area"] == "islands"]
         assert islands["evidence"].startswith(f"island island{index}: {commits} commits in the run")
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_run_whose_islands_all_die_restarts_from_their_checkpoints_and_goes_on_counting(tmp_path):
+    # Two islands, a checkpoint every 5 steps each; both are killed at step 12 (the last checkpoints at step 10) and
+    # started again, each resuming its own last checkpoint: torchft's manager state came back with it (the run's
+    # commits go on from 10, not from 0), and both end at step 20 with equal parameters and the same LR.
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
+    logs = [tmp_path / f"log{i}.txt" for i in range(2)]
+    options = ("--islands", "2", "--checkpoint-every", "5", "--step-seconds", "0.05")
+    try:
+        (tmp_path / "hold").write_text("12")
+        islands = [_island(i, lighthouse.address(), tmp_path, 20, logs[i], *options) for i in range(2)]
+        deadline = time.monotonic() + 120
+        while min(_step(tmp_path, i) for i in range(2)) < 12:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in islands), logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        for island in islands:
+            island.send_signal(signal.SIGKILL)
+            island.wait()
+        (tmp_path / "hold").unlink()
+        assert all((tmp_path / f"checkpoints{i}" / "last.ckpt").exists() for i in range(2))
+        islands = [_island(i, lighthouse.address(), tmp_path, 20, logs[i], *options) for i in range(2)]
+        codes = [island.wait(timeout=180) for island in islands]
+    finally:
+        lighthouse.shutdown()
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    results = [torch.load(tmp_path / f"island{i}_rank0.pt") for i in range(2)]
+    assert [r["global_step"] for r in results] == [20, 20]
+    assert [r["stats"]["step"] for r in results] == [20, 20]  # 10 restored from the checkpoints, 10 after
+    assert all(torch.equal(results[0]["parameters"][k], v) for k, v in results[1]["parameters"].items())
+    assert results[0]["lr"] == results[1]["lr"]
+    saved = torch.load(tmp_path / "checkpoints0" / "last.ckpt", weights_only=False)
+    assert saved["ddpopt_fault_tolerance"]["step"] == 20
 
 
 @needs_torchft
@@ -291,6 +404,11 @@ def test_a_lighthouse_that_is_not_there_fails_setup_naming_its_address(tmp_path)
         ({"replica_id": ""}, "FaultTolerance replica_id='' must be a non-empty string or None"),
         ({"timeout_s": 0}, "FaultTolerance timeout_s=0 must be a positive number"),
         ({"compression": "int8"}, "FaultTolerance compression='int8' must be one of 'fp32', 'fp16', 'bf16'"),
+        ({"islands": 0}, "FaultTolerance islands=0 must be an int >= 1"),
+        ({"islands": 2, "island": 2}, "FaultTolerance island=2 must be from 0 to islands - 1 = 1"),
+        ({"island": -1}, "FaultTolerance island=-1 must be an int >= 0"),
+        ({"islands": 2, "min_replicas": 3}, "FaultTolerance min_replicas=3 is above islands=2: no step could commit"),
+        ({"quorum_timeout_s": -1.0}, "FaultTolerance quorum_timeout_s=-1.0 must be a positive number"),
     ],
 )
 def test_bad_fault_tolerance_arguments(kwargs, message):
@@ -310,18 +428,66 @@ def test_the_lighthouse_address_comes_from_the_argument_or_the_environment(monke
 
 
 @pytest.mark.quick
+def test_the_islands_index_comes_from_the_argument_the_environment_or_the_name(monkeypatch):
+    # Each rank of island K of N draws shard K x M + rank of N x M (M ranks an island), as one DDP job of all the
+    # islands' ranks would: the index from island=, else REPLICA_GROUP_ID (torchft's launchers), else a numeric name.
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    assert FaultTolerance(islands=3, island=2).sampler_kwargs(4, 1) == {"num_replicas": 12, "rank": 9}
+    assert FaultTolerance(islands=3, island=2).name() == "island2"
+    assert FaultTolerance(islands=3, replica_id="1").index() == 1
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    assert FaultTolerance(islands=2).sampler_kwargs(1, 0) == {"num_replicas": 2, "rank": 1}
+    assert FaultTolerance(islands=2, island=0).index() == 0  # the argument outranks the environment
+    assert FaultTolerance(islands=2, replica_id="trainer").name() == "trainer"
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    with pytest.raises(ValueError, match="^REPLICA_GROUP_ID=2 must be from 0 to islands - 1 = 1$"):
+        FaultTolerance(islands=2).index()
+    monkeypatch.setenv("REPLICA_GROUP_ID", "a")
+    with pytest.raises(ValueError, match="^REPLICA_GROUP_ID='a' is not an island index: set it to this island's"):
+        FaultTolerance(islands=2).index()
+    monkeypatch.delenv("REPLICA_GROUP_ID")
+    with pytest.raises(ValueError, match=r"^FaultTolerance\(islands=2\) needs this island's index: give island=K"):
+        FaultTolerance(islands=2, replica_id="trainer").index()
+    # The quorum's wait covers a local SGD window by default.
+    assert FaultTolerance(islands=2).quorum_timeout(1) == 60.0
+    assert FaultTolerance(islands=2).quorum_timeout(50) == 560.0
+    assert FaultTolerance(islands=2, quorum_timeout_s=5.0).quorum_timeout(50) == 5.0
+
+
+@pytest.mark.quick
+def test_a_loopback_store_with_the_lighthouse_on_another_host_is_refused_saying_what_to_set():
+    from lightning_ddpopt.fault_tolerance.replica import check_store_address
+
+    here = socket.gethostname()
+    for lighthouse in ("http://127.0.0.1:29510", "http://localhost:1", f"http://{here}:1", "http://[::1]:1"):
+        check_store_address("127.0.0.1", lighthouse)  # all islands may be on this host
+    check_store_address("10.9.8.7", "http://192.0.2.1:1")  # an address other hosts may reach
+    with pytest.raises(ValueError) as refused:
+        check_store_address("127.0.0.1", "http://192.0.2.1:29510")  # TEST-NET-1: never this machine's
+    assert str(refused.value) == (
+        "MASTER_ADDR=127.0.0.1 is this host's loopback address, and torchft gives the islands of a quorum this "
+        "island's store address to meet at; the Lighthouse at http://192.0.2.1:29510 is on another host, so islands "
+        "there would reach their own loopback. Set MASTER_ADDR to an address of this host that the other islands "
+        "reach (and MASTER_PORT to a free port)"
+    )
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("strategy", [OptimizedDDPStrategy, FabricStrategy], ids=["trainer", "fabric"])
 def test_the_strategies_refuse_what_fault_tolerance_cannot_do_and_say_what_to_install(monkeypatch, strategy):
     with pytest.raises(TypeError, match="fault_tolerance='host:1' must be a FaultTolerance"):
         strategy(fault_tolerance="host:1")
-    ft = FaultTolerance(lighthouse="h:1")
+    with pytest.raises(ValueError, match=r"FaultTolerance\(islands=None\): declare how many islands the run has"):
+        strategy(fault_tolerance=FaultTolerance(lighthouse="h:1"))
+    ft = FaultTolerance(lighthouse="h:1", islands=2, island=0)
     with pytest.raises(ValueError, match="local_sgd overlap_steps=4 is not supported with fault_tolerance yet"):
         strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, overlap_steps=4))
     with pytest.raises(ValueError, match="local_sgd replica='node' is not supported with fault_tolerance yet"):
         strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, replica="node"))
     with pytest.raises(ValueError, match="FaultTolerance compression='bf16' is for the per-step average across"):
         strategy(
-            fault_tolerance=FaultTolerance(lighthouse="h:1", compression="bf16"), local_sgd=LocalSGDConfig.diloco(8)
+            fault_tolerance=FaultTolerance(lighthouse="h:1", islands=2, island=0, compression="bf16"),
+            local_sgd=LocalSGDConfig.diloco(8),
         )
     with pytest.raises(
         ValueError,
@@ -336,7 +502,7 @@ def test_the_strategies_refuse_what_fault_tolerance_cannot_do_and_say_what_to_in
     else:
         expected = r"torchft, which needs torch >= 2.7 \(this is torch .*\): upgrade torch, then pip install"
     with pytest.raises(ImportError, match=expected):
-        strategy(fault_tolerance=FaultTolerance(lighthouse="h:1"))
+        strategy(fault_tolerance=ft)
 
 
 @pytest.mark.quick
@@ -486,6 +652,35 @@ def test_the_gradients_cross_the_islands_in_their_compression_divided_before_the
         assert torch.equal(sent, torch.tensor([0.25, -0.5, 250.0, 0.0, 0.0], dtype=replica._wire))
         assert torch.equal(used.grad, torch.tensor([0.25, -0.5, 250.0]))
     assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(2))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("compression", ["fp32", "bf16", "fp16"])
+def test_diloco_changes_cross_the_islands_divided_before_the_cast(compression):
+    # A DiLoCo sync's change goes the per-step gradients' way: in fp16 (whose largest value is 65504) a change of
+    # 60000 on each of 4 islands sums to 240000 (inf) if cast first; divided first, each sends 15000 and the sum is
+    # the mean.
+    from torch.distributed import ReduceOp
+
+    replica = Replica.__new__(Replica)
+    replica._island_rank, replica._address, replica._min_replicas, replica._quorum_timeout_s = 0, "http://h:1", 1, 60.0
+    replica.stats, replica.replica_id, replica._open = ReplicaStats(), "island0", False
+    manager = _Quorum(participants=4, step=3)
+    manager.start_quorum = lambda: None  # type: ignore[attr-defined]
+    manager.should_commit = lambda: True  # type: ignore[method-assign]
+    replica.manager = manager  # type: ignore[assignment]
+    change = torch.tensor([60000.0, -2.0])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compression]
+    wire = None if compression == "fp32" else torch.empty(2, dtype=dtype)
+    assert replica.sync_mean(change, wire) is True
+    sent_dtype, op, sent = manager.sent  # type: ignore[attr-defined]
+    if compression == "fp32":
+        assert (sent_dtype, op) == (torch.float32, "avg") and torch.equal(sent, torch.tensor([60000.0, -2.0]))
+    else:
+        assert (sent_dtype, op) == (dtype, ReduceOp.SUM)
+        assert torch.equal(sent, torch.tensor([15000.0, -0.5], dtype=dtype))  # bf16 rounds 15000 to 14976
+        assert torch.isfinite(sent.float() * 4).all()  # the other islands' shares summed stay finite
+        assert torch.equal(change, sent.float())  # the sum (here the stand-in's own share) back in fp32
 
 
 @pytest.mark.quick

@@ -46,6 +46,7 @@ from lightning_ddpopt._compat import (
     FABRIC_DDP_STRATEGY_ATTRIBUTES,
     FABRIC_DDP_STRATEGY_INTERNALS,
     BackwardSyncControl,
+    PathType,
     StrategyRegistryType,
     check_ddp_strategy_internals,
     check_versions,
@@ -59,6 +60,7 @@ from lightning_ddpopt.accumulation import ExtraSyncs
 from lightning_ddpopt.core import StrategyCore
 from lightning_ddpopt.fabric.checkpoints import CheckpointingDDPStrategy
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
+from lightning_ddpopt.fault_tolerance.driver import CHECKPOINT_KEY as FT_CHECKPOINT_KEY
 from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
 from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import fabric_state, load_fabric_state
@@ -211,6 +213,48 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
     def synced_gradients_identical(self) -> bool:
         """Whether this step's synchronised gradients are the same on every rank (see the Trainer strategy's)."""
         return self._core.gradients_identical(self.model)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DDP's, except with ``fault_tolerance``: this rank's shard of every island's data.
+
+        For each loader that ``fabric.setup_dataloaders`` gives a sampler.
+        """
+        ft = self._fault_tolerance
+        if ft is None:
+            return super().distributed_sampler_kwargs
+        return ft.config.sampler_kwargs(self.world_size, self.global_rank)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: PathType,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save as the base does; with ``fault_tolerance``, torchft's manager state (the run's commits) too."""
+        ft = self._fault_tolerance
+        quorum = ft.checkpoint_state() if ft is not None else None
+        if quorum is not None and not all(isinstance(value, torch.Tensor) for value in state.values()):
+            state = {**state, FT_CHECKPOINT_KEY: quorum}
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: PathType,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load as the base does; with ``fault_tolerance``, the manager state goes back to the quorum."""
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        quorum = remainder.pop(FT_CHECKPOINT_KEY, None)
+        if self._fault_tolerance is not None and quorum is not None:
+            self._fault_tolerance.resume(quorum)
+        return remainder
 
     @property
     def fault_tolerance_stats(self) -> ReplicaStats | None:

@@ -17,13 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance
 from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
+from lightning_ddpopt.fault_tolerance.state import broadcast_state
 from lightning_ddpopt.localsgd import LocalSGDDriver
 
-__all__ = ["FaultTolerantSteps"]
+__all__ = ["CHECKPOINT_KEY", "FaultTolerantSteps"]
+
+#: Where a checkpoint holds torchft's manager state (the run's committed steps), beside the package's own entry.
+CHECKPOINT_KEY = "ddpopt_fault_tolerance"
 
 
 class FaultTolerantSteps:
@@ -48,6 +51,8 @@ class FaultTolerantSteps:
         self._island: tuple[int, int] = (0, 1)
         self._state: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]] | None = None
         self._broadcast: Callable[[Any], Any] | None = None
+        self._device = torch.device("cpu")
+        self._resumed: dict[str, int] | None = None
 
     @property
     def per_step(self) -> bool:
@@ -75,9 +80,12 @@ class FaultTolerantSteps:
             load_state_dict: loads a peer's state into this island when it heals.
             broadcast: sends an object from the island's first rank to its others (the strategy's ``broadcast``).
         """
+        sync_every = self._local_sgd.config.sync_every if self._local_sgd is not None else 1
 
         def join() -> Replica:
-            return Replica(self.config, island_rank, island_size, store, state_dict, load_state_dict, device)
+            return Replica(
+                self.config, island_rank, island_size, store, state_dict, load_state_dict, device, sync_every
+            )
 
         # The island's first rank first: it leaves its manager's address in the island's store, which the others
         # read (a rejoin after an earlier fit would otherwise find the address of the manager that fit closed). If it
@@ -94,12 +102,33 @@ class FaultTolerantSteps:
         if self.replica is None:
             self.replica = join()
         self.stats = self.replica.stats
-        self._island, self._state, self._broadcast = (
+        self._load_resumed()
+        self._island, self._state, self._broadcast, self._device = (
             (island_rank, island_size),
             (state_dict, load_state_dict),
             broadcast,
+            device,
         )
         self._aligned = island_size == 1
+
+    def checkpoint_state(self) -> dict[str, int] | None:
+        """Torchft's manager state for a checkpoint (the run's committed steps), ``None`` outside the quorum."""
+        return dict(self.replica.manager.state_dict()) if self.replica is not None else None
+
+    def resume(self, state: dict[str, int] | None) -> None:
+        """Restore a checkpoint's :meth:`checkpoint_state`, now or when this island joins the quorum.
+
+        The run restarted whole from its checkpoints then asks its first quorum at the committed step it saved: the
+        islands that saved later are ahead, and heal the others, and the run's step count goes on.
+        """
+        self._resumed = dict(state) if state is not None else None
+        self._load_resumed()
+
+    def _load_resumed(self) -> None:
+        if self._resumed is not None and self.replica is not None:
+            self.replica.manager.load_state_dict(self._resumed)
+            self.replica.stats.step = self._resumed["step"]
+            self._resumed = None
 
     def before_batch(self) -> None:
         """Start the next step's quorum unless a step is open (the first micro-batch of an accumulated step).
@@ -147,8 +176,10 @@ class FaultTolerantSteps:
         ``init_sync``, the source chosen per rank), and per step the first average runs over different islands per
         rank: the ranks of an island can leave the first commit apart (with local SGD: in their inner optimizer
         state, GradScaler and counters; the outer loop's shards are per rank by design). The island's first rank's
-        training state goes to the others once, there, through the CPU (later heals come whole from islands at the
-        same step, and keep the ranks aligned). It is no heal: error feedback and step counts stay.
+        training state goes to the others once, there: its structure pickled, its tensors broadcast as tensors
+        (:func:`~lightning_ddpopt.fault_tolerance.state.broadcast_state`; later heals come whole from islands at the
+        same step, and keep the ranks aligned). It is no heal: error feedback, step counts and the loop's position
+        stay.
         """
         replica = self.replica
         if self._aligned or replica is None or replica.stats.committed == 0:
@@ -156,11 +187,8 @@ class FaultTolerantSteps:
         self._aligned = True
         assert self._state is not None and self._broadcast is not None
         state_dict, load_state_dict = self._state
-        state = None
-        if self._island[0] == 0:
-            state = move_data_to_device({**state_dict(), "local_sgd": None}, torch.device("cpu"))
-            state["heal"] = False
-        state = self._broadcast(state)
+        state = {**state_dict(), "local_sgd": None, "heal": False} if self._island[0] == 0 else None
+        state = broadcast_state(state, self._device, self._broadcast)
         if self._island[0] != 0:
             load_state_dict(state)
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.finding import Finding
+from lightning_ddpopt.units import format_bytes
 
-__all__ = ["FLAPPING_LOSSES", "islands_finding", "islands_summary"]
+__all__ = ["FLAPPING_LOSSES", "across_islands_finding", "islands_finding", "islands_summary"]
 
 #: The quorum shrinking this many times in a run is reported as an island that flaps.
 FLAPPING_LOSSES = 2
@@ -25,6 +26,34 @@ def islands_summary(stats: ReplicaStats) -> dict[str, Any]:
     summary = dataclasses.asdict(stats)
     summary["history"] = [list(change) for change in stats.history]
     return summary
+
+
+def across_islands_finding(summary: dict[str, Any], share_problem: float) -> Finding | None:
+    """The network finding of an island with no sync of its own measured (one rank): what crosses the islands.
+
+    Its bytes, its time and its share of the island's time (all of it exposed: the average runs after the backward
+    pass); a problem from ``share_problem`` of the time, the network finding's own threshold. ``None`` without a
+    fault-tolerant average measured.
+    """
+    stats = summary.get("fault_tolerance")
+    if stats is None or not stats.get("averages"):
+        return None
+    averages, seconds = stats["averages"], stats["average_seconds"]
+    share = seconds / stats["seconds"] if stats["seconds"] > 0 else 0.0
+    evidence = (
+        f"across the islands: {format_bytes(stats['average_bytes'] / averages)} sent per average by each rank, "
+        f"{seconds / averages * 1e3:.1f} ms each, exposed ({share:.0%} of the island's time over {averages} "
+        "averages); no sync inside the island (one rank)"
+    )
+    if share < share_problem:
+        return Finding("network", "ok", evidence)
+    return Finding(
+        "network",
+        "problem",
+        evidence,
+        "the average across the islands holds the step: send it in bf16 (FaultTolerance(compression='bf16')) or "
+        "meet every H steps (local_sgd=LocalSGDConfig.diloco(H))",
+    )
 
 
 def islands_finding(summary: dict[str, Any]) -> Finding | None:

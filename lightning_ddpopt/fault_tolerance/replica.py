@@ -36,7 +36,10 @@ from lightning_ddpopt.fault_tolerance.config import FaultTolerance, require_torc
 from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
 from lightning_ddpopt.localsgd.config import WIRE_DTYPES
 
-__all__ = ["Replica", "ReplicaStats"]
+__all__ = ["NCCL_FLOOR", "Replica", "ReplicaStats", "check_nccl", "check_store_address"]
+
+#: The NCCL release torchft needs to abort a failed collective (NCCL's communicator shrink and abort).
+NCCL_FLOOR = (2, 25)
 
 
 @dataclass
@@ -56,6 +59,13 @@ class ReplicaStats:
     participants: int = 0
     #: ``(step, participants)`` at each change of the quorum's size (the step counts the run's committed steps).
     history: list[tuple[int, int]] = field(default_factory=list)
+    #: The averages across the islands this island ran (steps or local SGD syncs), the bytes each rank sent into
+    #: them, and their seconds (the step waits for all of it: it comes after the backward pass).
+    averages: int = 0
+    average_bytes: int = 0
+    average_seconds: float = 0.0
+    #: Seconds from this island's first quorum to its last vote (the time its steps took, averages included).
+    seconds: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         """What the strategies log each step, under ``ddpopt/ft/``."""
@@ -77,7 +87,11 @@ class Replica:
         state_dict: returns the island's whole training state, for a peer that heals.
         load_state_dict: loads such a state into this island when it heals.
         device: the device the gradients are on (gloo for a CPU, NCCL for CUDA).
+        sync_every: steps between the islands' meetings (local SGD's window; 1 per step), for the quorum's timeout.
     """
+
+    #: When this island asked for its first quorum (``perf_counter``), for :attr:`ReplicaStats.seconds`.
+    _started: float | None = None
 
     def __init__(
         self,
@@ -88,6 +102,7 @@ class Replica:
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
         device: torch.device,
+        sync_every: int = 1,
     ) -> None:
         require_torchft()
         # torchft's Rust side logs every quorum and commit at INFO; a user's RUST_LOG still decides.
@@ -96,6 +111,9 @@ class Replica:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         address = config.address()
+        check_store_address(store[0], address)
+        if device.type == "cuda":
+            check_nccl()
         if island_rank == 0:
             check_reachable(address, config.connect_timeout_s)
         self.stats = ReplicaStats()
@@ -103,17 +121,14 @@ class Replica:
         self._address, self._min_replicas, self._quorum_timeout_s = (
             address,
             config.min_replicas,
-            config.quorum_timeout_s,
+            config.quorum_timeout(sync_every),
         )
         self._load = load_state_dict
         self._wire = WIRE_DTYPES[config.compression]
         timeout = timedelta(seconds=config.timeout_s)
         group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        logging.getLogger("torchft_quorums").setLevel(logging.WARNING)
-        logging.getLogger("torchft_commits").setLevel(logging.WARNING)
-        self.replica_id = (
-            config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{socket.gethostname()}_{store[1]}"
-        )
+        quiet_torchft()
+        self.replica_id = config.name()
         self.stats.replica_id = self.replica_id
         advertised = _advertised(store[0])
         self.manager = Manager(
@@ -122,7 +137,7 @@ class Replica:
             state_dict=state_dict,
             min_replica_size=config.min_replicas,
             timeout=timeout,
-            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            quorum_timeout=timedelta(seconds=self._quorum_timeout_s),
             connect_timeout=timedelta(seconds=config.connect_timeout_s),
             rank=island_rank,
             world_size=island_size,
@@ -142,19 +157,40 @@ class Replica:
 
     def start_step(self) -> None:
         """Ask for this step's quorum (in the background: the forward runs meanwhile)."""
+        if self._started is None:
+            self._started = time.perf_counter()
         self.manager.start_quorum()
         self._open = True
 
-    def sync_mean(self, change: torch.Tensor) -> bool:
-        """Local SGD's sync across islands: a quorum, ``change`` averaged over its islands in place, the vote.
+    def sync_mean(self, change: torch.Tensor, wire: torch.Tensor | None = None) -> bool:
+        """Local SGD's sync across islands: a quorum, ``change`` (fp32) averaged over its islands in place, the vote.
 
-        Returns whether the sync commits; a healing island's own change counts as zeros, and it receives the live
-        islands' state at the vote, before the outer step.
+        ``wire``: a buffer of ``change``'s size in fp16 or bf16 to send it in (``None``: fp32). Returns whether the
+        sync commits; a healing island's own change counts as zeros, and it receives the live islands' state at the
+        vote, before the outer step.
         """
         self.start_step()
         self._note_participants()
-        self.manager.allreduce(change).wait()
+        self._mean(change, wire)
         return self.commit()
+
+    def _mean(self, flat: torch.Tensor, wire: torch.Tensor | None) -> None:
+        """``flat`` (fp32) averaged over the islands taking part, in place.
+
+        torchft's average in fp32; in ``wire``'s fp16 or bf16 divided by the islands first, then cast and summed (the
+        fp16 hook's way: the sum overflows only where the mean would).
+        """
+        started = time.perf_counter()
+        if wire is None:
+            self.manager.allreduce(flat).wait()
+        else:
+            wire.copy_(flat.div_(max(self.stats.participants, 1)))
+            self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
+            flat.copy_(wire)
+        sent = wire if wire is not None else flat
+        self.stats.averages += 1
+        self.stats.average_bytes += sent.numel() * sent.element_size()
+        self.stats.average_seconds += time.perf_counter() - started
 
     def _note_participants(self) -> None:
         try:
@@ -184,12 +220,7 @@ class Replica:
                 for p in parameters
             ]
         )
-        if self._wire == torch.float32:
-            self.manager.allreduce(flat).wait()
-        else:  # divided before the cast, as the fp16 hook does: the sum overflows only where the mean would
-            wire = flat.div_(max(self.stats.participants, 1)).to(self._wire)
-            self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
-            flat.copy_(wire)
+        self._mean(flat, None if self._wire == torch.float32 else torch.empty_like(flat, dtype=self._wire))
         offset = 0
         for p in parameters:
             averaged = flat[offset : offset + p.numel()].view_as(p)
@@ -203,6 +234,8 @@ class Replica:
         """Vote on the step with every island; ``True``: step the optimizer, ``False``: the step is dropped."""
         committed = bool(self.manager.should_commit())
         self._open = False
+        if self._started is not None:
+            self.stats.seconds = time.perf_counter() - self._started
         self.stats.step = self.manager.current_step()
         if committed:
             self.stats.committed += 1
@@ -222,11 +255,15 @@ class Replica:
                 "min_replicas at most the Lighthouse's"
             )
         if self._island_rank == 0:
+            error = self.manager.errored()
+            cause = getattr(error, "original_exception", error)
+            said = f": {str(cause).splitlines()[0]}" if cause is not None and str(cause) else ""
             why = (
                 f"the quorum has {participants} island(s) taking part (the others heal first), fewer than "
                 f"FaultTolerance(min_replicas={self._min_replicas})"
                 if participants < self._min_replicas
                 else "a collective failed (an island lost mid-step, or FaultTolerance timeout_s too short for the link)"
+                + said
             )
             warnings.warn(
                 f"ddpopt: island {self.replica_id} dropped its commit after commit {self.stats.step}: {why}",
@@ -247,6 +284,20 @@ class Replica:
         self.manager.shutdown(wait=False)
 
 
+def quiet_torchft() -> None:
+    """Keep torchft's own logging below what a user sees, unless they set its loggers' levels.
+
+    Its quorum and commit records, a lost island's traceback, CPU-only notes: the strategy says what a fault did, in
+    one line. Also the warning that torch's deserialization prints for each healed state (a read-only buffer it
+    copies from).
+    """
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:  # nobody asked for it
+            logger.setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def _checkpoint_server(host: str, timeout: timedelta) -> Any:
     """The HTTP checkpoint server of torchft (a healing peer fetches this island's state there), advertised at ``host``.
 
@@ -256,12 +307,75 @@ def _checkpoint_server(host: str, timeout: timedelta) -> Any:
     from torchft.checkpointing import HTTPTransport
 
     class _Advertised(HTTPTransport):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            server = getattr(self, "_server", None)  # torchft's HTTP server: no access-log line per heal's fetch
+            if server is not None:
+                server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
+
         def address(self) -> str:
             parts = urlsplit(super().address())
             name = f"[{host}]" if ":" in host and not host.startswith("[") else host
             return urlunsplit((parts.scheme, f"{name}:{parts.port}", parts.path, parts.query, parts.fragment))
 
     return _Advertised(timeout=timeout, num_chunks=0)
+
+
+def _is_loopback(host: str) -> bool:
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def _is_this_host(host: str) -> bool:
+    """Whether ``host`` names this machine: a loopback address, or one this machine can bind a socket to."""
+    bare = host.strip("[]")
+    if _is_loopback(bare):
+        return True
+    try:
+        infos = socket.getaddrinfo(bare, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False  # unresolved here: not this machine's name
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))  # only this machine's own addresses can be bound
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def check_store_address(store_host: str, lighthouse: str) -> None:
+    """Refuse a loopback store address (``MASTER_ADDR``) where the Lighthouse is on another host.
+
+    torchft advertises an island's store to the other islands of a quorum, which rendezvous there for the
+    cross-island group: islands on other hosts would find their own loopback. (A Lighthouse on this machine: the
+    islands may all be here, and a loopback store is theirs.)
+    """
+    host = urlsplit(lighthouse).hostname or ""
+    if _is_loopback(store_host) and not _is_this_host(host):
+        raise ValueError(
+            f"MASTER_ADDR={store_host} is this host's loopback address, and torchft gives the islands of a quorum "
+            f"this island's store address to meet at; the Lighthouse at {lighthouse} is on another host, so islands "
+            "there would reach their own loopback. Set MASTER_ADDR to an address of this host that the other islands "
+            "reach (and MASTER_PORT to a free port)"
+        )
+
+
+def check_nccl() -> None:
+    """Refuse an NCCL older than 2.25 on CUDA: torchft aborts a failed collective through NCCL's abort there."""
+    version = tuple(torch.cuda.nccl.version())
+    if tuple(version[:2]) < NCCL_FLOOR:
+        raise RuntimeError(
+            f"fault tolerance on CUDA needs NCCL >= {NCCL_FLOOR[0]}.{NCCL_FLOOR[1]} (torchft aborts a collective "
+            f"that an island's loss left hanging through it); this torch has NCCL {'.'.join(map(str, version))}: "
+            "install a torch built with a newer NCCL"
+        )
 
 
 def _advertised(store_host: str) -> str:

@@ -13,26 +13,40 @@ A Fabric loop's island heals the same: its model, its optimizers (those set up t
 GradScaler, the strategy's optimizer-step count, local SGD's state, and what the loop put in the strategy's
 ``heal_state`` (its schedulers, its own counters), as ``fabric.load`` restores a checkpoint's.
 
-Not healed: the data position (each island draws its own batches from its own sampler: a returning island starts
-its epoch again), and the comm hook's error feedback, which the healed island forgets (it was computed on the
-weights it had before).
+The loop's progress comes too: a Trainer island takes the peer's epoch and position in it (its samplers set to that
+epoch, the batches the peer has passed read and dropped once), so its next batch is the one its shard gives there
+and epoch-interval schedulers step with the others'. A Fabric loop's epoch and position are its own: keep them in
+``heal_state`` and move the data as the loop resumes from a checkpoint.
+
+Not healed: the comm hook's error feedback, which the healed island forgets (it was computed on the weights it had
+before).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_ddpopt._compat import batches_that_stepped
+from lightning_ddpopt._compat import batches_that_stepped, move_training_data
 from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.hooks.feedback import ErrorFeedbackState
 from lightning_ddpopt.localsgd import LocalSGD
 
-__all__ = ["FabricIsland", "fabric_state", "load_fabric_state", "load_training_state", "training_state"]
+__all__ = [
+    "FabricIsland",
+    "broadcast_state",
+    "fabric_state",
+    "load_fabric_state",
+    "load_training_state",
+    "training_state",
+]
 
 
 class FabricIsland(Protocol):
@@ -72,6 +86,8 @@ def training_state(trainer: pl.Trainer) -> dict[str, Any]:
         "scaler": scaler.state_dict() if scaler is not None else None,
         "optimizer_progress": loop.automatic_optimization.optim_progress.state_dict(),
         "batches_that_stepped": batches_that_stepped(trainer),
+        "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
+        "batch_progress": loop.batch_progress.state_dict(),
     }
 
 
@@ -94,8 +110,33 @@ def load_training_state(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     for counts in (step.total, step.current):
         counts.ready = counts.completed + 1
     batches_that_stepped(trainer, state["batches_that_stepped"])
+    if state.get("heal", True):
+        _move_to_peers_position(trainer, state["epoch_progress"], state["batch_progress"])
     if isinstance(trainer.strategy, CoreViews):
         _load_ours(trainer.strategy, state)
+
+
+def _move_to_peers_position(
+    trainer: pl.Trainer, epoch_progress: dict[str, Any], batch_progress: dict[str, Any]
+) -> None:
+    """Take the peer's epoch and its position in it, inside the step this island heals in (see the module).
+
+    The peer has completed ``completed`` batches of its epoch and is in the next, as this island is: the batches up
+    to and including that one are read past, so the loop's next batch is the shard's batch after it.
+    """
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_loop.batch_progress
+    epochs: Any = fit_loop.epoch_progress.current  # a tracker with processed counts (typed as its base)
+    here = (epochs.processed, progress.current.completed)
+    if here == (epoch_progress["current"]["processed"], batch_progress["current"]["completed"]):
+        return  # already there (an island healed one step behind the others, after a step it dropped alone)
+    fit_loop.epoch_progress.load_state_dict(epoch_progress)
+    progress.load_state_dict(batch_progress)
+    trackers: tuple[Any, ...] = (progress.total, progress.current)
+    for counts in trackers:  # begun, whenever the peer's state was read in its step
+        counts.ready = counts.started = counts.completed + 1
+        counts.processed = counts.completed
+    move_training_data(trainer, epochs.processed, progress.current.ready)
 
 
 def fabric_state(strategy: FabricIsland) -> dict[str, Any]:
@@ -156,3 +197,66 @@ def _load_ours(strategy: CoreViews | FabricIsland, state: dict[str, Any]) -> Non
     outer = strategy.local_sgd
     if outer is not None and state["local_sgd"] is not None:
         outer.load_heal_state(state["local_sgd"])
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in a state sent by :func:`broadcast_state`: its place in its dtype's buffer."""
+
+    start: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+def broadcast_state(
+    state: dict[str, Any] | None, device: torch.device, broadcast: Callable[[Any], Any]
+) -> dict[str, Any]:
+    """``state`` from the island's first rank (global rank 0 of the island's job) to its other ranks.
+
+    Its structure goes through ``broadcast`` (a pickle of names and numbers), its tensors as tensors: one buffer per
+    dtype, broadcast on ``device`` (the process group's: CUDA under NCCL). A tensor that was on the CPU arrives on
+    the CPU, any other on ``device``. Every rank calls it; only the first rank's ``state`` is read.
+    """
+    tensors: list[torch.Tensor] = []
+    sizes: dict[torch.dtype, int] = {}
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            start = sizes.get(value.dtype, 0)
+            sizes[value.dtype] = start + value.numel()
+            return _Slot(start, tuple(value.shape), value.dtype, value.device.type == "cpu")
+        if isinstance(value, dict):
+            return type(value)((key, strip(item)) for key, item in value.items())
+        if isinstance(value, list | tuple):
+            return type(value)(strip(item) for item in value)
+        return value
+
+    skeleton = broadcast((strip(state), sizes) if state is not None else None)
+    layout, sizes = skeleton
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+    for dtype, size in sizes.items():
+        if state is not None:
+            of_dtype = [t.detach().reshape(-1).to(device) for t in tensors if t.dtype == dtype]
+            buffer = torch.cat(of_dtype) if of_dtype else torch.empty(0, dtype=dtype, device=device)
+        else:
+            buffer = torch.empty(size, dtype=dtype, device=device)
+        wire = buffer.view(torch.uint8) if dtype == torch.bool else buffer  # gloo has no bool broadcast
+        dist.broadcast(wire, src=0)
+        buffers[dtype] = buffer
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, _Slot):
+            size = 1
+            for dim in value.shape:
+                size *= dim
+            tensor = buffers[value.dtype][value.start : value.start + size].view(value.shape).clone()
+            return tensor.cpu() if value.on_cpu else tensor
+        if isinstance(value, dict):
+            return type(value)((key, fill(item)) for key, item in value.items())
+        if isinstance(value, list | tuple):
+            return type(value)(fill(item) for item in value)
+        return value
+
+    return fill(layout)

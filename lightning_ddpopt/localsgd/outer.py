@@ -101,7 +101,7 @@ class LocalSGD(TravellingSync, OuterState):
         #: Fault-tolerant islands (:mod:`lightning_ddpopt.fault_tolerance`): averages a change sent as it is, in place,
         #: over the islands of the quorum and returns whether the sync commits (``None``: the replicas are
         #: :attr:`process_group`'s).
-        self.across_islands: Callable[[torch.Tensor], bool] | None = None
+        self.across_islands: Callable[[torch.Tensor, torch.Tensor | None], bool] | None = None
         #: Sync after the next local optimizer step, whatever the schedule (every rank alike), then as scheduled.
         self.sync_next = False
 
@@ -270,11 +270,9 @@ class LocalSGD(TravellingSync, OuterState):
         if self.across_islands is None:
             wire_bytes = self._mean_inplace(delta)
         else:  # a dropped sync (an island lost meanwhile) leaves the anchor: every island goes back to it
-            wire = delta if self.config.compression == "fp32" else self._wire_buffer().copy_(delta)
-            committed = self.across_islands(wire)
-            if wire is not delta:
-                delta.copy_(wire)
-            wire_bytes = wire.numel() * wire.element_size()
+            wire = None if self.config.compression == "fp32" else self._wire_buffer()
+            committed = self.across_islands(delta, wire)  # fp16/bf16: divided by the islands, then cast
+            wire_bytes = delta.numel() * (wire if wire is not None else delta).element_size()
         drift = self._drift(own_sq, delta)
         if committed:
             self._outer_step(delta, outer_step)
