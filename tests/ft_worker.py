@@ -25,7 +25,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
+from lightning_ddpopt import (
+    AMPMonitor,
+    CommProfiler,
+    LocalSGDConfig,
+    OptimizedDDPStrategy,
+    StragglerDetector,
+    fp16_mixed_precision,
+)
 from lightning_ddpopt.fault_tolerance import FaultTolerance
 from tests.helpers import WIDTH, StackModel
 
@@ -67,18 +74,47 @@ class _Paced(pl.Callback):
             time.sleep(0.05)
 
 
+class _Save(pl.Callback):
+    """At the end of fit, in each rank (the spawn launcher's ranks too): its parameters, step, LR, GradScaler scale,
+    samples and quorum stats to ``OUT/islandI_rankR.pt``."""
+
+    def __init__(self, out: Path, island: int) -> None:
+        self.out, self.island = out, island
+
+    def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, OptimizedDDPStrategy) and isinstance(module, _Scheduled)
+        stats = strategy.fault_tolerance_stats
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        torch.save(
+            {
+                "parameters": {name: p.detach().clone() for name, p in module.named_parameters()},
+                "global_step": trainer.global_step,
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "samples": module.samples,
+                "scale": scaler.get_scale() if scaler is not None else None,
+                "stats": dataclasses.asdict(stats) if stats is not None else None,
+            },
+            self.out / f"island{self.island}_rank{trainer.global_rank}.pt",
+        )
+
+
 class _Scheduled(StackModel):
     """StackModel with Adam, a per-step and a per-epoch LR schedule (a heal must bring both schedules' positions and
     the epoch), recording ``(global step, epoch, batch index, sample indices)`` for every batch it trains on."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, overflow_at: int = 0, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.samples: list[tuple[int, int, int, list[int]]] = []
+        self.overflow_at = overflow_at
 
     def training_step(self, batch, batch_idx):  # type: ignore[override]
         x, y, index = batch
         self.samples.append((self.trainer.global_step, self.current_epoch, batch_idx, index.tolist()))
-        return super().training_step((x, y), batch_idx)
+        loss = super().training_step((x, y), batch_idx)
+        if len(self.samples) == self.overflow_at:  # this island's loss overflows at its K-th batch
+            loss = loss * float("inf")
+        return loss
 
     def configure_optimizers(self):  # type: ignore[override]
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -97,6 +133,9 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--islands", type=int, default=3)
+    parser.add_argument("--start-method", default="popen", help="Lightning's launcher for the island's ranks")
+    parser.add_argument("--fp16", action="store_true", help="real fp16 autocast with a GradScaler (scale 2^10)")
+    parser.add_argument("--overflow-at", type=int, default=0, metavar="K", help="island 0's loss is inf at batch K")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--local-sgd", type=int, default=0, metavar="H")
     parser.add_argument("--comm-hook", default="allreduce", help="the hook inside the island (a registry name)")
@@ -145,12 +184,14 @@ def main() -> None:
         strategy=OptimizedDDPStrategy(
             fault_tolerance=None if args.whole_job else config,
             local_sgd=local_sgd,
-            start_method="popen",
+            start_method=args.start_method,
             comm_hook=args.comm_hook,
         ),
         max_steps=args.max_steps,
+        plugins=[fp16_mixed_precision("cpu", init_scale=2.0**10)] if args.fp16 else None,
         callbacks=[
             _Paced(args.out, args.island, args.step_seconds),
+            _Save(args.out, args.island),
             CommProfiler(),
             StragglerDetector(),
             AMPMonitor(),
@@ -164,22 +205,9 @@ def main() -> None:
     )
     # Each island its own initial model: torchft's first quorum makes them one (each rank from a source island of its
     # own: the island's first rank then realigns the others).
-    model = _Scheduled(lr=0.05, seed=args.island)
+    model = _Scheduled(lr=0.05, seed=args.island, overflow_at=args.overflow_at if args.island == 0 else 0)
     last = saved / "last.ckpt"
     trainer.fit(model, data, ckpt_path=last if args.checkpoint_every and last.exists() else None)
-    strategy = trainer.strategy
-    assert isinstance(strategy, OptimizedDDPStrategy)
-    stats = strategy.fault_tolerance_stats
-    torch.save(
-        {
-            "parameters": {name: p.detach().clone() for name, p in model.named_parameters()},
-            "global_step": trainer.global_step,
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "samples": model.samples,
-            "stats": dataclasses.asdict(stats) if stats is not None else None,
-        },
-        args.out / f"island{args.island}_rank{trainer.global_rank}.pt",
-    )
 
 
 if __name__ == "__main__":

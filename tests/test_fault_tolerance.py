@@ -154,7 +154,11 @@ MODES = {
     # DiLoCo every 4 steps across the islands, each sync the commit point; islands of two ranks (each rank carries
     # its half of the change across, with the same rank of the other islands).
     "diloco": ("2", "4", "allreduce", "fp32"),
+    # Islands of three ranks started by Lightning's spawn launcher, PowerSGD inside, fp16 AMP with a GradScaler whose
+    # loss overflows on island 0 at its 5th batch: the average is inf on every island, and every GradScaler skips.
+    "every_step_3ranks_spawn_fp16": ("3", "0", "powersgd", "fp32"),
 }
+EXTRA = {"every_step_3ranks_spawn_fp16": ("--start-method", "spawn", "--fp16", "--overflow-at", "5")}
 
 
 def _shard(rank: int, ranks: int, epoch: int, samples: int = ft_worker.SAMPLES) -> list[int]:
@@ -173,6 +177,7 @@ def _shard(rank: int, ranks: int, epoch: int, samples: int = ft_worker.SAMPLES) 
         pytest.param("every_step", 2, True, id="every_step-island2-inside_collective"),
         pytest.param("every_step_2ranks", 0, False, id="every_step_2ranks-island0", marks=pytest.mark.slow),
         pytest.param("diloco", 1, False, id="diloco-island1", marks=pytest.mark.slow),
+        pytest.param("every_step_3ranks_spawn_fp16", 1, False, id="3ranks-spawn-fp16-island1", marks=pytest.mark.slow),
     ],
 )
 def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, lost, inside_collective):
@@ -185,6 +190,7 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     max_steps = 30
     devices, sync_every, hook, across = MODES[mode]
     options = ("--devices", devices, "--local-sgd", sync_every, "--comm-hook", hook, "--ft-compression", across)
+    options += EXTRA.get(mode, ())
 
     def start(index: int, lighthouse: str, log: Path) -> subprocess.Popen:
         return _island(index, lighthouse, tmp_path, max_steps, log, *options)
@@ -214,6 +220,10 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
     assert len(first) == len(set(first)) == 2 * len(ranks) * early * 8
     # Both LR schedules came over with the heal: every island ends at the same LR, 0.05 x 0.9^(30 // 3) per step and
     # x 0.5 per epoch ended.
+    # Under fp16 one overflow in the run (island 0's): every GradScaler skipped that step and halved its scale, the
+    # healed island's too (its scaler came from a peer).
+    scales = [r["scale"] for island in results for r in island]
+    assert scales == ([2.0**9] * 3 * len(ranks) if "fp16" in mode else [None] * 3 * len(ranks))
     lrs = [r["lr"] for island in results for r in island]
     assert len(set(lrs)) == 1 and lrs[0] == pytest.approx(0.05 * 0.9**10 * 0.5 ** (max_steps // per_epoch))
     # The run's commits (torchft's count): every step but one the kill inside it broke, or every sync (DiLoCo: the
