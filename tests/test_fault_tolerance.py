@@ -250,6 +250,14 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
             log = log[log.rindex("GPU available:") :]
         for chatter in ("Traceback", "flight recorder", '"GET /checkpoint', "buffer is not writable"):
             assert chatter not in log, (index, chatter, log[-3000:])
+    # Per step each rank of an island sent its 1/M of the gradients across (P values leave an island, not M x P).
+    numel = sum(value.numel() for value in reference.values())
+    if mode.startswith("every_step"):
+        width = 2 if across in ("bf16", "fp16") else 4
+        for index in others:
+            for result in results[index]:
+                stats = result["stats"]
+                assert stats["average_bytes"] == stats["averages"] * numel // len(ranks) * width
     for index in others:
         log_lines = (tmp_path / f"log{index}.txt").read_text().splitlines()
         dropped_lines = [line for line in log_lines if "dropped its commit" in line]
@@ -265,7 +273,6 @@ def test_a_killed_island_heals_back_and_every_island_ends_equal(tmp_path, mode, 
         report = json.loads((tmp_path / f"island{index}" / "ddpopt_report.json").read_text())
         if len(ranks) == 1 and mode.startswith("every_step"):
             (network,) = [f for f in report["findings"] if f["area"] == "network"]
-            numel = sum(value.numel() for value in reference.values())
             wire = format_bytes(numel * (2 if across in ("bf16", "fp16") else 4))
             assert network["evidence"].startswith(f"across the islands: {wire} sent per average by each rank")
         (islands,) = [f for f in report["findings"] if f["area"] == "islands"]
@@ -610,6 +617,7 @@ class _Quorum:
 
     def allreduce(self, tensor: torch.Tensor, reduce_op: object = "avg") -> _Quorum:
         self.sent = (tensor.dtype, reduce_op, tensor.clone())  # the other islands sent zeros (they heal)
+        self.sends = [*getattr(self, "sends", []), self.sent]
         return self
 
     def wait(self) -> None:
@@ -643,28 +651,38 @@ def test_too_few_islands_stop_the_run_at_its_first_quorum_and_drop_a_later_step_
 
 @pytest.mark.quick
 @pytest.mark.parametrize("compression", ["fp32", "bf16", "fp16"])
-def test_the_gradients_cross_the_islands_in_their_compression_divided_before_the_cast(compression):
+def test_the_gradients_cross_the_islands_in_their_compression_divided_before_the_cast(compression, monkeypatch):
     # Per step the island's gradients travel in FaultTolerance(compression=...): fp32 as torchft's average, fp16 and
     # bf16 divided by the islands taking part first and summed (the fp16 hook's way: no overflow the mean would not
-    # have). A missing gradient travels as zeros and comes back as the average.
+    # have). A missing gradient travels as zeros and comes back as the average. In chunks of consecutive parameters
+    # (here at most 5 values: the 3 and the 2 together, then the 4 alone).
     from torch.distributed import ReduceOp
 
+    from lightning_ddpopt.fault_tolerance import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "CHUNK_VALUES", 5)
     replica = Replica.__new__(Replica)
+    replica._island_size = 1
     replica._island_rank, replica._address, replica._min_replicas, replica._quorum_timeout_s = 0, "http://h:1", 1, 60.0
     replica.stats, replica.replica_id, replica._open = ReplicaStats(), "island0", True
     replica._wire = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compression]
     replica.manager = _Quorum(participants=4, step=3)  # type: ignore[assignment]
     used, unused = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     used.grad = torch.tensor([1.0, -2.0, 1000.0])
-    replica.average_gradients([used, unused])
-    dtype, op, sent = replica.manager.sent  # type: ignore[attr-defined]
+    last = torch.nn.Parameter(torch.zeros(4))
+    last.grad = torch.full((4,), 8.0)
+    replica.average_gradients([used, unused, last])
+    (dtype, op, sent), (_, _, sent_last) = replica.manager.sends  # type: ignore[attr-defined]
+    assert replica.stats.averages == 1 and replica.stats.average_bytes == 9 * sent.element_size()
     if compression == "fp32":
         assert (dtype, op) == (torch.float32, "avg")  # torchft divides by the participants itself
         assert torch.equal(sent, torch.tensor([1.0, -2.0, 1000.0, 0.0, 0.0]))
+        assert torch.equal(sent_last, torch.full((4,), 8.0))
     else:
         assert (dtype, op) == (replica._wire, ReduceOp.SUM)
         assert torch.equal(sent, torch.tensor([0.25, -0.5, 250.0, 0.0, 0.0], dtype=replica._wire))
         assert torch.equal(used.grad, torch.tensor([0.25, -0.5, 250.0]))
+        assert torch.equal(last.grad, torch.full((4,), 2.0))
     assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(2))
 
 

@@ -30,14 +30,17 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, require_torchft
 from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
 from lightning_ddpopt.localsgd.config import WIRE_DTYPES
 
-__all__ = ["NCCL_FLOOR", "Replica", "ReplicaStats", "check_nccl", "check_store_address"]
+__all__ = ["CHUNK_VALUES", "NCCL_FLOOR", "Replica", "ReplicaStats", "check_nccl", "check_store_address"]
 
+#: Values of a chunk of the per-step average across islands (4 MiB of fp32): its memory, and its messages' size.
+CHUNK_VALUES = 1 << 20
 #: The NCCL release torchft needs to abort a failed collective (NCCL's communicator shrink and abort).
 NCCL_FLOOR = (2, 25)
 
@@ -59,7 +62,7 @@ class ReplicaStats:
     participants: int = 0
     #: ``(step, participants)`` at each change of the quorum's size (the step counts the run's committed steps).
     history: list[tuple[int, int]] = field(default_factory=list)
-    #: The averages across the islands this island ran (steps or local SGD syncs), the bytes each rank sent into
+    #: The averages across the islands this island ran (steps or local SGD syncs), the bytes this rank sent into
     #: them, and their seconds (the step waits for all of it: it comes after the backward pass).
     averages: int = 0
     average_bytes: int = 0
@@ -117,7 +120,7 @@ class Replica:
         if island_rank == 0:
             check_reachable(address, config.connect_timeout_s)
         self.stats = ReplicaStats()
-        self._island_rank = island_rank
+        self._island_rank, self._island_size = island_rank, island_size
         self._address, self._min_replicas, self._quorum_timeout_s = (
             address,
             config.min_replicas,
@@ -172,6 +175,7 @@ class Replica:
         self.start_step()
         self._note_participants()
         self._mean(change, wire)
+        self.stats.averages += 1
         return self.commit()
 
     def _mean(self, flat: torch.Tensor, wire: torch.Tensor | None) -> None:
@@ -188,7 +192,6 @@ class Replica:
             self.manager.allreduce(wire, reduce_op=ReduceOp.SUM).wait()
             flat.copy_(wire)
         sent = wire if wire is not None else flat
-        self.stats.averages += 1
         self.stats.average_bytes += sent.numel() * sent.element_size()
         self.stats.average_seconds += time.perf_counter() - started
 
@@ -208,27 +211,46 @@ class Replica:
             self.stats.history.append((self.manager.current_step() + 1, participants))
 
     def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Average the gradients over the islands of the quorum, in place (one flat all-reduce, in ``compression``)."""
+        """Average the gradients over the islands of the quorum, in place, in ``compression``.
+
+        The island's ranks hold the same gradients (DDP synced them): each rank sends its 1/M of them across (rank r
+        of every island meets rank r of the others), and the island's ranks gather the averaged shards, so P values
+        leave the island per step, not M x P. In chunks of consecutive parameters of at most :data:`CHUNK_VALUES`
+        values, the same on every island whatever DDP's buckets: memory for one chunk, not a copy of every gradient.
+        """
         self._note_participants()
-        # Every trainable parameter in one order on every island, a missing gradient as zeros: the same shape
-        # everywhere, whichever parameters this island's batch used.
-        flat = torch.cat(
-            [
-                p.grad.reshape(-1).to(torch.float32)
-                if p.grad is not None
-                else p.new_zeros(p.numel(), dtype=torch.float32)
-                for p in parameters
-            ]
-        )
-        self._mean(flat, None if self._wire == torch.float32 else torch.empty_like(flat, dtype=self._wire))
-        offset = 0
-        for p in parameters:
-            averaged = flat[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = averaged.to(p.dtype).clone()
+        island = dist.group.WORLD if self._island_size > 1 else None
+        for chunk in _chunks(parameters, CHUNK_VALUES):
+            # In one order on every island, a missing gradient as zeros: the same shape everywhere, whichever
+            # parameters this island's batch used.
+            flat = torch.cat(
+                [
+                    p.grad.reshape(-1).to(torch.float32)
+                    if p.grad is not None
+                    else p.new_zeros(p.numel(), dtype=torch.float32)
+                    for p in chunk
+                ]
+            )
+            size = flat.numel()
+            if island is not None:
+                per_rank = -(-size // self._island_size)
+                padded = flat.new_zeros(per_rank * self._island_size)
+                padded[:size] = flat
+                shard = padded[self._island_rank * per_rank : (self._island_rank + 1) * per_rank].clone()
+                self._mean(shard, None if self._wire == torch.float32 else torch.empty_like(shard, dtype=self._wire))
+                dist.all_gather_into_tensor(padded, shard, group=island)
+                flat = padded[:size]
             else:
-                p.grad.copy_(averaged)
-            offset += p.numel()
+                self._mean(flat, None if self._wire == torch.float32 else torch.empty_like(flat, dtype=self._wire))
+            offset = 0
+            for p in chunk:
+                averaged = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = averaged.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(averaged)
+                offset += p.numel()
+        self.stats.averages += 1
 
     def commit(self) -> bool:
         """Vote on the step with every island; ``True``: step the optimizer, ``False``: the step is dropped."""
@@ -319,6 +341,20 @@ def _checkpoint_server(host: str, timeout: timedelta) -> Any:
             return urlunsplit((parts.scheme, f"{name}:{parts.port}", parts.path, parts.query, parts.fragment))
 
     return _Advertised(timeout=timeout, num_chunks=0)
+
+
+def _chunks(parameters: list[torch.nn.Parameter], limit: int) -> list[list[torch.nn.Parameter]]:
+    """``parameters`` in runs of consecutive ones of at most ``limit`` values (a larger one alone)."""
+    chunks: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in parameters:
+        if chunks and size + p.numel() <= limit:
+            chunks[-1].append(p)
+            size += p.numel()
+        else:
+            chunks.append([p])
+            size = p.numel()
+    return chunks
 
 
 def _is_loopback(host: str) -> bool:
