@@ -22,7 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt._compat import PathType
-from lightning_ddpopt._groups import group_like
+from lightning_ddpopt._groups import destroy_owned_group, group_like
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
 from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPlan, validate_bucket_cap_mb
@@ -30,6 +30,7 @@ from lightning_ddpopt.checkpoint import SavedRun, write_rank_states
 from lightning_ddpopt.checkpoint_meeting import RankStates
 from lightning_ddpopt.checkpoint_shards import shards_supported
 from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
+from lightning_ddpopt.hooks.across_islands import AcrossIslands
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.auto import HookChoice
 from lightning_ddpopt.hooks.install import HookInstaller
@@ -93,6 +94,8 @@ class StrategyCore:
         self.cpu_affinity = validate_cpu_affinity(cpu_affinity)
         self.checkpoints = RankStates(require_number("checkpoint_timeout", checkpoint_timeout))
         self.local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
+        #: Per-step fault tolerance's average across the islands, run by the hook (set by the strategy).
+        self.across_islands: AcrossIslands | None = None
         self.model_averaging = model_averaging_period is not None  # Lightning's post-local SGD
         self.optimizer_steps = OptimizerSteps()
         self.ledger: CommLedger | None = None
@@ -191,6 +194,7 @@ class StrategyCore:
             topology=self.topology,
             new_group=new_group,
             island=island,
+            across=self.across_islands,
             observed=measured or self.buckets.requested == "autotune" or self.local_sgd is not None,
         )
         if self.hooks.registered is not None:
@@ -388,6 +392,9 @@ class StrategyCore:
         Nothing of ours may keep a process group alive past the exit-time ``destroy_process_group``.
         """
         self.hooks.close()
+        if self.across_islands is not None:
+            self.across_islands.close()
+            destroy_owned_group(self.across_islands, "group")
         self.checkpoints.close()
         self.optimizer_steps.close()
         if self.core_binding is not None:

@@ -205,6 +205,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         self._fault_tolerance = (
             FaultTolerantSteps(fault_tolerance, self._core.local_sgd) if fault_tolerance is not None else None
         )
+        if self._fault_tolerance is not None:
+            self._core.across_islands = self._fault_tolerance.across
         self._ddp_kwargs.update(self._core.ddp_flags)
         self._accumulation = ManualAccumulation()
 

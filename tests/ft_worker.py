@@ -54,11 +54,12 @@ class _Paced(pl.Callback):
         while (self.out / "hold_start").exists():  # until the test has seen every island start
             time.sleep(0.05)
 
-    def on_after_backward(self, trainer: pl.Trainer, *args: object) -> None:
-        # ``hold_collective`` holds "STEP ISLAND": at that step that island waits here, before the cross-island
-        # average, while the file exists; the others go into the average (and write islandI.averaging).
+    def on_before_backward(self, trainer: pl.Trainer, *args: object) -> None:
+        # ``hold_collective`` holds "STEP ISLAND": at that step that island waits here, before its backward pass
+        # (in which the strategy's hook averages the gradients across the islands), while the file exists; the
+        # others go into the backward pass and the average (and write islandI.averaging).
         hold = self.out / "hold_collective"
-        if hold.exists() and (text := hold.read_text()) and int(text.split()[0]) == trainer.global_step:
+        if (text := _read(hold)) and int(text.split()[0]) == trainer.global_step:
             if int(text.split()[1]) == self.island:
                 while hold.exists():
                     time.sleep(0.01)
@@ -70,8 +71,16 @@ class _Paced(pl.Callback):
             (self.out / f"island{self.island}.step").write_text(str(trainer.global_step))
         time.sleep(self.seconds)
         hold = self.out / "hold"
-        while hold.exists() and (text := hold.read_text()) and trainer.global_step >= int(text):
+        while (text := _read(hold)) and trainer.global_step >= int(text):
             time.sleep(0.05)
+
+
+def _read(path: Path) -> str:
+    """The file's text, or "" if there is none (the test removes it at any time)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
 
 
 class _Save(pl.Callback):

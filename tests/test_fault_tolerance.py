@@ -671,7 +671,7 @@ def test_the_gradients_cross_the_islands_in_their_compression_divided_before_the
     used.grad = torch.tensor([1.0, -2.0, 1000.0])
     last = torch.nn.Parameter(torch.zeros(4))
     last.grad = torch.full((4,), 8.0)
-    replica.average_gradients([used, unused, last])
+    replica.average_gradients([used, unused, last], None)
     (dtype, op, sent), (_, _, sent_last) = replica.manager.sends  # type: ignore[attr-defined]
     assert replica.stats.averages == 1 and replica.stats.average_bytes == 9 * sent.element_size()
     if compression == "fp32":

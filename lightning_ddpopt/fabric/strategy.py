@@ -183,6 +183,8 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         self._fault_tolerance = (
             FaultTolerantSteps(fault_tolerance, self._core.local_sgd) if fault_tolerance is not None else None
         )
+        if self._fault_tolerance is not None:
+            self._core.across_islands = self._fault_tolerance.across
         #: With ``fault_tolerance``: more of the loop's state a healing island receives from a peer (see above).
         self.heal_state: dict[str, Any] = {}
         self._vote: bool | None = None  # this step's, per step, once voted (at a clip or the step)

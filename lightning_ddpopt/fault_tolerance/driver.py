@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance
-from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
+from lightning_ddpopt.fault_tolerance.replica import CHUNK_VALUES, Replica, ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import broadcast_state
+from lightning_ddpopt.hooks.across_islands import AcrossIslands
 from lightning_ddpopt.localsgd import LocalSGDDriver
 
 __all__ = ["CHECKPOINT_KEY", "FaultTolerantSteps"]
@@ -43,6 +44,9 @@ class FaultTolerantSteps:
         if local_sgd is not None:
             local_sgd.one_island = True  # each island is a job of its own: the job is one replica
         self._local_sgd = local_sgd
+        #: Per step: the islands' average of each step's gradients, run by the strategy's hook in the backward pass.
+        self.across = AcrossIslands(CHUNK_VALUES) if local_sgd is None else None
+        self._across_steps = 0
         self.replica: Replica | None = None
         #: What the quorum did to this island (kept after the fit ends); ``None`` before the first fit.
         self.stats: ReplicaStats | None = None
@@ -103,6 +107,11 @@ class FaultTolerantSteps:
             self.replica = join()
         self.stats = self.replica.stats
         self._load_resumed()
+        if self.across is not None:
+            replica, across = self.replica, self.across
+            across.average = lambda flat: replica.average_chunk(flat, across.group)
+            across.begin = replica.begin_average
+            self._across_steps = across.steps
         self._island, self._state, self._broadcast, self._device = (
             (island_rank, island_size),
             (state_dict, load_state_dict),
@@ -166,7 +175,11 @@ class FaultTolerantSteps:
                 "fault_tolerance votes once per step, started by the step's first training forward: a second "
                 "optimizer step without a forward between (several optimizers) is not supported; step one optimizer"
             )
-        replica.average_gradients(parameters)
+        across = self.across
+        if across is not None and across.steps > self._across_steps:
+            self._across_steps = across.steps  # averaged by the hook in the backward pass
+        else:
+            replica.average_gradients(parameters, across.group if across is not None else None)
         return replica.commit()
 
     def after_step(self) -> None:
@@ -219,6 +232,9 @@ class FaultTolerantSteps:
         """Leave the quorum (a later fit, or a Fabric loop's next training forward, joins again)."""
         self._joined = False
         self._aligned = self._island[1] == 1
+        if self.across is not None:
+            self.across.average = self.across.begin = None
+            self.across.close()
         if self.replica is not None:
             self.replica.close()
             self.replica = None

@@ -35,6 +35,7 @@ from torch.distributed import ReduceOp
 
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, require_torchft
 from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
+from lightning_ddpopt.hooks.across_islands import parameter_chunks
 from lightning_ddpopt.localsgd.config import WIRE_DTYPES
 
 __all__ = ["CHUNK_VALUES", "NCCL_FLOOR", "Replica", "ReplicaStats", "check_nccl", "check_store_address"]
@@ -210,17 +211,39 @@ class Replica:
             self.stats.participants = participants
             self.stats.history.append((self.manager.current_step() + 1, participants))
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Average the gradients over the islands of the quorum, in place, in ``compression``.
-
-        The island's ranks hold the same gradients (DDP synced them): each rank sends its 1/M of them across (rank r
-        of every island meets rank r of the others), and the island's ranks gather the averaged shards, so P values
-        leave the island per step, not M x P. In chunks of consecutive parameters of at most :data:`CHUNK_VALUES`
-        values, the same on every island whatever DDP's buckets: memory for one chunk, not a copy of every gradient.
-        """
+    def begin_average(self) -> None:
+        """Before a step's average across the islands: the quorum's participants (it waits for the quorum)."""
         self._note_participants()
-        island = dist.group.WORLD if self._island_size > 1 else None
-        for chunk in _chunks(parameters, CHUNK_VALUES):
+        self.stats.averages += 1
+
+    def average_chunk(self, flat: torch.Tensor, island: dist.ProcessGroup | None) -> None:
+        """Average ``flat`` (fp32, the same on the island's ranks) over the islands of the quorum, in place.
+
+        With an ``island`` group of M ranks each rank sends its 1/M across (rank r of every island meets rank r of
+        the others) and the island gathers the averaged shards on it: P values leave the island, not M x P.
+        """
+        wire = None if self._wire == torch.float32 else torch.float32
+        size = flat.numel()
+        if island is None or self._island_size == 1:
+            self._mean(flat, None if wire is None else torch.empty_like(flat, dtype=self._wire))
+            return
+        per_rank = -(-size // self._island_size)
+        padded = flat.new_zeros(per_rank * self._island_size)
+        padded[:size] = flat
+        shard = padded[self._island_rank * per_rank : (self._island_rank + 1) * per_rank].clone()
+        self._mean(shard, None if wire is None else torch.empty_like(shard, dtype=self._wire))
+        _all_gather_single(padded, shard, group=island)
+        flat.copy_(padded[:size])
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter], island: dist.ProcessGroup | None) -> None:
+        """After the backward pass: ``parameters``' gradients averaged over the islands, in place.
+
+        See :meth:`average_chunk`; in chunks of consecutive parameters of at most :data:`CHUNK_VALUES` values. Where
+        the strategy's hook did not average them during the backward pass (its
+        :class:`~lightning_ddpopt.hooks.across_islands.AcrossIslands` ran no step since the last vote).
+        """
+        self.begin_average()
+        for chunk in parameter_chunks(parameters, CHUNK_VALUES):
             # In one order on every island, a missing gradient as zeros: the same shape everywhere, whichever
             # parameters this island's batch used.
             flat = torch.cat(
@@ -231,17 +254,7 @@ class Replica:
                     for p in chunk
                 ]
             )
-            size = flat.numel()
-            if island is not None:
-                per_rank = -(-size // self._island_size)
-                padded = flat.new_zeros(per_rank * self._island_size)
-                padded[:size] = flat
-                shard = padded[self._island_rank * per_rank : (self._island_rank + 1) * per_rank].clone()
-                self._mean(shard, None if self._wire == torch.float32 else torch.empty_like(shard, dtype=self._wire))
-                dist.all_gather_into_tensor(padded, shard, group=island)
-                flat = padded[:size]
-            else:
-                self._mean(flat, None if self._wire == torch.float32 else torch.empty_like(flat, dtype=self._wire))
+            self.average_chunk(flat, island)
             offset = 0
             for p in chunk:
                 averaged = flat[offset : offset + p.numel()].view_as(p)
@@ -250,7 +263,6 @@ class Replica:
                 else:
                     p.grad.copy_(averaged)
                 offset += p.numel()
-        self.stats.averages += 1
 
     def commit(self) -> bool:
         """Vote on the step with every island; ``True``: step the optimizer, ``False``: the step is dropped."""
@@ -343,18 +355,8 @@ def _checkpoint_server(host: str, timeout: timedelta) -> Any:
     return _Advertised(timeout=timeout, num_chunks=0)
 
 
-def _chunks(parameters: list[torch.nn.Parameter], limit: int) -> list[list[torch.nn.Parameter]]:
-    """``parameters`` in runs of consecutive ones of at most ``limit`` values (a larger one alone)."""
-    chunks: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for p in parameters:
-        if chunks and size + p.numel() <= limit:
-            chunks[-1].append(p)
-            size += p.numel()
-        else:
-            chunks.append([p])
-            size = p.numel()
-    return chunks
+#: The island's gather into one tensor (``all_gather_into_tensor`` before torch named it ``all_gather_single``).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _is_loopback(host: str) -> bool:

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddpopt._compat import attached_comm_hook
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
+from lightning_ddpopt.hooks.across_islands import AcrossIslands, AcrossIslandsState, across_islands_hook
 from lightning_ddpopt.hooks.arguments import (
     DEFAULT_COMM_HOOK,
     HIERARCHICAL_HOOKS,
@@ -127,6 +128,7 @@ class HookInstaller:
         topology: Topology | None = None,
         new_group: Callable[[list[int]], dist.ProcessGroup] | None = None,
         island: tuple[Callable[[], dist.ProcessGroup | None], Callable[[], bool]] | None = None,
+        across: AcrossIslands | None = None,
         observed: bool = True,
     ) -> None:
         """Build the hook and register it on ``model`` (none: DDP's built-in allreduce).
@@ -135,7 +137,9 @@ class HookInstaller:
         ``reused_choice`` is a checkpoint's ``"auto"`` decision that still applies; ``topology`` (the ranks of each
         node) decides whether the sync is hierarchical, and ``new_group`` makes its groups (on the strategy's backend,
         with its timeout). ``island``: local SGD's island group and whether it trains apart now; the hook is then
-        wrapped in :func:`~lightning_ddpopt.hooks.island.island_hook`. ``observed``: something reads the ledger's
+        wrapped in :func:`~lightning_ddpopt.hooks.island.island_hook`. ``across``: per-step fault tolerance's
+        average across the islands, which :func:`~lightning_ddpopt.hooks.across_islands.across_islands_hook` runs
+        on the hook's result. ``observed``: something reads the ledger's
         syncs (a measuring callback, autotune); without it, ``comm_hook="allreduce"`` on NCCL leaves DDP's own C++
         allreduce in place (:func:`builtin_allreduce_suffices`).
         """
@@ -144,7 +148,8 @@ class HookInstaller:
             self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
         # Decided before the hook is built: a two-tier int8 sync needs no exchange group of its own.
         tiered = self._spec is not None and self._two_tiers(topology, model, backend)
-        if builtin_allreduce_suffices(self._spec, backend, tiered=tiered, island=island is not None, observed=observed):
+        wrapped = island is not None or across is not None
+        if builtin_allreduce_suffices(self._spec, backend, tiered=tiered, island=wrapped, observed=observed):
             rank_zero_info(
                 f"ddpopt: comm_hook='allreduce' on {backend}: DDP's own C++ allreduce syncs the gradients (nothing "
                 "needs a hook of ours: no measuring callback, manual optimization, autotune, two-tier sync or local "
@@ -173,6 +178,18 @@ class HookInstaller:
                 ledger=ledger, island=island[0], local=island[1], hook=hook, hook_state=state
             )
             hook = island_hook
+        if across is not None:
+            # Per step across the fault-tolerant islands: the island's sync (DDP's allreduce as a hook too), then the
+            # islands' average of its result, beside the backward pass.
+            state = self._registered_state
+            if hook is None:
+                hook, state = allreduce_mean_hook, CommHookState(process_group=model.process_group, ledger=ledger)
+            ignored: set[str] = set(getattr(model, "parameters_to_ignore", ()))
+            across.bind([p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored])
+            if across.group is None and world_size > 1:
+                across.group = own_group()
+            self._registered_state = AcrossIslandsState(ledger=ledger, hook=hook, hook_state=state, across=across)
+            hook = across_islands_hook
         if hook is None:
             return
         if backend not in TESTED_BACKENDS:
