@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import Cluster, can_emulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ISLANDS = 3
 
 
 def _start(cluster: Cluster, island: int, out: Path, args: argparse.Namespace, *options: str) -> subprocess.Popen:
@@ -51,6 +50,7 @@ def _start(cluster: Cluster, island: int, out: Path, args: argparse.Namespace, *
     # The whole job's nodes all use node 0's port; each island its own (alone in its namespace, any would do).
     port = 29600 if "--whole-job" in options else 29600 + island
     command += [str(port), str(out), "--max-steps", str(args.steps), "--step-seconds", str(args.step_seconds)]
+    command += ["--islands", str(args.islands), "--devices", str(args.devices)]
     command += [*options]
     env = dict(os.environ)
     if host.namespace is not None:
@@ -95,7 +95,9 @@ def run_fault_tolerant(
         time.sleep(0.05)
     started = time.monotonic()
     across = ("--ft-compression", compression)
-    islands = [_start(cluster, i, out, args, "--address", cluster.hosts[i].address, *across) for i in range(ISLANDS)]
+    islands = [
+        _start(cluster, i, out, args, "--address", cluster.hosts[i].address, *across) for i in range(args.islands)
+    ]
     downtime = 0.0
     if kill:
         killed = _kill_at(islands[1], out, 1, args.kill_at)
@@ -108,12 +110,12 @@ def run_fault_tolerant(
     wall = time.monotonic() - started
     lighthouse.send_signal(signal.SIGTERM)
     lighthouse.wait()
-    results = [torch.load(out / f"island{i}_rank0.pt") for i in range(ISLANDS)]
+    results = [torch.load(out / f"island{i}_rank0.pt") for i in range(args.islands)]
     history = results[0]["stats"]["history"]
     # Participants per committed step, from the quorum's size at each change: the absent islands' samples are lost.
     absent = 0
     for (step, participants), following in zip(history, [*history[1:], (args.steps + 1, 0)], strict=True):
-        absent += (ISLANDS - participants) * (following[0] - step)
+        absent += (args.islands - participants) * (following[0] - step)
     equal = all(
         torch.equal(results[0]["parameters"][name], result["parameters"][name])
         for result in results
@@ -128,12 +130,15 @@ def run_fault_tolerant(
     }
 
 
-def run_checkpoint_restart(cluster: Cluster, out: Path, args: argparse.Namespace, kill: bool) -> dict[str, Any]:
+def run_checkpoint_restart(
+    cluster: Cluster, out: Path, args: argparse.Namespace, kill: bool, stock: bool = False
+) -> dict[str, Any]:
     out.mkdir(parents=True)
-    options: tuple[str, ...] = ("--address", cluster.hosts[0].address, "--whole-job", str(ISLANDS))
+    options: tuple[str, ...] = ("--address", cluster.hosts[0].address, "--whole-job", str(args.islands))
+    options += ("--stock",) if stock else ()
     options += ("--checkpoint-every", str(args.checkpoint_every))
     started = time.monotonic()
-    hosts = [_start(cluster, i, out, args, *options) for i in range(ISLANDS)]
+    hosts = [_start(cluster, i, out, args, *options) for i in range(args.islands)]
     if not kill:
         for host in hosts:
             if host.wait() != 0:
@@ -147,13 +152,13 @@ def run_checkpoint_restart(cluster: Cluster, out: Path, args: argparse.Namespace
             host.kill()
             host.wait()
     died = time.monotonic() - killed
-    hosts = [_start(cluster, i, out, args, *options) for i in range(ISLANDS)]
+    hosts = [_start(cluster, i, out, args, *options) for i in range(args.islands)]
     for host in hosts:
         if host.wait() != 0:
             raise RuntimeError(f"the restarted job failed: {(out / 'log0.txt').read_text()[-3000:]}")
     wall = time.monotonic() - started
     redone = args.kill_at - (args.kill_at // args.checkpoint_every) * args.checkpoint_every
-    return {"wall_s": wall, "lost_island_steps": redone * ISLANDS, "job_died_after_s": died}
+    return {"wall_s": wall, "lost_island_steps": redone * args.islands, "job_died_after_s": died}
 
 
 def main() -> None:
@@ -170,7 +175,9 @@ def main() -> None:
         choices=("fp16", "bf16"),
         help="also run no_fault_<this>: the fault-tolerant run without a fault, its gradients across in this",
     )
-    parser.add_argument("--runs", help="only these runs, comma-separated (default: all)")
+    parser.add_argument("--islands", type=int, default=3, help="emulated hosts, an island each")
+    parser.add_argument("--devices", type=int, default=1, help="ranks per island (and per node of the whole job)")
+    parser.add_argument("--runs", help="only these runs, comma-separated (default: all but stock_no_fault)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="fault_tolerance")
     args = parser.parse_args()
@@ -181,12 +188,14 @@ def main() -> None:
         "fault_tolerant": lambda cluster, path: run_fault_tolerant(cluster, path, args, kill=True),
         "job_no_fault": lambda cluster, path: run_checkpoint_restart(cluster, path, args, kill=False),
         "checkpoint_restart": lambda cluster, path: run_checkpoint_restart(cluster, path, args, kill=True),
+        "stock_no_fault": lambda cluster, path: run_checkpoint_restart(cluster, path, args, kill=False, stock=True),
     }
     references = {
         "no_fault": "no_fault",
         "fault_tolerant": "no_fault",
         "job_no_fault": "job_no_fault",
         "checkpoint_restart": "job_no_fault",
+        "stock_no_fault": "stock_no_fault",
     }
     if args.ft_compression:
         compressed = f"no_fault_{args.ft_compression}"
@@ -194,20 +203,25 @@ def main() -> None:
         references[compressed] = "no_fault"
     if args.runs:
         runs = {name: run for name, run in runs.items() if name in args.runs.split(",")}
+    else:
+        runs.pop("stock_no_fault")
         missing = {references[name] for name in runs} - set(runs)
         if missing:
             parser.error(f"--runs needs {', '.join(sorted(missing))} too: the runs are compared with it")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
-    with Cluster(ISLANDS, args.rate, loopback=reason is not None) as cluster:
+    with Cluster(args.islands, args.rate, loopback=reason is not None) as cluster:
         link = "loopback (unshaped)" if reason else f"{args.rate} shaped link between namespaces"
-        print(f"fault tolerance: {ISLANDS} hosts on {link}; {args.steps} steps, {args.rounds} round(s)", flush=True)
+        print(
+            f"fault tolerance: {args.islands} hosts on {link}; {args.steps} steps, {args.rounds} round(s)", flush=True
+        )
         for index in range(args.rounds):
             for name in list(runs) if index % 2 == 0 else list(reversed(runs)):
                 rounds[name].append(runs[name](cluster, work / f"round{index}" / name))
                 print(f"  round {index} {name} {rounds[name][-1]['wall_s']:.1f} s", flush=True)
     # Each run against its own kind's run without a fault (the whole job has no quorum to ask every step), per round.
     lines = [
-        f"Fault tolerance: {ISLANDS} emulated hosts on {link}, one island (one rank) each, {args.steps} steps of "
+        f"Fault tolerance: {args.islands} emulated hosts on {link}, one island ({args.devices} rank(s)) each, "
+        f"{args.steps} steps of "
         f"{args.step_seconds * 1e3:g} ms compute"
         + (f", island 1 lost at step {args.kill_at}" if "fault_tolerant" in rounds else "")
         + (
@@ -228,8 +242,8 @@ def main() -> None:
         shown = ", ".join(f"{extra:+.1f}" for extra in extras)
         extra = statistics.median(extras)
         lines.append(
-            f"| {name} | {statistics.median(walls):.1f} | {extra:+.1f} [{shown}] | {max(extra, 0.0) * ISLANDS:.1f} | "
-            f"{statistics.median(lost):g} [{', '.join(map(str, lost))}] |"
+            f"| {name} | {statistics.median(walls):.1f} | {extra:+.1f} [{shown}] | "
+            f"{max(extra, 0.0) * args.islands:.1f} | {statistics.median(lost):g} [{', '.join(map(str, lost))}] |"
         )
     if "fault_tolerant" in rounds:
         ft = rounds["fault_tolerant"]
@@ -246,6 +260,11 @@ def main() -> None:
             ratios = [r["wall_s"] / job["wall_s"] for r, job in zip(rounds[name], rounds["job_no_fault"], strict=True)]
             shown = ", ".join(f"{ratio:.2f}" for ratio in ratios)
             lines.append(f"\n{name} / job_no_fault wall time: {statistics.median(ratios):.2f}x (rounds: {shown}).")
+    if "stock_no_fault" in rounds:  # against Lightning's stock DDPStrategy as one job of the same hosts
+        for name in (name for name in rounds if name.endswith("no_fault") and name != "stock_no_fault"):
+            ratios = [r["wall_s"] / s["wall_s"] for r, s in zip(rounds[name], rounds["stock_no_fault"], strict=True)]
+            shown = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+            lines.append(f"\n{name} / stock_no_fault wall time: {statistics.median(ratios):.2f}x (rounds: {shown}).")
     out = Path(args.out)
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "rounds": rounds}, indent=2))

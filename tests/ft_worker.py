@@ -23,6 +23,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpopt import (
@@ -92,8 +93,8 @@ class _Save(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        assert isinstance(strategy, OptimizedDDPStrategy) and isinstance(module, _Scheduled)
-        stats = strategy.fault_tolerance_stats
+        assert isinstance(module, _Scheduled)
+        stats = strategy.fault_tolerance_stats if isinstance(strategy, OptimizedDDPStrategy) else None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         torch.save(
             {
@@ -159,6 +160,7 @@ def main() -> None:
         "--address (the restart-from-checkpoint baseline of benchmarks/fault_tolerance.py)",
     )
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps, resume one")
+    parser.add_argument("--stock", action="store_true", help="with --whole-job: Lightning's own DDPStrategy")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR=args.address, MASTER_PORT=str(args.port))
     if args.whole_job:
@@ -190,7 +192,9 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.whole_job or 1,
-        strategy=OptimizedDDPStrategy(
+        strategy=DDPStrategy(start_method=args.start_method)
+        if args.stock
+        else OptimizedDDPStrategy(
             fault_tolerance=None if args.whole_job else config,
             local_sgd=local_sgd,
             start_method=args.start_method,

@@ -732,3 +732,44 @@ def test_the_islands_finding_reports_the_quorum_and_calls_an_island_that_keeps_l
     assert flapping.status == "problem"
     assert flapping.evidence.endswith("; the quorum lost an island 2 times")
     assert flapping.recommendation.startswith("an island keeps failing and coming back")
+
+
+@pytest.mark.quick
+def test_the_hook_averages_chunks_in_one_order_whatever_the_buckets_order_and_layout():
+    # Three parameters in chunks of at most 5 values: [a (3), b (2)] and [c (4)]. DDP hands the buckets in its own
+    # order and layout (c and b together first, a later): chunk [a, b] goes across first all the same (every island
+    # issues the same collectives in the same order, whatever its buckets), then [c]; each bucket's future
+    # completes with the averaged values in its own tensor once every chunk holding its parameters is averaged.
+    from lightning_ddpopt.hooks.across_islands import AcrossIslands
+
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (3, 2, 4))
+    across = AcrossIslands(chunk_values=5)
+    across.bind([a, b, c])
+    sent: list[list[float]] = []
+
+    def average(flat: torch.Tensor) -> None:
+        sent.append(flat.tolist())
+        flat.mul_(10.0)  # the "average" the islands agree on
+
+    began: list[int] = []
+    across.average, across.begin = average, lambda: began.append(len(sent))
+
+    def synced(values: list[float]) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result([torch.tensor(values)])
+        return future
+
+    try:
+        later = across.submit(synced([4.0, 4.0, 4.0, 4.0, 2.0, 2.0]), [c, b])  # bucket 0: c, then b
+        time.sleep(0.2)
+        assert sent == [] and not later.done()  # chunk [a, b] waits for a: nothing crosses before it
+        first = across.submit(synced([1.0, 1.0, 1.0]), [a])
+        assert first.wait().tolist() == [10.0, 10.0, 10.0]
+        assert later.wait().tolist() == [40.0, 40.0, 40.0, 40.0, 20.0, 20.0]
+        assert sent == [[1.0, 1.0, 1.0, 2.0, 2.0], [4.0, 4.0, 4.0, 4.0]] and began == [0]
+        assert across.steps == 1
+        # Before the island joins the quorum (no average yet): the island's sync alone.
+        across.average = None
+        assert across.submit(synced([5.0, 5.0, 5.0]), [a]).wait().tolist() == [5.0, 5.0, 5.0]
+    finally:
+        across.close()

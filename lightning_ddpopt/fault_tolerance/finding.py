@@ -31,8 +31,9 @@ def islands_summary(stats: ReplicaStats) -> dict[str, Any]:
 def across_islands_finding(summary: dict[str, Any], share_problem: float) -> Finding | None:
     """The network finding of an island with no sync of its own measured (one rank): what crosses the islands.
 
-    Its bytes, its time and its share of the island's time (all of it exposed: the average runs after the backward
-    pass); a problem from ``share_problem`` of the time, the network finding's own threshold. ``None`` without a
+    Its bytes, its time and that time's share of the island's time (the average runs beside the backward pass as
+    the buckets are synced, so part of it may be hidden: the share is an upper bound of what the step waits for); a
+    problem from ``share_problem`` of the time, the network finding's own threshold. ``None`` without a
     fault-tolerant average measured.
     """
     stats = summary.get("fault_tolerance")
@@ -42,8 +43,8 @@ def across_islands_finding(summary: dict[str, Any], share_problem: float) -> Fin
     share = seconds / stats["seconds"] if stats["seconds"] > 0 else 0.0
     evidence = (
         f"across the islands: {format_bytes(stats['average_bytes'] / averages)} sent per average by each rank, "
-        f"{seconds / averages * 1e3:.1f} ms each, exposed ({share:.0%} of the island's time over {averages} "
-        "averages); no sync inside the island (one rank)"
+        f"{seconds / averages * 1e3:.1f} ms each ({share:.0%} of the island's time over {averages} averages, at "
+        "most that exposed); no sync inside the island (one rank)"
     )
     if share < share_problem:
         return Finding("network", "ok", evidence)

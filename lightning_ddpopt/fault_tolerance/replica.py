@@ -4,10 +4,12 @@ Each optimizer step of a fault-tolerant run goes:
 
 1. :meth:`Replica.start_step` before the step's first forward: torchft computes the quorum of live islands in the
    background (a returning island learns there that it must heal, and from whom).
-2. The island's backward syncs its gradients inside the island, through DDP and the strategy's hook, as always.
-3. :meth:`Replica.average_gradients`: one all-reduce of the island's gradients (flattened, fp32) across the islands of
-   the quorum, through torchft's fault-tolerant process group, averaged over the islands that take part (a healing
-   island takes part with zeros).
+2. The island's backward syncs its gradients inside the island, through DDP and the strategy's hook, as always;
+   as each bucket's sync ends, :func:`~lightning_ddpopt.hooks.across_islands.across_islands_hook` averages it across
+   the islands of the quorum while the backward pass goes on (:meth:`Replica.average_chunk`: each rank of the island
+   its 1/M, through torchft's fault-tolerant process group, in ``compression``; the island gathers the averages),
+   over the islands that take part (a healing island takes part with zeros).
+3. (:meth:`Replica.average_gradients`: the same after the backward pass, where no hook averaged them.)
 4. :meth:`Replica.commit`: every island votes; the step commits only where every island of the quorum succeeded.
    A failed collective (an island lost mid-step) drops the step on every island, which then train on without it.
 
