@@ -46,6 +46,7 @@ __all__ = [
     "group_backends",
     "last_batch_of_epoch",
     "move_training_data",
+    "quiet_access_log",
     "say_during_training",
     "scaler_scale",
     "replace_sigterm_hooks",
@@ -283,6 +284,18 @@ def move_training_data(trainer: pl.Trainer, epoch: int, batches: int) -> int:
             break
         skipped += 1
     return skipped
+
+
+def quiet_access_log(transport: object) -> None:
+    """No access-log line on stderr for each request to torchft's checkpoint server (``HTTPTransport._server``).
+
+    Where a torchft release has no such server, one warning says the lines stay.
+    """
+    server = getattr(transport, "_server", None)
+    if server is None or not hasattr(server, "RequestHandlerClass"):
+        _lost("torchft HTTPTransport._server", "its checkpoint server logs each heal's fetch on stderr")
+        return
+    server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
 
 
 _warned: set[str] = set()

@@ -236,7 +236,14 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Save as the base does; with ``fault_tolerance``, torchft's manager state (the run's commits) too."""
+        """Save as the base does; with ``fault_tolerance``, torchft's manager state (the run's commits) too.
+
+        Args:
+            path: where the checkpoint goes, as for ``fabric.save``.
+            state: what ``fabric.save`` was given.
+            storage_options: passed on to Fabric's checkpoint IO.
+            filter: Fabric's per-key filters of what to save.
+        """
         ft = self._fault_tolerance
         quorum = ft.checkpoint_state() if ft is not None else None
         if quorum is not None and not all(isinstance(value, torch.Tensor) for value in state.values()):
@@ -251,7 +258,14 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load as the base does; with ``fault_tolerance``, the manager state goes back to the quorum."""
+        """Load as the base does; with ``fault_tolerance``, the manager state goes back to the quorum.
+
+        Args:
+            path: the checkpoint, as for ``fabric.load``.
+            state: the objects to restore in place, as for ``fabric.load``.
+            strict: whether every key of ``state`` must be in the checkpoint.
+            weights_only: passed on to ``torch.load``.
+        """
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         quorum = remainder.pop(FT_CHECKPOINT_KEY, None)
         if self._fault_tolerance is not None and quorum is not None:

@@ -144,13 +144,21 @@ class FaultTolerance:
         """The training sampler's shard of the whole run: ``islands x island_size`` shards, this rank's one.
 
         As one DDP job of all the islands' ranks would split the data (torchft's own sampler does the same).
+
+        Args:
+            island_size: the ranks of each island (the island job's world size).
+            island_rank: this rank's place in its island.
         """
         index = self.index()
         assert self.islands is not None
         return {"num_replicas": self.islands * island_size, "rank": index * island_size + island_rank}
 
     def quorum_timeout(self, sync_every: int) -> float:
-        """Seconds to wait for a quorum: the argument, else 60 s plus 10 s per step of a local SGD sync window."""
+        """Seconds to wait for a quorum: the argument, else 60 s plus 10 s per step of a local SGD sync window.
+
+        Args:
+            sync_every: steps between the islands' meetings (local SGD's ``sync_every``; 1 per step).
+        """
         if self.quorum_timeout_s is not None:
             return self.quorum_timeout_s
         return 60.0 + (10.0 * sync_every if sync_every > 1 else 0.0)

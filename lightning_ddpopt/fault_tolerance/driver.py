@@ -111,6 +111,7 @@ class FaultTolerantSteps:
             replica, across = self.replica, self.across
             across.average = lambda flat: replica.average_chunk(flat, across.group)
             across.begin = replica.begin_average
+            across.start()  # its thread again after a teardown (a Fabric loop's next join)
             self._across_steps = across.steps
         self._island, self._state, self._broadcast, self._device = (
             (island_rank, island_size),
@@ -159,6 +160,8 @@ class FaultTolerantSteps:
             return
         if not replica.step_open:
             replica.start_step()
+            if self.across is not None:
+                self.across.new_step()
 
     def vote(self, parameters: list[torch.nn.Parameter]) -> bool:
         """Per step: average ``parameters``' gradients over the islands of the quorum, then vote on the step.
@@ -179,7 +182,9 @@ class FaultTolerantSteps:
         if across is not None and across.steps > self._across_steps:
             self._across_steps = across.steps  # averaged by the hook in the backward pass
         else:
-            replica.average_gradients(parameters, across.group if across is not None else None)
+            # The hook's own list where it has one: the same chunks as the islands whose hook averaged this step.
+            synced = across.parameters if across is not None and across.parameters else parameters
+            replica.average_gradients(synced, across.group if across is not None else None)
         return replica.commit()
 
     def after_step(self) -> None:

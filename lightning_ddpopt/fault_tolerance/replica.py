@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from lightning_ddpopt._compat import quiet_access_log
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, require_torchft
 from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
 from lightning_ddpopt.hooks.across_islands import parameter_chunks
@@ -331,7 +332,12 @@ def quiet_torchft() -> None:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET:  # nobody asked for it
             logger.setLevel(logging.CRITICAL)
-    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message="The given buffer is not writable",
+        category=UserWarning,
+        module="torch.distributed._serialization",
+    )
 
 
 def _checkpoint_server(host: str, timeout: timedelta) -> Any:
@@ -345,9 +351,7 @@ def _checkpoint_server(host: str, timeout: timedelta) -> Any:
     class _Advertised(HTTPTransport):
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
-            server = getattr(self, "_server", None)  # torchft's HTTP server: no access-log line per heal's fetch
-            if server is not None:
-                server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
+            quiet_access_log(self)  # no access-log line per heal's fetch
 
         def address(self) -> str:
             parts = urlsplit(super().address())

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -201,9 +202,9 @@ def _load_ours(strategy: CoreViews | FabricIsland, state: dict[str, Any]) -> Non
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where a tensor was in a state sent by :func:`broadcast_state`: its place in its dtype's buffer."""
+    """Where a tensor was in a state sent by :func:`broadcast_state`: its place in the order sent, its kind."""
 
-    start: int
+    index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     on_cpu: bool
@@ -214,49 +215,27 @@ def broadcast_state(
 ) -> dict[str, Any]:
     """``state`` from the island's first rank (global rank 0 of the island's job) to its other ranks.
 
-    Its structure goes through ``broadcast`` (a pickle of names and numbers), its tensors as tensors: one buffer per
-    dtype, broadcast on ``device`` (the process group's: CUDA under NCCL). A tensor that was on the CPU arrives on
-    the CPU, any other on ``device``. Every rank calls it; only the first rank's ``state`` is read.
+    Its structure goes through ``broadcast`` (a pickle of names and numbers), its tensors as tensors, one broadcast
+    each on ``device`` (the process group's: CUDA under NCCL), received in place: no copy of the whole state. A
+    tensor that was on the CPU arrives on the CPU, any other on ``device``. Every rank calls it; only the first
+    rank's ``state`` is read.
     """
     tensors: list[torch.Tensor] = []
-    sizes: dict[torch.dtype, int] = {}
 
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-            start = sizes.get(value.dtype, 0)
-            sizes[value.dtype] = start + value.numel()
-            return _Slot(start, tuple(value.shape), value.dtype, value.device.type == "cpu")
-        if isinstance(value, dict):
-            return type(value)((key, strip(item)) for key, item in value.items())
-        if isinstance(value, list | tuple):
-            return type(value)(strip(item) for item in value)
-        return value
+    def slot(tensor: torch.Tensor) -> _Slot:
+        tensors.append(tensor)
+        return _Slot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype, tensor.device.type == "cpu")
 
-    skeleton = broadcast((strip(state), sizes) if state is not None else None)
-    layout, sizes = skeleton
-    buffers: dict[torch.dtype, torch.Tensor] = {}
-    for dtype, size in sizes.items():
+    layout = broadcast(apply_to_collection(state, torch.Tensor, slot) if state is not None else None)
+    received: dict[int, torch.Tensor] = {}
+
+    def send(where: _Slot) -> None:
         if state is not None:
-            of_dtype = [t.detach().reshape(-1).to(device) for t in tensors if t.dtype == dtype]
-            buffer = torch.cat(of_dtype) if of_dtype else torch.empty(0, dtype=dtype, device=device)
+            tensor = tensors[where.index].detach().to(device)
         else:
-            buffer = torch.empty(size, dtype=dtype, device=device)
-        wire = buffer.view(torch.uint8) if dtype == torch.bool else buffer  # gloo has no bool broadcast
-        dist.broadcast(wire, src=0)
-        buffers[dtype] = buffer
+            tensor = torch.empty(where.shape, dtype=where.dtype, device=device)
+        dist.broadcast(tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor, src=0)  # gloo: no bool
+        received[where.index] = tensor.cpu() if where.on_cpu else tensor
 
-    def fill(value: Any) -> Any:
-        if isinstance(value, _Slot):
-            size = 1
-            for dim in value.shape:
-                size *= dim
-            tensor = buffers[value.dtype][value.start : value.start + size].view(value.shape).clone()
-            return tensor.cpu() if value.on_cpu else tensor
-        if isinstance(value, dict):
-            return type(value)((key, fill(item)) for key, item in value.items())
-        if isinstance(value, list | tuple):
-            return type(value)(fill(item) for item in value)
-        return value
-
-    return fill(layout)
+    apply_to_collection(layout, _Slot, send)  # in the order the structure walks, the same on every rank
+    return apply_to_collection(layout, _Slot, lambda where: received[where.index])

@@ -58,6 +58,10 @@ class AcrossIslands:
     :meth:`~lightning_ddpopt.fault_tolerance.replica.Replica.average_chunk`); ``None`` before the island joins the
     quorum (the hook then syncs inside the island only).
 
+    On a CPU the chunks cross as soon as their buckets are synced in the island, beside the backward pass. On CUDA
+    they wait for the step's last bucket: the gathers and torchft's all-reduce then follow every collective DDP
+    issued, in one order on every rank (NCCL may hang on communicators used in different orders by different ranks).
+
     Args:
         chunk_values: values of a chunk at most.
     """
@@ -70,17 +74,34 @@ class AcrossIslands:
         self.steps = 0
         #: The island's own group for the gathers (``None`` for an island of one rank), made at the hook's install.
         self.group: dist.ProcessGroup | None = None
+        #: The parameters DDP syncs, in the order their gradients are ready (the module's, reversed).
+        self.parameters: list[torch.nn.Parameter] = []
         self._chunk_values = chunk_values
         self._chunks: list[list[torch.nn.Parameter]] = []
+        self._chunk_of: dict[int, int] = {}
+        self._device = torch.device("cpu")
         self._worker: Worker | None = None
-        self._reset()
+        self._clear()
 
-    def bind(self, parameters: list[torch.nn.Parameter]) -> None:
-        """The parameters DDP syncs, in one order on every island (the module's), and the thread that averages."""
-        self._chunks = parameter_chunks(parameters, self._chunk_values)
+    def bind(self, parameters: list[torch.nn.Parameter], device: torch.device) -> None:
+        """The parameters DDP syncs, in module order, and the device their gradients are on.
+
+        They are averaged in reverse (the order DDP's buckets become ready), in one order on every island.
+        """
+        self.parameters = list(reversed(parameters))
+        self._chunks = parameter_chunks(self.parameters, self._chunk_values)
         self._chunk_of = {id(p): index for index, chunk in enumerate(self._chunks) for p in chunk}
+        self._device = device
+        self.start()
+
+    def start(self) -> None:
+        """Start the thread that averages (again after :meth:`close`: a later fit, a Fabric loop's next join)."""
         if self._worker is None or not self._worker.alive():
             self._worker = Worker("ddpopt-across-islands")
+            if self._device.type == "cuda":  # a new thread's current device is the first GPU
+                device = self._device
+                self._worker.submit(lambda: torch.cuda.set_device(device))
+            self._worker.submit(self._clear)
 
     def close(self) -> None:
         """End the thread (at teardown)."""
@@ -88,32 +109,39 @@ class AcrossIslands:
             self._worker.stop()
             self._worker = None
 
-    def _reset(self) -> None:
+    def new_step(self) -> None:
+        """A new optimizer step begins: forget the last one's state (after whatever the thread still holds)."""
+        if self._worker is not None:
+            self._worker.submit(self._clear)
+
+    def _clear(self) -> None:
         self._where: dict[int, tuple[torch.Tensor, int]] = {}
         self._waiting: list[_Waiting] = []
         self._next = 0
+        self._failed: BaseException | None = None
 
     def submit(self, inner: torch.futures.Future, parameters: list[torch.Tensor]) -> torch.futures.Future:
         """The future of a bucket whose island sync is ``inner``: its tensor once averaged across the islands."""
-        result: torch.futures.Future = torch.futures.Future()
         if self.average is None or self._worker is None:
             return inner.then(_value)
+        result: torch.futures.Future = torch.futures.Future()
         ids = [id(p) for p in parameters]
-        worker = self._worker
 
         def job() -> None:
+            if self._failed is not None:  # an earlier bucket of this step failed: so does this one, at once
+                result.set_exception(self._failed)
+                return
             try:
-                if worker.failed is not None:
-                    raise RuntimeError("ddpopt: an earlier cross-island average failed") from worker.failed
                 value = inner.wait()
                 self._take(value[0] if isinstance(value, list) else value, parameters, ids, result)
             except BaseException as error:
+                self._failed = error
                 for waiting in [*self._waiting, _Waiting(result, torch.empty(0), ids)]:
                     if not waiting.future.done():
                         waiting.future.set_exception(error)
-                self._reset()
+                self._waiting = []
 
-        worker.submit(job)
+        self._worker.submit(job)
         return result
 
     def _take(
@@ -128,6 +156,8 @@ class AcrossIslands:
             self._where[id(p)] = (tensor, offset)
             offset += p.numel()
         self._waiting.append(_Waiting(result, tensor, ids))
+        if self._device.type == "cuda" and any(id(p) not in self._where for p in self.parameters):
+            return  # on CUDA after the step's last bucket (see the class)
         while self._next < len(self._chunks) and all(id(p) in self._where for p in self._chunks[self._next]):
             if self._next == 0 and self.begin is not None:
                 self.begin()
@@ -139,7 +169,7 @@ class AcrossIslands:
             assert not self._waiting, "a bucket waits for no chunk"
             # Counted before the last future completes: DDP's backward returns then, and the vote reads the count.
             self.steps += 1
-            self._reset()
+            self._clear()
         for waiting in done:
             waiting.future.set_result(waiting.tensor)
 

@@ -185,7 +185,8 @@ class HookInstaller:
             if hook is None:
                 hook, state = allreduce_mean_hook, CommHookState(process_group=model.process_group, ledger=ledger)
             ignored: set[str] = set(getattr(model, "parameters_to_ignore", ()))
-            across.bind([p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored])
+            synced = [p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored]
+            across.bind(synced, device)
             if across.group is None and world_size > 1:
                 across.group = own_group()
             self._registered_state = AcrossIslandsState(ledger=ledger, hook=hook, hook_state=state, across=across)
