@@ -379,6 +379,7 @@ def test_a_run_whose_islands_all_die_restarts_from_their_checkpoints_and_goes_on
 
 
 @needs_torchft
+@pytest.mark.slow
 def test_min_replicas_above_the_lighthouses_is_refused_at_the_first_quorum_naming_both_counts(tmp_path):
     # The Lighthouse forms quorums of 2, the islands ask for 3: every step would be dropped. Both islands stop at
     # their first quorum with the error, before any optimizer step.
@@ -403,7 +404,24 @@ def test_min_replicas_above_the_lighthouses_is_refused_at_the_first_quorum_namin
         assert not (tmp_path / f"island{index}.step").exists()  # no batch ended: refused before the first step
 
 
+@pytest.mark.quick
+def test_an_unreachable_lighthouse_is_named_with_what_to_start():
+    # The check the island's first rank makes at setup (the slow run checks it end to end, in a job): a refused
+    # connection is a ConnectionError naming the address and the command, within the connect timeout.
+    from lightning_ddpopt.fault_tolerance.lighthouse import check_reachable
+
+    address = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(ConnectionError) as refused:
+        check_reachable(address, 5.0)
+    assert str(refused.value).startswith(f"no Lighthouse answers at {address} (")
+    assert str(refused.value).endswith(
+        "start one on that host with `ddpopt lighthouse --port PORT --min-replicas N`, or pass its address in "
+        "FaultTolerance(lighthouse=...)"
+    )
+
+
 @needs_torchft
+@pytest.mark.slow
 def test_a_lighthouse_that_is_not_there_fails_setup_naming_its_address(tmp_path):
     address = f"http://127.0.0.1:{_free_port()}"
     started = time.monotonic()
