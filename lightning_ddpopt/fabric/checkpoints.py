@@ -91,6 +91,7 @@ class CheckpointingDDPStrategy(FabricDDPStrategy):
         )
         if entry is not None:
             state = {**state, CHECKPOINT_KEY: entry}
+        state = {**state, **self._extra_checkpoint_state()}
         super().save_checkpoint(path, state, storage_options, filter)
 
     @override
@@ -110,6 +111,13 @@ class CheckpointingDDPStrategy(FabricDDPStrategy):
             state_dict = {key: value for key, value in state_dict.items() if key != CHECKPOINT_KEY}
             self._warn_partial_load("fabric.load_raw(path, model) restores the weights alone")
         super().load_module_state_dict(module, state_dict, strict)
+
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        """More of a subclass's state for a whole checkpoint, beside our entry (none here)."""
+        return {}
+
+    def _load_extra_checkpoint_state(self, remainder: dict[str, Any]) -> None:
+        """Take a subclass's :meth:`_extra_checkpoint_state` back out of a loaded checkpoint's ``remainder``."""
 
     def _warn_partial_load(self, what: str) -> None:
         """Say once that a load left this package's part of the checkpoint behind, and which load restores it."""
@@ -138,6 +146,7 @@ class CheckpointingDDPStrategy(FabricDDPStrategy):
         """
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         entry = remainder.pop(CHECKPOINT_KEY, None)
+        self._load_extra_checkpoint_state(remainder)
         if not isinstance(state, dict) or not state:  # a raw state dict, or the file read whole: nothing to restore
             if entry is not None and not self._restored:  # (read again after a load that restored it: nothing lost)
                 self._warn_partial_load("fabric.load(path) without the objects to restore returns the checkpoint alone")

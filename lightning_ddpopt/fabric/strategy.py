@@ -46,7 +46,6 @@ from lightning_ddpopt._compat import (
     FABRIC_DDP_STRATEGY_ATTRIBUTES,
     FABRIC_DDP_STRATEGY_INTERNALS,
     BackwardSyncControl,
-    PathType,
     StrategyRegistryType,
     check_ddp_strategy_internals,
     check_versions,
@@ -228,49 +227,17 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
             return super().distributed_sampler_kwargs
         return ft.config.sampler_kwargs(self.world_size, self.global_rank)
 
-    @override
-    def save_checkpoint(
-        self,
-        path: PathType,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Save as the base does; with ``fault_tolerance``, torchft's manager state (the run's commits) too.
-
-        Args:
-            path: where the checkpoint goes, as for ``fabric.save``.
-            state: what ``fabric.save`` was given.
-            storage_options: passed on to Fabric's checkpoint IO.
-            filter: Fabric's per-key filters of what to save.
-        """
+    def _extra_checkpoint_state(self) -> dict[str, Any]:
+        """With ``fault_tolerance``: torchft's manager state (the run's commits), saved beside our entry."""
         ft = self._fault_tolerance
         quorum = ft.checkpoint_state() if ft is not None else None
-        if quorum is not None and not all(isinstance(value, torch.Tensor) for value in state.values()):
-            state = {**state, FT_CHECKPOINT_KEY: quorum}
-        super().save_checkpoint(path, state, storage_options, filter)
+        return {FT_CHECKPOINT_KEY: quorum} if quorum is not None else {}
 
-    @override
-    def load_checkpoint(
-        self,
-        path: PathType,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load as the base does; with ``fault_tolerance``, the manager state goes back to the quorum.
-
-        Args:
-            path: the checkpoint, as for ``fabric.load``.
-            state: the objects to restore in place, as for ``fabric.load``.
-            strict: whether every key of ``state`` must be in the checkpoint.
-            weights_only: passed on to ``torch.load``.
-        """
-        remainder = super().load_checkpoint(path, state, strict, weights_only)
+    def _load_extra_checkpoint_state(self, remainder: dict[str, Any]) -> None:
+        """With ``fault_tolerance``: the manager state goes back to the quorum (taken out of ``remainder``)."""
         quorum = remainder.pop(FT_CHECKPOINT_KEY, None)
         if self._fault_tolerance is not None and quorum is not None:
             self._fault_tolerance.resume(quorum)
-        return remainder
 
     @property
     def fault_tolerance_stats(self) -> ReplicaStats | None:
