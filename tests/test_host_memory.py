@@ -7,6 +7,7 @@ import errno
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -87,6 +88,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_the_island_gathers_through_shared_memory_or_gloo(tmp_path):
     directory, other = tmp_path / "shm", tmp_path / "other_shm"
     directory.mkdir()

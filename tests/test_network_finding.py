@@ -221,6 +221,7 @@ def _fit(case: str, out_dir: Path, namespace: str | None = None) -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_a_busy_backward_over_loopback_is_not_a_network_problem(tmp_path):
     report = _fit("busy_backward", tmp_path)
     comm = report["summary"]["comm"]
