@@ -52,8 +52,9 @@ def test_a_measured_latency_replaces_the_ring_model_in_the_floor():
 
 
 def _latency_worker(rank: int, port: int, out: str) -> None:
-    # One thread before any op: libgomp is not fork-safe, and a forked rank whose parent (pytest, after earlier
-    # tests) ran OpenMP's thread pool can hang in its first parallel op (seen once on torch 2.4).
+    # Spawned (a fresh interpreter): a rank forked from pytest after earlier tests hung on torch 2.4 in two of three
+    # runs (a lock some thread of the parent held at the fork).
+    buckets.AUTO_MEASURED_FROM_RANKS = 2
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -76,14 +77,13 @@ def _latency_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_auto_measures_the_latency_at_scale_the_same_on_every_rank(tmp_path, monkeypatch):
-    # From AUTO_MEASURED_FROM_RANKS ranks (lowered to 2 here, for the forked ranks) "auto" times an all-reduce.
-    monkeypatch.setattr(buckets, "AUTO_MEASURED_FROM_RANKS", 2)
+def test_auto_measures_the_latency_at_scale_the_same_on_every_rank(tmp_path):
+    # From AUTO_MEASURED_FROM_RANKS ranks (lowered to 2 in the ranks, for this test) "auto" times an all-reduce.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = str(tmp_path / "latency")
-    mp.start_processes(_latency_worker, args=(port, out), nprocs=2, start_method="fork")
+    mp.start_processes(_latency_worker, args=(port, out), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     assert ranks[0] == ranks[1]  # agreed: the slowest rank's median, so the same buckets everywhere
     latency, cap = ranks[0]["latency"], ranks[0]["cap"]
