@@ -225,18 +225,21 @@ class Replica:
         With an ``island`` group of M ranks each rank sends its 1/M across (rank r of every island meets rank r of
         the others) and the island gathers the averaged shards on it: P values leave the island, not M x P.
         """
-        wire = None if self._wire == torch.float32 else torch.float32
         size = flat.numel()
         if island is None or self._island_size == 1:
-            self._mean(flat, None if wire is None else torch.empty_like(flat, dtype=self._wire))
+            self._mean(flat, self._wire_buffer(flat))
             return
         per_rank = -(-size // self._island_size)
         padded = flat.new_zeros(per_rank * self._island_size)
         padded[:size] = flat
         shard = padded[self._island_rank * per_rank : (self._island_rank + 1) * per_rank].clone()
-        self._mean(shard, None if wire is None else torch.empty_like(shard, dtype=self._wire))
+        self._mean(shard, self._wire_buffer(shard))
         _all_gather_single(padded, shard, group=island)
         flat.copy_(padded[:size])
+
+    def _wire_buffer(self, values: torch.Tensor) -> torch.Tensor | None:
+        """A buffer of ``values``' size in the fp16 or bf16 ``compression`` (``None``: fp32, sent as it is)."""
+        return None if self._wire == torch.float32 else torch.empty_like(values, dtype=self._wire)
 
     def average_gradients(self, parameters: list[torch.nn.Parameter], island: dist.ProcessGroup | None) -> None:
         """After the backward pass: ``parameters``' gradients averaged over the islands, in place.
@@ -428,11 +431,11 @@ def _advertised(store_host: str) -> str:
     Its store's host (an IPv6 address in brackets, as a URL needs it), unless that is a loopback address (a job on
     one machine, launched without ``MASTER_ADDR``): then the machine's name, torchft's default.
     """
+    if _is_loopback(store_host):
+        return socket.gethostname()
     bare = store_host.strip("[]")
     try:
         address = ipaddress.ip_address(bare)
     except ValueError:  # a host name
-        return socket.gethostname() if store_host == "localhost" else store_host
-    if address.is_loopback:
-        return socket.gethostname()
+        return store_host
     return f"[{bare}]" if address.version == 6 else bare
