@@ -51,12 +51,14 @@ DEFAULT_VARIANTS = (
     "auto_hook",
     "diloco16",
 )
-BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200", "autotune")
+BUCKET_SWEEP = ("cap1", "cap5", "cap25", "cap100", "cap200")
 DEFAULTS_CHECK = ("ours_builtin", "ours_no_view")
 LOCAL_SGD = ("diloco16_int8", "diloco32", "diloco16_overlap", "diloco16_overlap12", "diloco16_int8_overlap")
 #: Local SGD islands (a replica per host, the default at --ranks-per-host above 1) against a replica per rank, and
 #: the islands' own limit: each host training alone, DDP over its ranks.
 ISLANDS = ("islands_alone", "diloco16_ranks", "diloco16_overlap_ranks")
+#: What a CPU mechanism buys: the same hook with its worker threads off (each bucket's work in the hook call).
+MECHANISMS = ("fp16_hier_inline", "powersgd_r4_inline")
 #: Variants that run one independent job per host (compute: one per rank), whose every host's step times count.
 ALONE = ("compute", "islands_alone")
 #: Two tiers against flat, for --ranks-per-host above 1 ("ours" is the default: hierarchical there).
@@ -707,7 +709,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.task == "digits" and args.batch_size == 16:
         args.batch_size = 32  # the example's
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    known = DEFAULT_VARIANTS + BUCKET_SWEEP + DEFAULTS_CHECK + LOCAL_SGD + HIERARCHICAL + ISLANDS
+    known = DEFAULT_VARIANTS + BUCKET_SWEEP + DEFAULTS_CHECK + LOCAL_SGD + HIERARCHICAL + ISLANDS + MECHANISMS
     unknown = sorted(set(variants) - set(known))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(known)}")

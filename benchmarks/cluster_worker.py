@@ -25,8 +25,36 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
-from lightning_ddpopt.buckets import autotune_candidates
 from lightning_ddpopt.hooks import PowerSGDConfig
+
+
+def _fp16_tiers_inline() -> OptimizedDDPStrategy:
+    """fp16 in two tiers with each bucket's three stages run in the hook call: what the CPU's stage threads buy."""
+    from lightning_ddpopt.hooks import hierarchical
+
+    def run(self: Any, state: Any, sync: Any, index: int) -> torch.futures.Future[torch.Tensor]:
+        sync.reduce_inside()
+        sync.reduce_between()
+        sync.gather()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(sync.buffer)
+        return future
+
+    hierarchical.TierStages.run = run  # type: ignore[method-assign]
+    return OptimizedDDPStrategy(comm_hook="fp16", hierarchical=True)
+
+
+def _powersgd_inline(**config: Any) -> OptimizedDDPStrategy:
+    """PowerSGD with each bucket's chain run in the hook call (``pipelined`` kept off): what its worker thread buys."""
+    from lightning_ddpopt.hooks import powersgd
+
+    setattr_ = powersgd.PowerSGDState.__setattr__
+
+    def keep_inline(self: Any, name: str, value: Any) -> None:
+        setattr_(self, name, False if name == "pipelined" else value)
+
+    powersgd.PowerSGDState.__setattr__ = keep_inline  # type: ignore[method-assign]
+    return _powersgd(**config)
 
 
 def _powersgd(hierarchical: bool = False, **config: Any) -> OptimizedDDPStrategy:
@@ -46,6 +74,7 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "ours_flat": (lambda: OptimizedDDPStrategy(hierarchical=False), 1),
     "allreduce_hier": (lambda: OptimizedDDPStrategy(hierarchical=True), 1),
     "fp16_hier": (lambda: OptimizedDDPStrategy(comm_hook="fp16", hierarchical=True), 1),
+    "fp16_hier_inline": (_fp16_tiers_inline, 1),
     "bf16_hier": (lambda: OptimizedDDPStrategy(comm_hook="bf16", hierarchical=True), 1),
     "int8": (lambda: OptimizedDDPStrategy(comm_hook="int8", hierarchical=False), 1),
     "int8_hier": (lambda: OptimizedDDPStrategy(comm_hook="int8", hierarchical=True), 1),
@@ -53,6 +82,7 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     # (0.9 with this MLP's SGD, 0.6 with the transformer's AdamW).
     "powersgd_r1": (lambda: _powersgd(rank=1, max_error=None), 1),
     "powersgd_r4": (lambda: _powersgd(rank=4, max_error=None), 1),
+    "powersgd_r4_inline": (lambda: _powersgd_inline(rank=4, max_error=None), 1),
     "powersgd_r4_hier": (lambda: _powersgd(True, rank=4, max_error=None), 1),
     "powersgd": (lambda: _powersgd(), 1),
     "powersgd_hier": (lambda: _powersgd(True), 1),
@@ -76,7 +106,6 @@ VARIANTS: dict[str, tuple[Any, int]] = {
     "compute": (lambda: "auto", 1),
     # Each host alone, its ranks in DDP over the host's own link (started as one job per host): the islands' limit.
     "islands_alone": (lambda: OptimizedDDPStrategy(), 1),
-    "autotune": (lambda: OptimizedDDPStrategy(bucket_cap_mb="autotune"), 1),
     "auto_hook": (lambda: OptimizedDDPStrategy(comm_hook="auto"), 1),
     **{f"cap{cap}": (lambda cap=cap: OptimizedDDPStrategy(bucket_cap_mb=cap), 1) for cap in (1, 5, 25, 100, 200)},
 }
@@ -238,10 +267,6 @@ def main() -> None:
     num_nodes = 1 if args.variant == "compute" else args.num_nodes
     devices = 1 if args.variant == "compute" else args.devices
     model = _throughput_model(args)
-    if args.variant == "autotune":
-        # Time only the steps after the search: its length depends on the model's candidate caps.
-        search = len(autotune_candidates(model, num_nodes)) * (2 + 3)
-        args.steps, args.warmup = args.steps + search, args.warmup + search
     if args.variant == "auto_hook":
         # auto may choose PowerSGD, which compresses from its start_iter on: time only compressed steps.
         start_iter = PowerSGDConfig().start_iter

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_ddpopt import LocalSGDConfig, OptimizedDDPStrategy  # noqa: E402
 from lightning_ddpopt.hooks import PowerSGDConfig, PowerSGDState  # noqa: E402
-from lightning_ddpopt.records import local_drift  # noqa: E402
+from lightning_ddpopt.ledger import local_drift  # noqa: E402
 from lightning_ddpopt.units import format_bytes  # noqa: E402
 
 CONTEXT = 64

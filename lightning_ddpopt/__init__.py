@@ -17,11 +17,10 @@ if TYPE_CHECKING:
     from lightning_ddpopt import fabric
     from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
     from lightning_ddpopt.fault_tolerance import FaultTolerance
-    from lightning_ddpopt.hooks import COMM_HOOKS
-    from lightning_ddpopt.ledger import CommLedger
+    from lightning_ddpopt.hooks import COMM_HOOKS, register_comm_hook
+    from lightning_ddpopt.ledger import CommLedger, StepRecord
     from lightning_ddpopt.localsgd import LocalSGDConfig
     from lightning_ddpopt.precision import fp16_mixed_precision
-    from lightning_ddpopt.records import StepRecord
     from lightning_ddpopt.strategy import OptimizedDDPStrategy
 
 #: Each public name and the module it comes from.
@@ -33,9 +32,10 @@ _PUBLIC = {
     "FaultTolerance": "lightning_ddpopt.fault_tolerance",
     "LocalSGDConfig": "lightning_ddpopt.localsgd",
     "OptimizedDDPStrategy": "lightning_ddpopt.strategy",
-    "StepRecord": "lightning_ddpopt.records",
+    "StepRecord": "lightning_ddpopt.ledger",
     "StragglerDetector": "lightning_ddpopt.callbacks",
     "fp16_mixed_precision": "lightning_ddpopt.precision",
+    "register_comm_hook": "lightning_ddpopt.hooks",
 }
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "__version__",
     "fabric",
     "fp16_mixed_precision",
+    "register_comm_hook",
 ]
 
 

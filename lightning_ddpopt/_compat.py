@@ -8,7 +8,6 @@ exercises each against the installed releases; CI runs it on the oldest and newe
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +39,6 @@ __all__ = [
     "cpu_has_native_bf16",
     "data_fetcher",
     "dcp_load_alone",
-    "default_store",
     "found_inf_per_device",
     "unscale_once",
     "group_backends",
@@ -52,7 +50,6 @@ __all__ = [
     "replace_sigterm_hooks",
     "set_ddp_sync",
     "sigterm_hooks",
-    "swap_submodule",
     "time_fetches",
 ]
 
@@ -140,16 +137,6 @@ def bucket_assignment(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[
         raise _changed("torch", "torch.distributed._compute_bucket_assignment_by_size", "to predict DDP's buckets")
     assignment, _ = assign(tensors, [cap_bytes], [False] * len(tensors))
     return [list(bucket) for bucket in assignment]
-
-
-def default_store() -> dist.Store:
-    """The default process group's key-value store (checkpoint meetings with a timeout)."""
-    from torch.distributed import distributed_c10d
-
-    get_store = getattr(distributed_c10d, "_get_default_store", None)
-    if get_store is None:
-        raise _changed("torch", "distributed_c10d._get_default_store", "for checkpoint meetings with a timeout")
-    return get_store()
 
 
 def dcp_load_alone(state_dict: dict[str, Any], reader: Any) -> None:
@@ -421,37 +408,6 @@ def set_ddp_sync(model: DistributedDataParallel, gradients: bool, buffers: bool 
     model.require_backward_grad_sync = gradients
     if buffers is not None:
         model.require_forward_param_sync = buffers
-
-
-def swap_submodule(old: torch.nn.Module, new: torch.nn.Module) -> int:
-    """Replace ``old`` by ``new`` in every module's registry of submodules (``_modules``); return how many held it.
-
-    Raises:
-        RuntimeError: a ``torch.compile`` wrapper holds ``old`` (its forward is bound to it: no swap redirects it).
-    """
-    swapped = 0
-    for holder in gc.get_referrers(old):
-        if isinstance(holder, dict) and _is_submodule_registry(holder):
-            for name, value in list(holder.items()):
-                if value is old and name == "_orig_mod":
-                    raise RuntimeError(
-                        "ddpopt: bucket_cap_mb='autotune' cannot rewrap a model that Fabric compiled "
-                        "(torch.compile); use bucket_cap_mb='auto' or a number"
-                    )
-                if value is old:
-                    holder[name] = new
-                    swapped += 1
-    return swapped
-
-
-def _is_submodule_registry(candidate: dict) -> bool:
-    """Whether ``candidate`` is a module's ``_modules``: held under that name by the module or its ``__dict__``."""
-    for owner in gc.get_referrers(candidate):
-        if isinstance(owner, dict) and owner.get("_modules") is candidate:
-            return True
-        if isinstance(owner, torch.nn.Module) and owner._modules is candidate:
-            return True
-    return False
 
 
 def say_during_training(module: pl.LightningModule | None, is_global_zero: bool, message: str) -> None:

@@ -91,7 +91,11 @@ class _Deferred:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then(name, module)`` once the module ``name`` has run, the first time it is imported; then steps aside."""
+    """Finds the module ``name`` the first time it is imported and runs ``then(name, module)`` once it has run.
+
+    It hands the import system the module's own spec with a loader of ours that runs the module's loader and then
+    ``then``; nothing of the module's loader is changed. Once it has found the module it leaves ``sys.meta_path``.
+    """
 
     def __init__(self, name: str, then: Callable[[str, ModuleType], None]) -> None:
         self.name = name
@@ -105,15 +109,24 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if self in sys.meta_path:
             sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        execute = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            del loader.exec_module  # the loader's own again, should it load other modules (a shared loader)
-            execute(module)
-            self.then(fullname, module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader = _ThenLoader(spec.loader, self.then)
         return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """A module's loader, then ``then(name, module)``; anything else (resources, source) is the loader's own."""
+
+    def __init__(self, loader: importlib.abc.Loader, then: Callable[[str, ModuleType], None]) -> None:
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.then(module.__name__, module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)

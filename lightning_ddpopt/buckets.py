@@ -1,14 +1,12 @@
-"""Bucket planning: an explicit cap, the "auto" heuristic, measured autotuning, and DDP's bucket layout.
+"""Bucket planning: an explicit cap or the "auto" heuristic, and DDP's bucket layout.
 
 :class:`BucketController` is the strategy's one owner of DDP's buckets: it plans the cap at setup (measuring the
-latency "auto" needs from :data:`AUTO_MEASURED_FROM_RANKS` ranks on, or reusing a checkpoint's measured cap), runs
-``"autotune"``'s search during the first optimizer steps (rewrapping the model with each candidate cap), and logs the
-plan and, once DDP has settled it, the layout DDP built.
+latency "auto" needs from :data:`AUTO_MEASURED_FROM_RANKS` ranks on, or reusing a checkpoint's measurement) and logs
+the plan and, once DDP has settled it, the layout DDP built.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
@@ -18,8 +16,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.nn.parallel import DistributedDataParallel
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
 
 from lightning_ddpopt._compat import bucket_assignment
 from lightning_ddpopt.ledger import CommLedger
@@ -27,22 +24,17 @@ from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = [
     "BUCKET_CAP_CHOICES",
-    "BucketAutotuner",
     "BucketController",
     "BucketPlan",
     "auto_bucket_cap_mb",
-    "autotune_candidates",
     "measure_latency",
-    "choose_cap",
     "gradient_bytes",
     "plan_buckets",
     "validate_bucket_cap_mb",
 ]
 
-BucketCap = float | Literal["auto", "autotune"]
-BUCKET_CAP_CHOICES = ("auto", "autotune")
-#: Caps "autotune" tries besides the "auto" one, in MiB (those giving the same layout are tried once).
-AUTOTUNE_CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
+BucketCap = float | Literal["auto"]
+BUCKET_CAP_CHOICES = ("auto",)
 
 #: Bounds of the "auto" heuristic, in MiB.
 AUTO_TARGET_BUCKETS = 8
@@ -64,12 +56,21 @@ LATENCY_PROBES = 20
 
 
 def validate_bucket_cap_mb(value: object) -> BucketCap:
-    """Return ``value`` if it is a positive finite number or "auto", else raise naming the argument."""
+    """Return ``value`` if it is a positive finite number or "auto", else raise naming the argument.
+
+    ``"autotune"`` (deprecated) warns and returns ``"auto"``: its search of caps during the first steps kept the
+    "auto" cap on the benchmark it was measured on, and caps from 1 to 25 MiB were within 6% of each other there.
+    """
     if isinstance(value, str):
         if value == "auto":
             return "auto"
         if value == "autotune":
-            return "autotune"
+            rank_zero_deprecation(
+                "bucket_cap_mb='autotune' is deprecated and now means 'auto' (measured, the search kept the 'auto' "
+                "cap and gained nothing over it); it will be removed in the next release: pass 'auto' or a number of "
+                "MiB"
+            )
+            return "auto"
         raise ValueError(
             f"bucket_cap_mb={value!r} is not valid; pass a positive number of MiB or one of {list(BUCKET_CAP_CHOICES)}"
         )
@@ -153,7 +154,7 @@ class BucketPlan:
     """What the strategy asks DDP for, and the layout it predicts.
 
     Attributes:
-        requested: the user's ``bucket_cap_mb`` ("auto", "autotune" or a number).
+        requested: the user's ``bucket_cap_mb`` ("auto" or a number).
         cap_mb: the cap passed to DDP.
         gradient_bytes: bytes of all gradients to synchronise.
         predicted_bucket_bytes: bucket sizes DDP builds when gradients become ready in reverse definition order
@@ -179,7 +180,7 @@ def plan_buckets(
     """
     params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
     grad_bytes = gradient_bytes(params)
-    auto = requested in ("auto", "autotune")
+    auto = requested == "auto"
     cap_mb = auto_bucket_cap_mb(grad_bytes, world_size, latency_s) if auto else float(requested)
     predicted: tuple[int, ...] = ()
     if params:
@@ -191,115 +192,21 @@ def plan_buckets(
     return BucketPlan(requested, cap_mb, grad_bytes, predicted)
 
 
-def autotune_candidates(module: torch.nn.Module, world_size: int) -> list[float]:
-    """The caps "autotune" measures: the "auto" cap first, then :data:`AUTOTUNE_CANDIDATES_MB`, one per layout."""
-    candidates: list[float] = []
-    layouts: set[tuple[int, ...]] = set()
-    auto = plan_buckets(module, "auto", world_size).cap_mb
-    for cap in (auto, *AUTOTUNE_CANDIDATES_MB):
-        layout = plan_buckets(module, cap, world_size).predicted_bucket_bytes
-        if layout not in layouts:
-            layouts.add(layout)
-            candidates.append(cap)
-    return candidates
-
-
-class BucketAutotuner:
-    """Measures each candidate cap for a few optimizer steps and picks the fastest.
-
-    Every candidate runs ``warmup_steps`` unmeasured steps (DDP builds its buckets on the first one and rebuilds
-    them after it) and then ``measure_steps`` timed ones; its score is the median step time. The search takes
-    ``len(candidates) * (warmup_steps + measure_steps)`` optimizer steps, then training goes on with the best cap.
-
-    Args:
-        candidates: caps in MiB, tried in this order; the first is the one training starts with.
-        warmup_steps: steps per candidate that are not timed.
-        measure_steps: timed steps per candidate.
-    """
-
-    def __init__(self, candidates: list[float], warmup_steps: int = 2, measure_steps: int = 3) -> None:
-        if not candidates:
-            raise ValueError("autotune needs at least one candidate cap")
-        if warmup_steps < 1 or measure_steps < 1:
-            raise ValueError(f"warmup_steps={warmup_steps} and measure_steps={measure_steps} must be at least 1")
-        self.candidates = list(candidates)
-        self.warmup_steps = warmup_steps
-        self.measure_steps = measure_steps
-        self.scores: dict[float, float] = {}
-        self.best: float | None = None
-        self._index = 0
-        self._steps = 0
-
-    @property
-    def current(self) -> float:
-        """The cap being measured (or the chosen one, once done)."""
-        return self.best if self.best is not None else self.candidates[self._index]
-
-    @property
-    def done(self) -> bool:
-        """Whether every candidate has been measured and the best chosen."""
-        return self.best is not None
-
-    @property
-    def total_steps(self) -> int:
-        """Optimizer steps the search takes."""
-        return len(self.candidates) * (self.warmup_steps + self.measure_steps)
-
-    def observe(self) -> bool:
-        """Count one optimizer step; ``True`` when the candidate is complete.
-
-        Then score its last ``measure_steps`` steps with :meth:`score` and call :meth:`advance`.
-        """
-        if self.done:
-            return False
-        self._steps += 1
-        return self._steps == self.warmup_steps + self.measure_steps
-
-    @staticmethod
-    def score(step_times_s: list[float]) -> float:
-        """A candidate's score on this rank: the median of its measured step times (infinite when none)."""
-        if not step_times_s:
-            return math.inf
-        ordered = sorted(step_times_s)
-        return ordered[len(ordered) // 2]
-
-    def advance(self, agreed_score: float) -> float:
-        """Store the current candidate's score (the same on every rank) and return the cap to run next.
-
-        After the last candidate this chooses the best and returns it.
-        """
-        self.scores[self.candidates[self._index]] = agreed_score
-        self._steps = 0
-        if self._index + 1 < len(self.candidates):
-            self._index += 1
-        else:
-            self.best = choose_cap(self.scores)
-        return self.current
-
-
-def choose_cap(scores: dict[float, float]) -> float:
-    """The cap with the lowest step time; within 1% of it, the larger cap (fewer collectives, same speed)."""
-    fastest = min(scores.values())
-    return max(cap for cap, score in scores.items() if score <= fastest * 1.01)
-
-
 #: DDP settles its bucket layout after its first synchronised step; by the end of the second the layout is final.
 LAYOUT_FINAL_AFTER_STEPS = 2
 
 
 class BucketController:
-    """DDP's bucket cap from plan to layout: planned at setup, autotuned in the first steps, logged on rank 0.
+    """DDP's bucket cap from plan to layout: planned at setup, logged on rank 0.
 
     Args:
-        requested: the validated ``bucket_cap_mb`` (a number of MiB, ``"auto"`` or ``"autotune"``).
+        requested: the validated ``bucket_cap_mb`` (a number of MiB or ``"auto"``).
     """
 
     def __init__(self, requested: BucketCap) -> None:
         self.requested = requested
         self.plan: BucketPlan | None = None
         self.layout: tuple[int, ...] | None = None
-        self.autotuner: BucketAutotuner | None = None
-        self._layout_due_step = LAYOUT_FINAL_AFTER_STEPS
         self._world_size = 1
         self._device = torch.device("cpu")
         self._backend = ""
@@ -320,7 +227,6 @@ class BucketController:
         module: torch.nn.Module,
         world_size: int,
         device: torch.device,
-        reused: float | None,
         reused_latency_s: float | None = None,
     ) -> float:
         """Plan the cap DDP wraps ``module`` with, from what a checkpoint measured where it still applies.
@@ -332,23 +238,16 @@ class BucketController:
             module: the module DDP wraps.
             world_size: the ranks.
             device: the backend's device.
-            reused: the cap ``"autotune"`` chose, from a checkpoint of this world size.
             reused_latency_s: the latency ``"auto"`` measured, from a checkpoint of this world size: the cap follows
                 from it and this model.
         """
         self._world_size, self._device = world_size, device
-        if reused is not None:
-            self.plan = dataclasses.replace(plan_buckets(module, reused, world_size), requested=self.requested)
-            rank_zero_info(f"ddpopt: bucket_cap_mb={self.requested!r} reuses the checkpoint's cap of {reused:g} MiB")
-            return self.plan.cap_mb
         if self.measures(world_size):
             self.latency_s = reused_latency_s if reused_latency_s is not None else measure_latency(device)
             self.plan = plan_buckets(module, self.requested, world_size, self.latency_s)
             rank_zero_info(self.latency_note(reused=reused_latency_s is not None))
         else:
             self.plan = plan_buckets(module, self.requested, world_size)
-        if self.requested == "autotune" and world_size > 1:
-            self.autotuner = BucketAutotuner(autotune_candidates(module, world_size))
         return self.plan.cap_mb
 
     def latency_note(self, reused: bool = False) -> str:
@@ -377,51 +276,12 @@ class BucketController:
         assert self.plan is not None
         self._backend, self._hook_name = backend, hook_name
         note = f", auto for {self._world_size} ranks" if self.plan.requested == "auto" else ""
-        if self.autotuner is not None:
-            tried = ", ".join(f"{cap:g}" for cap in self.autotuner.candidates)
-            note = f", autotune tries [{tried}] MiB over {self.autotuner.total_steps} steps"
         rank_zero_info(f"ddpopt: plan {self._describe(self.plan.predicted_bucket_bytes, note)} on {backend}")
 
-    def after_step(
-        self,
-        model: DistributedDataParallel,
-        ledger: CommLedger,
-        say: Callable[[str], None],
-        rewrap: Callable[[float], DistributedDataParallel],
-        local_phase: bool = False,
-    ) -> None:
-        """After each optimizer step: log the layout once it is final; count and score an autotune candidate.
-
-        ``rewrap(cap)`` wraps the module in a new DDP with ``cap`` (the hook registered on it) and returns it.
-        """
-        if self.layout is None and ledger.closed_steps >= self._layout_due_step:
+    def after_step(self, ledger: CommLedger, say: Callable[[str], None], local_phase: bool = False) -> None:
+        """After each optimizer step: log the layout once it is final."""
+        if self.layout is None and ledger.closed_steps >= LAYOUT_FINAL_AFTER_STEPS:
             self.log_layout(ledger, say, local_phase, final=False)
-        tuner = self.autotuner
-        if tuner is None or tuner.done or not tuner.observe():
-            return
-        # The candidate's measured steps are the ledger's latest: wait for the device once per candidate, so
-        # they are timed on the device's clock (host times on a GPU would be queueing times).
-        ledger.flush()
-        times = [record.step_time_s for record in list(ledger.steps)[-tuner.measure_steps :]]
-        local = tuner.score([t for t in times if t is not None])
-        # Every rank scores a candidate by the slowest rank's median, so every rank takes the same decision.
-        score = torch.tensor([local], dtype=torch.float64, device=self._device)
-        dist.all_reduce(score, op=dist.ReduceOp.MAX)
-        previous = tuner.current
-        next_cap = tuner.advance(float(score))
-        if tuner.done:
-            scores = ", ".join(f"{cap:g} MiB: {t * 1e3:.1f} ms" for cap, t in tuner.scores.items())
-            rank_zero_info(
-                f"ddpopt: autotune chose bucket_cap_mb={tuner.best:g} after {tuner.total_steps} steps "
-                f"(median step time per cap: {scores})"
-            )
-        if next_cap != previous:
-            assert self.plan is not None
-            module = rewrap(next_cap).module
-            replanned = plan_buckets(module, next_cap, self._world_size)
-            self.plan = dataclasses.replace(replanned, requested=self.plan.requested)
-            self.layout = None
-            self._layout_due_step = ledger.closed_steps + LAYOUT_FINAL_AFTER_STEPS
 
     def log_layout(self, ledger: CommLedger | None, say: Callable[[str], None], local_phase: bool, final: bool) -> None:
         """Log the bucket sizes DDP built, from the ledger's latest record of them; without one, the plan's prediction.
@@ -443,14 +303,6 @@ class BucketController:
         sizes = ", ".join(format_bytes(size) for size in self.layout)
         note = "" if recorded else " (predicted: no hook reported the buckets DDP built)"
         say(f"ddpopt: {self._describe(self.layout)} on {self._backend}, bucket sizes [{sizes}]{note}")
-
-    def autotuned_cap(self) -> float | None:
-        """The cap ``bucket_cap_mb="autotune"`` settled on (measured now or reused), ``None`` while it searches."""
-        if self.requested != "autotune" or self.plan is None:
-            return None
-        if self.autotuner is not None and not self.autotuner.done:
-            return None
-        return self.plan.cap_mb
 
     def _describe(self, sizes: tuple[int, ...], cap_note: str = "") -> str:
         assert self.plan is not None

@@ -4,10 +4,10 @@ What ``checkpoint["ddpopt"]`` (a :class:`SavedRun`) holds, written by rank 0 wit
 
 * ``world_size`` and ``comm_hook``; ``shards``: where what differs per rank went (see below), ``None`` without any;
 * ``local_sgd``: the outer loop's counters and config, and, with a replica per rank, its anchor, outer momentum and
-  a sync still travelling (the same on every rank); an island's are in the shards, as slices;
-* ``hook_choice``, ``bucket_cap_mb`` and ``bucket_latency_s``: what ``comm_hook="auto"``, ``bucket_cap_mb="autotune"``
-  and ``bucket_cap_mb="auto"`` (from 8 ranks) measured and chose, so that a resume on the same world size reuses
-  them instead of re-measuring (which could switch hooks and drop their state);
+  a sync still in flight (the same on every rank); an island's are in the shards, as slices;
+* ``hook_choice`` and ``bucket_latency_s``: what ``comm_hook="auto"`` and ``bucket_cap_mb="auto"`` (from 8 ranks)
+  measured and chose, so that a resume on the same world size reuses them instead of re-measuring (which could
+  switch hooks and drop their state);
 * ``grad_scaler`` and ``optimizer_steps`` for front ends that save neither (Fabric).
 
 What differs per rank (each rank's hook state, each replica's inner optimizer states, an island's outer slices) is
@@ -18,21 +18,18 @@ one rank, it is gathered to rank 0 into ``hook_states`` and ``local_sgd_ranks`` 
 earlier releases hold them there too.
 
 The contract: every rank calls ``save_checkpoint`` (Lightning's ``ModelCheckpoint`` and ``Trainer.save_checkpoint``
-do; Lightning's own barrier after saving needs it too). A save with per-rank state first waits at most ``timeout_s``
-for every rank to arrive, rank 0 deciding for all; a call on fewer ranks raises a ``RuntimeError`` on every rank
-that called, naming the missing ranks, instead of hanging until the process-group timeout. Stateless hooks without
-local SGD add no collective at all. While local SGD trains apart the ranks drift, by up to a window's steps: each
-rank then tells the store that it still trains (:meth:`~lightning_ddpopt.checkpoint_meeting.RankStates.beat`, at
-each batch and optimizer step, at most once a second), and a save waits on for as long as every rank it waits for
-shows progress within each ``timeout_s``; a rank that neither arrives nor progresses (gone, hung, or in a step or
-validation longer than ``timeout_s``) fails the save after ``timeout_s`` without progress.
+do; Lightning's own barrier after saving needs it too). A save with per-rank state first meets every rank in a
+monitored barrier, under the process group's timeout (or ``checkpoint_timeout``): a call on fewer ranks raises a
+``RuntimeError``, on rank 0 naming the missing ranks, instead of hanging in the gather. Stateless hooks without local
+SGD add no collective at all. While local SGD trains apart the ranks drift by up to a window's steps; a
+``checkpoint_timeout`` shorter than a window's time fails such a save.
 
 A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook
 afresh; another world size keeps what is the same on every rank (PowerSGD's step count and Q memories) and
-restarts the per-rank rest, and re-measures the ``"auto"`` / ``"autotune"`` decisions; an island's outer state is
+restarts the per-rank rest, and re-measures the ``"auto"`` decisions; an island's outer state is
 re-sliced for the new layout.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -77,7 +74,6 @@ class SavedRun:
         comm_hook: the registry name (or qualified name) of the hook that ran, ``None`` for DDP's built-in one.
         hook_states: every rank's hook state, by global rank; empty for stateless hooks.
         hook_choice: what ``comm_hook="auto"`` chose, ``None`` when it was not used.
-        bucket_cap_mb: the cap ``bucket_cap_mb="autotune"`` chose, ``None`` when it was not used or not finished.
         bucket_latency_s: the all-reduce latency ``bucket_cap_mb="auto"`` measured (from
             :data:`~lightning_ddpopt.buckets.AUTO_MEASURED_FROM_RANKS` ranks), ``None`` when it measured none.
         local_sgd: the local SGD outer loop (counters, anchor, outer momentum; the same on every rank), ``None``
@@ -93,7 +89,6 @@ class SavedRun:
     comm_hook: str | None
     hook_states: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     hook_choice: HookChoice | None = None
-    bucket_cap_mb: float | None = None
     bucket_latency_s: float | None = None
     local_sgd: dict[str, Any] | None = None
     local_sgd_ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -171,7 +166,6 @@ class SavedRun:
             comm_hook=entry.get("comm_hook"),
             hook_states=list(entry.get("hook_states") or []),
             hook_choice=HookChoice(**choice) if choice else None,
-            bucket_cap_mb=entry.get("bucket_cap_mb"),
             bucket_latency_s=entry.get("bucket_latency_s"),
             local_sgd=local_sgd,
             local_sgd_ranks=list(entry.get("local_sgd_ranks") or []),
@@ -187,7 +181,7 @@ class SavedRun:
             return f"the checkpoint was saved with world size {self.world_size} and this run has {world_size}"
         return None
 
-    def reused(self, name: Literal["hook_choice", "bucket_cap_mb", "bucket_latency_s"], world_size: int) -> Any:
+    def reused(self, name: Literal["hook_choice", "bucket_latency_s"], world_size: int) -> Any:
         """The measured decision ``name`` if a run on ``world_size`` ranks may reuse it; says why when it may not."""
         if getattr(self, name) is None:
             return None
@@ -195,7 +189,6 @@ class SavedRun:
         if note is not None:
             what = {
                 "hook_choice": "comm_hook='auto'",
-                "bucket_cap_mb": "bucket_cap_mb='autotune'",
                 "bucket_latency_s": "bucket_cap_mb='auto'",
             }[name]
             rank_zero_info(f"ddpopt: {what} measures again: {note}")
@@ -270,7 +263,7 @@ def write_rank_states(
                 tensors.update({f"outer/{start}/{name}": value for name, value in values.items()})
         elif rank == 0:
             outer = loop.state_dict()
-    write_shards(path, states, tensors, rank=rank, group=meeting.cpu_group(), save_id=save_id)
+    write_shards(path, states, tensors, rank=rank, group=meeting.group, save_id=save_id)
     if rank != 0:
         return None
     index = {

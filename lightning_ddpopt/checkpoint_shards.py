@@ -6,7 +6,7 @@ written with ``torch.distributed.checkpoint`` (the library Lightning's FSDP uses
 
 * ``hook/<rank>``: each rank's comm-hook state (PowerSGD's and int8's error feedback);
 * ``inner/<rank>``: with local SGD, each replica's inner optimizer states, written by the replica's first rank only;
-* ``outer/<start>/<name>``: an island's outer state (anchor, outer momentum, a sync still travelling) as the
+* ``outer/<start>/<name>``: an island's outer state (anchor, outer momentum, a sync still in flight) as the
   slices its ranks own, ``[start, stop)`` of the flattened parameters, written by the first island's ranks (every
   island holds the same).
 

@@ -6,7 +6,7 @@ one :class:`StrategyCore`, which owns the components (the hook installer, the bu
 checkpoint gathers, local SGD's driver, the core binding) and calls them in the order their rules need, so the two
 front ends cannot drift apart. :class:`CoreViews` gives both strategies the same public properties over it.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -25,23 +25,20 @@ from lightning_ddpopt._compat import PathType
 from lightning_ddpopt._groups import destroy_owned_group, group_like
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
-from lightning_ddpopt.buckets import BucketAutotuner, BucketController, BucketPlan, validate_bucket_cap_mb
+from lightning_ddpopt.buckets import BucketController, validate_bucket_cap_mb
 from lightning_ddpopt.checkpoint import SavedRun, write_rank_states
 from lightning_ddpopt.checkpoint_meeting import RankStates
 from lightning_ddpopt.checkpoint_shards import shards_supported
-from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.hooks.across_islands import AcrossIslands
-from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
-from lightning_ddpopt.hooks.auto import HookChoice
+from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK, validate_local_sgd
 from lightning_ddpopt.hooks.install import HookInstaller
-from lightning_ddpopt.ledger import CommLedger
-from lightning_ddpopt.localsgd import LocalSGD, LocalSGDConfig, LocalSGDDriver, validate_local_sgd
+from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.localsgd import LocalSGDConfig, LocalSGDDriver
 from lightning_ddpopt.precision import OptimizerSteps
-from lightning_ddpopt.records import StepRecord
 from lightning_ddpopt.timing import timeline_for
-from lightning_ddpopt.topology import TierGroups, Topology, discover
+from lightning_ddpopt.topology import Topology, discover
 
-__all__ = ["CoreViews", "StrategyCore"]
+__all__ = ["StrategyCore"]
 
 
 class StrategyCore:
@@ -64,7 +61,7 @@ class StrategyCore:
         find_unused_parameters: bool,
         static_graph: bool,
         cpu_affinity: bool | list[list[int]],
-        checkpoint_timeout: float,
+        checkpoint_timeout: float | None,
         local_sgd: LocalSGDConfig | None,
         hierarchical: bool | Literal["auto"] = "auto",
         ddp_comm_hook: Callable | None = None,
@@ -78,7 +75,6 @@ class StrategyCore:
             default_hook=DEFAULT_COMM_HOOK,
             ddp_comm_hook=ddp_comm_hook,
             model_averaging_period=model_averaging_period,
-            bucket_cap_mb=bucket_cap_mb,
         )
         self.hooks = HookInstaller(
             comm_hook, comm_state, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, hierarchical=hierarchical
@@ -92,7 +88,9 @@ class StrategyCore:
         self.ddp_flags = {name: True for name, value in flags.items() if value}
         self.buckets = BucketController(validate_bucket_cap_mb(bucket_cap_mb))
         self.cpu_affinity = validate_cpu_affinity(cpu_affinity)
-        self.checkpoints = RankStates(require_number("checkpoint_timeout", checkpoint_timeout))
+        self.checkpoints = RankStates(
+            None if checkpoint_timeout is None else require_number("checkpoint_timeout", checkpoint_timeout)
+        )
         self.local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
         #: Per-step fault tolerance's average across the islands, run by the hook (set by the strategy).
         self.across_islands: AcrossIslands | None = None
@@ -149,9 +147,8 @@ class StrategyCore:
     def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:
         """DDP's ``bucket_cap_mb`` for ``module``: as planned, or a checkpoint's measured cap that still applies."""
         buckets = self.buckets
-        reused = self.reused_decision("bucket_cap_mb") if buckets.requested == "autotune" else None
         latency = self.reused_decision("bucket_latency_s") if buckets.measures(self.world_size) else None
-        return buckets.cap_for(module, self.world_size, device, reused, latency)
+        return buckets.cap_for(module, self.world_size, device, latency)
 
     def install(
         self,
@@ -168,9 +165,10 @@ class StrategyCore:
         Groups of our own (a hook's beside the backward pass, the tiers', the islands') are made on the strategy's
         ``backend`` with its ``timeout``; every rank makes them in one order. ``measured``: something of the front
         end's reads the ledger's syncs (the Fabric strategy cannot know before a ``Monitor`` attaches: it passes
-        ``True``); autotune and local SGD read them too.
+        ``True``); local SGD reads them too.
         """
         assert self.ledger is not None, "start() first"
+        self.checkpoints.start(timeout)
 
         def own_group() -> dist.ProcessGroup:  # over the model's ranks, for traffic that must not interleave with it
             return group_like(model.process_group, backend, timeout)
@@ -195,7 +193,7 @@ class StrategyCore:
             new_group=new_group,
             island=island,
             across=self.across_islands,
-            observed=measured or self.buckets.requested == "autotune" or self.local_sgd is not None,
+            observed=measured or self.local_sgd is not None,
         )
         if self.hooks.registered is not None:
             self._restore_hook_state()
@@ -219,8 +217,7 @@ class StrategyCore:
     def warn_decisions_not_reused(self) -> None:
         """Warn (rank 0) about a checkpoint's measured decisions that came too late: the model was wrapped already.
 
-        ``"auto"`` chose its hook and ``"autotune"`` started its search when the model was wrapped; a checkpoint
-        loaded after that cannot change them.
+        ``"auto"`` chose its hook when the model was wrapped; a checkpoint loaded after that cannot change it.
         """
         saved = self._saved
         if saved is None or saved.decision_note(self.world_size) is not None:
@@ -234,9 +231,6 @@ class StrategyCore:
             and choice.name != saved.hook_choice.name
         ):
             late.append(f"comm_hook='auto' chose {choice.name!r} and the checkpoint holds {saved.hook_choice.name!r}")
-        tuner = self.buckets.autotuner
-        if saved.bucket_cap_mb is not None and tuner is not None and tuner.best != saved.bucket_cap_mb:
-            late.append(f"bucket_cap_mb='autotune' measures again instead of reusing {saved.bucket_cap_mb:g} MiB")
         measured = self.buckets.latency_s
         if saved.bucket_latency_s is not None and measured is not None and measured != saved.bucket_latency_s:
             saved_us = saved.bucket_latency_s * 1e6
@@ -268,8 +262,6 @@ class StrategyCore:
             self.ledger.add_micro_batch(samples, first_of_epoch=first_of_epoch)
         if self.local_sgd is not None and isinstance(model, DistributedDataParallel):
             self.local_sgd.before_batch(model)
-            if self.local_phase and self.world_size > 1:  # a save waits for a rank that trains (see checkpoint.py)
-                self.checkpoints.beat(self.rank)
 
     def optimizer_step(
         self,
@@ -277,9 +269,8 @@ class StrategyCore:
         step: Callable[[], Any],
         model: torch.nn.Module | None,
         say: Callable[[str], None],
-        rewrap: Callable[[float], DistributedDataParallel],
     ) -> tuple[Any, list[StepRecord]]:
-        """Take the optimizer step (``step``), then close it: local SGD counts it, the ledger closes it, buckets tune.
+        """Take the optimizer step (``step``), then close it: local SGD counts it, the ledger closes it.
 
         Returns ``step``'s output and the ledger's records that resolved now (on a GPU usually an earlier step's).
         A step the GradScaler skipped is told by the optimizer's step count
@@ -287,25 +278,22 @@ class StrategyCore:
         """
         before = self.optimizer_steps.count(optimizer) if self.local_sgd is not None else None
         output = step()
-        return output, self.after_optimizer_step(model, self.optimizer_steps.skipped(optimizer, before), say, rewrap)
+        return output, self.after_optimizer_step(model, self.optimizer_steps.skipped(optimizer, before), say)
 
     def after_optimizer_step(
         self,
         model: torch.nn.Module | None,
         skipped: bool,
         say: Callable[[str], None],
-        rewrap: Callable[[float], DistributedDataParallel],
     ) -> list[StepRecord]:
         """Close the step (``skipped``: the GradScaler skipped it): see :meth:`optimizer_step`."""
         ddp = model if isinstance(model, DistributedDataParallel) else None
         if self.local_sgd is not None and self.local_sgd.loop is not None:
             self.local_sgd.after_optimizer_step(skipped, self.ledger if ddp else None)
-            if self.local_phase and self.world_size > 1:  # the ranks drift apart: a save waits for those that train
-                self.checkpoints.beat(self.rank)
         if ddp is None or self.ledger is None:
             return []
         records = self.ledger.close_step()
-        self.buckets.after_step(ddp, self.ledger, say, rewrap, self.local_phase)
+        self.buckets.after_step(self.ledger, say, self.local_phase)
         return records
 
     @property
@@ -352,7 +340,6 @@ class StrategyCore:
             world_size=world_size,
             comm_hook=self.hooks.comm_hook_name,
             hook_choice=self.hooks.hook_choice if self.hooks.auto else None,
-            bucket_cap_mb=self.buckets.autotuned_cap(),
             bucket_latency_s=self.buckets.latency_s,
             grad_scaler=grad_scaler,
             optimizer_steps=optimizer_steps,
@@ -382,7 +369,7 @@ class StrategyCore:
         self.checkpoints.name_run(nonce)
 
     def stop_local_sgd(self) -> None:
-        """Local SGD's teardown: its SIGTERM check goes, a sync still travelling after a failure is dropped."""
+        """Local SGD's teardown: its SIGTERM check goes, a sync still in flight after a failure is dropped."""
         if self.local_sgd is not None:
             self.local_sgd.teardown()
 
@@ -401,7 +388,7 @@ class StrategyCore:
             self.core_binding.release()
             self.core_binding = None
 
-    def reused_decision(self, name: Literal["hook_choice", "bucket_cap_mb", "bucket_latency_s"]) -> Any:
+    def reused_decision(self, name: Literal["hook_choice", "bucket_latency_s"]) -> Any:
         """A checkpoint's measured decision that this run may reuse, or ``None``."""
         return self._saved.reused(name, self.world_size) if self._saved is not None else None
 
@@ -422,73 +409,3 @@ class StrategyCore:
             return
         self._local_sgd_pending = False
         self.local_sgd.restore(self._saved.local_sgd)
-
-
-class CoreViews:
-    """What a strategy's :class:`StrategyCore` holds, under the names users and callbacks read.
-
-    Both strategies inherit it; what reads a strategy (:mod:`lightning_ddpopt.meetings`, the callbacks, the
-    diagnosis) checks ``isinstance(strategy, CoreViews)`` and reads these typed names, so mypy checks both sides.
-    """
-
-    _core: StrategyCore
-
-    @property
-    def synced_gradients_identical(self) -> bool:
-        """Whether this step's synchronised gradients are the same on every rank (each strategy says when)."""
-        raise NotImplementedError
-
-    @property
-    def fault_tolerance_stats(self) -> ReplicaStats | None:
-        """With fault tolerance: what the quorum did to this island (``None`` without)."""
-        return None
-
-    @property
-    def ledger(self) -> CommLedger | None:
-        """This rank's :class:`~lightning_ddpopt.ledger.CommLedger` (from process-group setup on)."""
-        return self._core.ledger
-
-    @property
-    def core_binding(self) -> CoreBinding | None:
-        """The cores this rank was bound to with ``cpu_affinity`` (``None`` without)."""
-        return self._core.core_binding
-
-    @property
-    def comm_state(self) -> object | None:
-        """The comm hook's state (``None`` without one)."""
-        return self._core.hooks.comm_state
-
-    @property
-    def comm_tiers(self) -> TierGroups | None:
-        """The intra- and cross-node groups of a two-tier sync (``None`` for a flat one)."""
-        return self._core.hooks.tiers
-
-    @property
-    def comm_hook_name(self) -> str | None:
-        """The registered hook's name."""
-        return self._core.hooks.comm_hook_name
-
-    @property
-    def hook_choice(self) -> HookChoice | None:
-        """What ``comm_hook='auto'`` chose, and why."""
-        return self._core.hooks.hook_choice
-
-    @property
-    def bucket_plan(self) -> BucketPlan | None:
-        """The planned bucket cap and predicted layout."""
-        return self._core.buckets.plan
-
-    @property
-    def bucket_layout(self) -> tuple[int, ...] | None:
-        """DDP's bucket sizes once final (the plan's if no hook saw them)."""
-        return self._core.buckets.layout
-
-    @property
-    def autotuner(self) -> BucketAutotuner | None:
-        """``bucket_cap_mb='autotune'``'s search."""
-        return self._core.buckets.autotuner
-
-    @property
-    def local_sgd(self) -> LocalSGD | None:
-        """Local SGD's outer loop (anchor, counters), once the model is wrapped; ``None`` without local SGD."""
-        return self._core.local_sgd.loop if self._core.local_sgd is not None else None

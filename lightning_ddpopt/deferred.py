@@ -7,7 +7,7 @@ into pinned host memory, and records an event; :meth:`DeferredRead.read`, called
 event long passed. The compute stream never waits for the collective: a rank that is early does not stall its device
 for the others. On a CPU it reads the tensor (after the collective) when asked.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

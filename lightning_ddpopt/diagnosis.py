@@ -8,13 +8,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.fault_tolerance.finding import across_islands_finding, islands_finding, islands_summary
 from lightning_ddpopt.finding import Finding, Status
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, is_adaptive
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
-from lightning_ddpopt.measuring import FrontEnd, MeasuringCallback
+from lightning_ddpopt.hooks.powersgd import PowerSGDState
+from lightning_ddpopt.hooks.powersgd_rank import ERROR_BOUNDS, is_adaptive
+from lightning_ddpopt.measuring import CoreViews, FrontEnd, MeasuringCallback
 from lightning_ddpopt.units import format_bytes
 
 __all__ = [
@@ -82,7 +81,7 @@ NETWORK_ADVICE: dict[str, str] = {
 JITTER_CV = 0.2
 #: Relative compression errors above which a lossy hook is reported as costing quality, by hook family, with an
 #: adaptive optimizer (Adam and its kin) and with others. PowerSGD's are its ``max_error="auto"`` bounds (see
-#: ``hooks.powersgd_config.ERROR_BOUNDS``); int8's and the casts' lie well above what they lost nothing at on the same
+#: ``hooks.powersgd_rank.ERROR_BOUNDS``); int8's and the casts' lie well above what they lost nothing at on the same
 #: benchmark (the docs' comm hooks guide).
 COMPRESSION_ERROR_LIMITS = {
     "powersgd": (ERROR_BOUNDS["adaptive"], ERROR_BOUNDS["other"]),
@@ -268,7 +267,7 @@ def _network(summary: dict[str, Any]) -> Finding:
     if busbw and link and busbw < LINK_UNDERUSED * link:
         advice = (
             "the exposed sync does not fill the link, so fewer bytes help little: its messages are too small (try "
-            "bucket_cap_mb='autotune')"
+            "a larger bucket_cap_mb)"
         )
         if network_advice_key(summary) != "allreduce":
             advice += f" or the hook's own compute is slow (compare {hook} with comm_hook='allreduce')"

@@ -16,7 +16,7 @@ Where DDP synchronised the gradients with a hook whose result every rank shares 
 check of the gradients decides alike on every rank without any collective; where that hook tested the reduced
 values already (:func:`hook_found_finite`), its verdict is the check.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.deferred import DeferredRead
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState
+from lightning_ddpopt.hooks.base import ErrorFeedbackState
 from lightning_ddpopt.localsgd import LocalSGD
+from lightning_ddpopt.measuring import CoreViews
 
 __all__ = [
     "Exchange",
@@ -58,7 +58,7 @@ def next_step_meets(trainer: pl.Trainer) -> bool:
     """Whether the optimizer step about to be taken meets the other ranks: ask in ``on_before_optimizer_step``.
 
     ``True`` when it synchronises gradients; in local SGD's local phase, when it takes part in a parameter sync (the
-    sync, or the start of one that travels while the ranks train on).
+    sync, or the start of one that is in flight while the ranks train on).
     """
     local_sgd = _outer_loop(trainer)
     return local_sgd is None or local_sgd.next_step_meets
@@ -108,8 +108,8 @@ def hook_found_finite(trainer: pl.Trainer) -> bool | None:
 def meets_in_passing(trainer: pl.Trainer) -> bool:
     """Whether a meeting (:func:`ranks_meet`, :func:`next_step_meets`) is one in passing: ranks do not wait there.
 
-    ``True`` in the local phase of local SGD with ``overlap_steps``, whose syncs travel while the ranks train on; a
-    callback's collective there must not block (:class:`Exchange`).
+    ``True`` in the local phase of local SGD with ``overlap_steps``, whose syncs are in flight while the ranks train
+    on; a callback's collective there must not block (:class:`Exchange`).
     """
     local_sgd = _outer_loop(trainer)
     return local_sgd is not None and local_sgd.meets_in_passing
@@ -122,51 +122,51 @@ def _outer_loop(trainer: pl.Trainer) -> LocalSGD | None:
 
 
 class Exchange:
-    """A callback's all-gather of one fixed-size tensor at each of its meetings; in passing, it travels.
+    """A callback's all-gather of one fixed-size tensor at each of its meetings; in passing, it stays in flight.
 
     Call :meth:`gather` at a meeting, on every rank alike: where the ranks wait for each other it returns every rank's
     tensor at once; in passing it starts the all-gather and returns ``None``, and the gathered result comes out of
     :meth:`arrived` at the next meeting (or the end of fit) - long arrived by then, so no rank waits for another. On a
-    GPU every gather but the end of fit's travels: the collective and a copy into pinned host memory are queued and
-    read at the next meeting, so the host never waits for the device.
+    GPU every gather but the end of fit's stays in flight: the collective and a copy into pinned host memory are
+    queued and read at the next meeting, so the host never waits for the device.
     """
 
     def __init__(self) -> None:
-        self._travelling: Callable[[], torch.Tensor] | None = None
+        self._in_flight: Callable[[], torch.Tensor] | None = None
 
     def arrived(self) -> torch.Tensor | None:
-        """Every rank's tensor (stacked, ``(world, ...)``) from the gather that travelled since the last meeting."""
-        travelling, self._travelling = self._travelling, None
-        return travelling() if travelling is not None else None
+        """Every rank's tensor (stacked, ``(world, ...)``) from the gather in flight since the last meeting."""
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight() if in_flight is not None else None
 
     def gather(
         self, local: torch.Tensor, world_size: int, in_passing: bool, final: bool = False
     ) -> torch.Tensor | None:
-        """Every rank's ``local`` (stacked), or ``None`` when it travels (read it with :meth:`arrived`).
+        """Every rank's ``local`` (stacked), or ``None`` while it is in flight (read it with :meth:`arrived`).
 
-        It travels ``in_passing``, and on a GPU unless ``final`` (the end of fit, where the result is needed now). A
-        gather still travelling must have been read first: its result would be lost.
+        It stays in flight ``in_passing``, and on a GPU unless ``final`` (the end of fit, where the result is needed
+        now). A gather still in flight must have been read first: its result would be lost.
         """
-        assert self._travelling is None, "read the travelling gather (arrived) before starting another"
-        travels = in_passing or (local.is_cuda and not final)
-        if local.is_cuda and travels:
+        assert self._in_flight is None, "read the gather in flight (arrived) before starting another"
+        in_flight = in_passing or (local.is_cuda and not final)
+        if local.is_cuda and in_flight:
             # Into one tensor, read on a stream of its own (DeferredRead): the compute stream never waits for it.
             out = torch.empty((world_size, *local.shape), dtype=local.dtype, device=local.device)
             work = dist.all_gather_into_tensor(out, local, async_op=True)
-            self._travelling = DeferredRead(out, work, inputs=(local,)).read
+            self._in_flight = DeferredRead(out, work, inputs=(local,)).read
             return None
         gathered = [torch.empty_like(local) for _ in range(world_size)]
-        if not travels:
+        if not in_flight:
             dist.all_gather(gathered, local)
             return torch.stack(gathered)
         work = dist.all_gather(gathered, local, async_op=True)
         assert work is not None
-        self._travelling = lambda: _waited(work, gathered)
+        self._in_flight = lambda: _waited(work, gathered)
         return None
 
     def drop(self) -> None:
-        """Forget a travelling gather (teardown): every rank started it, so it finishes without us."""
-        self._travelling = None
+        """Forget a gather in flight (teardown): every rank started it, so it finishes without us."""
+        self._in_flight = None
 
 
 def _waited(work: dist.Work, gathered: list[torch.Tensor]) -> torch.Tensor:

@@ -47,7 +47,7 @@ from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.precision import current_loss_scale
@@ -64,9 +64,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
     * ``comm_hook`` is registered on **every** backend (gloo on CPU, NCCL on GPU) and checked to be attached;
       Lightning's ``DDPStrategy`` registers hooks on CUDA only and silently drops them elsewhere.
     * ``bucket_cap_mb="auto"`` sizes DDP's gradient buckets from the model and the world size
-      (see :func:`lightning_ddpopt.buckets.auto_bucket_cap_mb`); ``"autotune"`` measures candidate caps during the
-      first optimizer steps and keeps the fastest (:class:`~lightning_ddpopt.buckets.BucketAutotuner`); rank 0 logs
-      the plan at setup and the layout DDP actually built once it is final.
+      (see :func:`lightning_ddpopt.buckets.auto_bucket_cap_mb`); rank 0 logs the plan at setup and the layout DDP
+      actually built once it is final.
     * Every hook of the registry reports to a per-rank :class:`~lightning_ddpopt.ledger.CommLedger` (bytes before
       and after compression, sync time, sync rounds per optimizer step), which the callbacks read.
     * ``cpu_affinity`` pins each local rank to its own cores, within those its launcher gave it.
@@ -98,7 +97,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             :class:`~lightning_ddpopt.hooks.AutoConfig`; see :mod:`lightning_ddpopt.hooks.auto`). The hook's state
             is saved in checkpoints (see :mod:`lightning_ddpopt.checkpoint`) and restored.
         comm_state: the state passed to a callable ``comm_hook``.
-        bucket_cap_mb: DDP's bucket cap in MiB, a positive number, ``"auto"`` or ``"autotune"``.
+        bucket_cap_mb: DDP's bucket cap in MiB, a positive number or ``"auto"`` (``"autotune"`` is deprecated and
+            means ``"auto"``).
         gradient_as_bucket_view: let gradients be views into DDP's buckets (saves a gradient-sized copy per step
             and its memory; ``param.grad`` must then not be detached or resized in place). DDP's default is False.
         find_unused_parameters: see ``DistributedDataParallel``.
@@ -108,7 +108,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             :func:`lightning_ddpopt.affinity.plan_given_cores`; whole physical cores, SMT siblings together, in
             NUMA-node order where Linux describes the CPUs), with torch's thread count to match; a list gives
             each local rank its cores explicitly; ``False`` (default) leaves affinity alone.
-        checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
+        checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks and
+            local SGD only); ``None``: the process group's ``timeout``.
         local_sgd: a :class:`~lightning_ddpopt.localsgd.LocalSGDConfig` (e.g. ``LocalSGDConfig.diloco(16)``): after
             its warm-up, gradients are not synchronised at all and the ranks average their parameter changes every
             ``sync_every`` optimizer steps (see :mod:`lightning_ddpopt.localsgd`). ``comm_hook`` then applies
@@ -162,7 +163,7 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         cpu_affinity: bool | list[list[int]] = False,
-        checkpoint_timeout: float = 30.0,
+        checkpoint_timeout: float | None = None,
         local_sgd: LocalSGDConfig | None = None,
         hierarchical: bool | Literal["auto"] = "auto",
         fault_tolerance: FaultTolerance | None = None,
@@ -355,7 +356,6 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             run,
             self.model,
             self._say,
-            self._rewrap,
         )
         if ft is not None:
             ft.after_step()
@@ -413,7 +413,8 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         island's outer slices) to the directory ``filepath + ".ddpopt"`` (see
         :mod:`lightning_ddpopt.checkpoint_shards`); a URL ``filepath`` gathers them into the file on rank 0 instead.
         Every rank must call this, as with Lightning's ``DDPStrategy``; with per-rank state a call on fewer ranks
-        raises within ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
+        raises once the process group's timeout (or ``checkpoint_timeout``) has passed (see
+        :mod:`lightning_ddpopt.checkpoint`).
 
         Args:
             checkpoint: the checkpoint Lightning built; the entry goes under ``"ddpopt"``.
@@ -455,12 +456,6 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
 
     def _loss_scale(self) -> torch.Tensor | None:
         return current_loss_scale(self.precision_plugin)
-
-    def _rewrap(self, cap_mb: float) -> DistributedDataParallel:
-        """Wrap the module in a new DDP with ``cap_mb``; the parameters, optimizer state and hook state stay."""
-        assert isinstance(self.model, DistributedDataParallel)
-        self.model = self._wrapped_again(self.model.module, cap_mb, super()._setup_model)
-        return self.model
 
     def _ledger_read(self) -> bool:
         """Whether this fit reads the ledger's syncs: a measuring callback, or manual optimization's per-step check."""

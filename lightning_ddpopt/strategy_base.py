@@ -17,8 +17,9 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddpopt.core import CoreViews, StrategyCore
+from lightning_ddpopt.core import StrategyCore
 from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
+from lightning_ddpopt.measuring import CoreViews
 
 __all__ = ["CoreStrategy"]
 
@@ -95,18 +96,6 @@ class CoreStrategy(CoreViews):
             loss_scale=self._loss_scale,
             measured=measured,
         )
-
-    def _wrapped_again(
-        self: _DDPStrategyLike,
-        module: torch.nn.Module,
-        cap_mb: float,
-        wrap: Callable[[torch.nn.Module], DistributedDataParallel],
-    ) -> DistributedDataParallel:
-        """``module`` in a new DDP of ``cap_mb`` (autotune), the hook registered; parameters and states stay."""
-        self._ddp_kwargs["bucket_cap_mb"] = cap_mb
-        model = wrap(module)
-        self._core.hooks.register(model)
-        return model
 
     def _log_final_layout(self: _DDPStrategyLike, model: object, say: Callable[[str], None]) -> None:
         """At the end of training: DDP's bucket layout, if no step logged it yet."""

@@ -12,7 +12,7 @@ that local rank, one per node). Every rank takes part in making every group (tor
 order: nodes by node rank, then local ranks. What grows with the world: the topology itself is O(world) integers per
 rank; every rank makes 2N + M groups and belongs to three.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -298,7 +298,6 @@ class RankProbe(pl.Callback):
             record["hook_iteration"] = getattr(strategy.comm_state, "iteration", None)
             record["hook_rank"] = getattr(strategy.comm_state, "rank", None)  # PowerSGD's rank in use
             record["hook_bound"] = getattr(strategy.comm_state, "error_bound", None)  # and its error bound
-            record["autotune_scores"] = dict(strategy.autotuner.scores) if strategy.autotuner else None
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 

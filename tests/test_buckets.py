@@ -12,14 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_ddpopt import buckets
+from lightning_ddpopt import OptimizedDDPStrategy, buckets
 from lightning_ddpopt.buckets import (
     AUTO_LATENCY_BOUNDS_S,
-    BucketAutotuner,
     BucketController,
     auto_bucket_cap_mb,
-    autotune_candidates,
-    choose_cap,
     gradient_bytes,
     plan_buckets,
 )
@@ -60,11 +57,9 @@ def _latency_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     module = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
     measured = BucketController("auto")
-    cap = measured.cap_for(module, 2, torch.device("cpu"), reused=None)
+    cap = measured.cap_for(module, 2, torch.device("cpu"))
     reused = BucketController("auto")  # a checkpoint's latency: nothing measured, the cap from this model
-    again = reused.cap_for(
-        nn.Linear(256, 256), 2, torch.device("cpu"), reused=None, reused_latency_s=measured.latency_s
-    )
+    again = reused.cap_for(nn.Linear(256, 256), 2, torch.device("cpu"), reused_latency_s=measured.latency_s)
     torch.save(
         {
             "cap": cap,
@@ -128,32 +123,9 @@ def test_gradient_bytes_counts_dtype_width():
     assert gradient_bytes(half.parameters()) == 110 * 2
 
 
-def test_autotuner_measures_each_candidate_after_warmup_and_picks_the_fastest():
-    tuner = BucketAutotuner([1.2, 1.0, 5.0], warmup_steps=2, measure_steps=3)
-    assert tuner.total_steps == 15 and tuner.current == 1.2
-    recorded = {1.2: [9.0, 9.0, 0.30, 0.20, 0.25], 1.0: [9.0, 9.0, 0.40, 0.35, 0.45], 5.0: [9.0, 9.0, 0.1, 0.3, 0.2]}
-    switches = []
-    for cap, times in recorded.items():
-        assert tuner.current == cap
-        due = [tuner.observe() for _ in times]
-        assert due == [False] * 4 + [True]  # warm-up steps (DDP's first, unbucketed step) are not scored
-        switches.append(tuner.advance(tuner.score(times[-tuner.measure_steps :])))
-    assert tuner.scores == {1.2: 0.25, 1.0: 0.40, 5.0: 0.2}
-    assert switches == [1.0, 5.0, 5.0] and tuner.done and tuner.best == 5.0
-    assert tuner.observe() is False  # settled: no more measuring
-    assert tuner.score([]) == math.inf  # no step timed on this rank: never the best
-
-
-def test_choose_cap_prefers_the_larger_cap_within_one_percent():
-    assert choose_cap({1.0: 0.200, 25.0: 0.201, 100.0: 0.25}) == 25.0
-    assert choose_cap({1.0: 0.100, 25.0: 0.200}) == 1.0
-
-
-def test_autotune_candidates_start_with_auto_and_skip_identical_layouts():
-    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 4.2 MiB of gradients
-    candidates = autotune_candidates(model, world_size=2)
-    assert candidates[0] == auto_bucket_cap_mb(gradient_bytes(model.parameters()), 2)
-    # 5, 25 and 100 MiB all give one bucket: only the first of them is tried.
-    assert candidates == [candidates[0], 1.0, 5.0]
-    with pytest.raises(ValueError, match="at least one candidate"):
-        BucketAutotuner([])
+def test_autotune_is_deprecated_and_means_auto():
+    with pytest.deprecated_call(match=r"bucket_cap_mb='autotune' is deprecated and now means 'auto'"):
+        assert buckets.validate_bucket_cap_mb("autotune") == "auto"
+    with pytest.deprecated_call(match="autotune"):
+        strategy = OptimizedDDPStrategy(bucket_cap_mb="autotune")
+    assert strategy._core.buckets.requested == "auto"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_ddpopt.hooks import Int8Config, Int8State, PowerSGDConfig, PowerSGDState
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound
+from lightning_ddpopt.hooks.base import ErrorFeedbackState, SyncRound
 
 pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("gloo_group")]
 

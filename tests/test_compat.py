@@ -81,18 +81,6 @@ def test_ddps_sync_switches_are_what_no_sync_sets(gloo_group):
         _compat.set_ddp_sync(SimpleNamespace(), gradients=True)  # type: ignore[arg-type]
 
 
-def test_a_submodule_is_swapped_wherever_a_module_holds_it():
-    old, new = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    outer, inner = torch.nn.Sequential(old), torch.nn.Module()
-    inner.child = old
-    assert _compat.swap_submodule(old, new) == 2
-    assert outer[0] is new and inner.child is new
-    holder = torch.nn.Module()  # as torch.compile's wrapper holds a module: its forward stays bound to it
-    holder._modules["_orig_mod"] = new
-    with pytest.raises(RuntimeError, match="cannot rewrap a model that Fabric compiled"):
-        _compat.swap_submodule(new, old)
-
-
 def test_attached_comm_hook_names_the_registered_hook(gloo_group):
     model = _ddp()
     assert _compat.attached_comm_hook(model) in (None, "")  # DDP's built-in allreduce
@@ -104,12 +92,6 @@ def test_bucket_assignment_is_ddps_layout(gloo_group):
     tensors = [torch.empty(1000), torch.empty(1000), torch.empty(3000)]  # 4 kB, 4 kB, 12 kB
     assert _compat.bucket_assignment(tensors, cap_bytes=8000) == [[0, 1], [2]]
     assert _compat.bucket_assignment(tensors, cap_bytes=100_000) == [[0, 1, 2]]
-
-
-def test_default_store_is_the_groups_store(gloo_group):
-    store = _compat.default_store()
-    store.set("ddpopt/compat", "1")
-    assert store.get("ddpopt/compat") == b"1"
 
 
 def test_group_backends_finds_the_cpu_backend(gloo_group):
@@ -249,14 +231,9 @@ def test_a_changed_private_api_fails_loudly_naming_it(call, api):
 
 
 def test_a_changed_torch_function_fails_loudly(monkeypatch):
-    from torch.distributed import distributed_c10d
-
     monkeypatch.delattr(dist, "_compute_bucket_assignment_by_size")
-    monkeypatch.delattr(distributed_c10d, "_get_default_store")
     with pytest.raises(RuntimeError, match="_compute_bucket_assignment_by_size"):
         _compat.bucket_assignment([torch.empty(4)], 16)
-    with pytest.raises(RuntimeError, match="_get_default_store"):
-        _compat.default_store()
 
 
 def test_cpu_native_bf16_is_read_from_the_cpu_flags_then_torch(monkeypatch, tmp_path):
@@ -313,14 +290,6 @@ def test_a_fused_optimizer_is_told_by_the_attribute_torch_sets_and_left_to_unsca
     assert torch.equal(parameter.grad, torch.full((4,), 8.0))
     _compat.unscale_once(scaler, torch.optim.SGD([parameter]))
     assert torch.equal(parameter.grad, torch.ones(4))
-
-
-def test_a_compiled_module_holds_its_original_in_the_submodule_the_swap_refuses():
-    inner = nn.Linear(2, 2)
-    compiled = torch.compile(inner)  # nothing is compiled until it is called
-    assert compiled._modules["_orig_mod"] is inner
-    with pytest.raises(RuntimeError, match="cannot rewrap a model that Fabric compiled"):
-        _compat.swap_submodule(inner, nn.Linear(2, 2))
 
 
 def test_a_modules_trainer_is_where_the_progress_bar_is_looked_up():

@@ -8,8 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt.affinity import available_cores, cpu_layout, plan_core_sets
-from lightning_ddpopt.buckets import autotune_candidates, plan_buckets
-from tests.helpers import WIDTH, StackModel, WarningsProbe, fit_ddp, stack_gradient_bytes, uninterrupted_and_resumed
+from tests.helpers import WIDTH, WarningsProbe, fit_ddp, stack_gradient_bytes, uninterrupted_and_resumed
 
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 
@@ -85,25 +84,6 @@ def test_cpu_affinity_gives_each_rank_its_own_cores(tmp_path):
     assert [record["cores"] for record in ranks] == plan_core_sets(cores, 2, cpu_layout(cores))
     assert [record["threads"] for record in ranks] == [len(c) for c in plan_core_sets(cores, 2, cpu_layout(cores))]
     assert not set(ranks[0]["cores"]) & set(ranks[1]["cores"])
-
-
-@pytest.mark.quick
-def test_autotune_settles_on_a_cap_and_applies_it(tmp_path):
-    strategy = OptimizedDDPStrategy(bucket_cap_mb="autotune", comm_hook="fp16", start_method="fork")
-    ranks = fit_ddp(tmp_path, strategy, samples=30 * 16, max_steps=30)
-    candidates = autotune_candidates(StackModel(), 2)
-    chosen = {record["bucket_plan"]["cap_mb"] for record in ranks}
-    assert len(chosen) == 1 and chosen <= set(candidates)  # every rank took the same decision
-    for record in ranks:
-        # Every candidate was measured; the scores are the same on every rank (the slowest rank's medians).
-        assert list(record["autotune_scores"]) == candidates
-        assert record["autotune_scores"] == ranks[0]["autotune_scores"]
-        # The last steps ran on DDP buckets built with the chosen cap, exactly as planned for it.
-        cap = record["bucket_plan"]["cap_mb"]
-        assert record["bucket_layout"] == plan_buckets(StackModel(), cap, 2).predicted_bucket_bytes
-        assert record["bucket_plan"]["requested"] == "autotune"
-        assert all(step["sync_rounds"] == 1 for step in record["steps"])
-    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"], rtol=0, atol=0)
 
 
 @pytest.mark.quick

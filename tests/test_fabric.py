@@ -151,8 +151,6 @@ def _work(fabric: Fabric, run: Run) -> None:
             "report": str(report) if report is not None else None,
             "hook": strategy.comm_hook_name,
             "scale": scaler.get_scale() if scaler is not None else None,
-            "autotuned": strategy.autotuner.best if strategy.autotuner is not None else None,
-            "autotune_tried": len(strategy.autotuner.scores) if strategy.autotuner is not None else 0,
             "forward_module_is_ddp": model._forward_module is strategy.model,
             "optimizer_steps": strategy.optimizer_steps,
             "state": type(strategy.comm_state).__name__,
@@ -224,8 +222,6 @@ def test_the_trainer_names_are_registered_for_fabric():
 def test_bad_arguments_fail_at_construction_as_on_the_trainer():
     with pytest.raises(ValueError, match="comm_hook='gzip' is not"):
         OptimizedDDPStrategy(comm_hook="gzip")
-    with pytest.raises(ValueError, match="bucket_cap_mb='autotune' with local_sgd"):
-        OptimizedDDPStrategy(bucket_cap_mb="autotune", local_sgd=LocalSGDConfig.diloco(8))
     with pytest.raises(ValueError, match="checkpoint_timeout"):
         OptimizedDDPStrategy(checkpoint_timeout=-1)
 
@@ -444,14 +440,3 @@ def test_validation_between_batches_is_not_data_time(tmp_path):
     last = report["summary"]["stragglers"]["last"]
     assert not last["is_straggler"], last
     assert max(rank["data"] for rank in last["per_rank_ms"].values()) < 25
-
-
-def test_autotune_swaps_the_ddp_inside_fabrics_module(tmp_path):
-    # 6.3 MB of gradients: the caps tried give 1 to 7 buckets, so DDP is wrapped anew for each.
-    ranks = launch(Run(str(tmp_path), steps=30, accumulate=1, bucket_cap_mb="autotune", callbacks=[], width=256))
-    assert_ranks_identical(ranks)
-    for rank in ranks:
-        assert rank["autotuned"] is not None and rank["autotune_tried"] >= 3
-        assert rank["forward_module_is_ddp"]  # the model Fabric returned runs the final DDP
-        assert [s["sync_rounds"] for s in rank["steps"]] == [1] * 30
-    assert ranks[0]["autotuned"] == ranks[1]["autotuned"]

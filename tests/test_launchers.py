@@ -200,7 +200,7 @@ def test_every_launcher(tmp_path, launcher):
         {"comm_hook": "allreduce"},
         {"comm_hook": PowerSGDConfig(rank=2)},
         {"comm_hook": Int8Config()},
-        {"comm_hook": "auto", "bucket_cap_mb": "autotune"},
+        {"comm_hook": "auto"},
         {"local_sgd": LocalSGDConfig.diloco(8, overlap_steps=2, compression="int8"), "cpu_affinity": True},
     ],
     ids=["allreduce", "powersgd", "int8", "auto", "localsgd"],

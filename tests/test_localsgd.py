@@ -363,8 +363,6 @@ def test_combinations_that_cannot_apply_are_refused():
         OptimizedDDPStrategy(comm_hook="auto", local_sgd=LocalSGDConfig(warmup_steps=10))
     with pytest.raises(ValueError, match=r"local_sgd and model_averaging_period=4 both given"):
         OptimizedDDPStrategy(model_averaging_period=4, local_sgd=LocalSGDConfig())
-    with pytest.raises(ValueError, match=r"bucket_cap_mb='autotune' with local_sgd"):
-        OptimizedDDPStrategy(bucket_cap_mb="autotune", local_sgd=LocalSGDConfig())
     with pytest.raises(TypeError, match=r"local_sgd=16 must be a LocalSGDConfig"):
         OptimizedDDPStrategy(local_sgd=16)
     # A hook for the warm-up is fine.
@@ -392,7 +390,8 @@ def test_int8_mean_is_within_half_a_quantisation_step(gloo_group):
     delta = torch.randn(3030) * torch.linspace(0.01, 10, 3030)
     local.before_batch()  # anchored: the kept buffers are allocated
     mean = local._work_buffer().copy_(delta)
-    sent = local._mean_inplace(mean)
+    sent, committed = local._average(mean)
+    assert committed
     assert sent == 3 * 1024 + 3 * 4
     for block in range(3):
         part = slice(block * 1024, min((block + 1) * 1024, 3030))
@@ -631,9 +630,9 @@ class _SaveAt(pl.Callback):
 @pytest.mark.parametrize("slow_rank", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_save_waits_for_a_rank_that_trains_on_apart(tmp_path, slow_rank):
     # H = 8: the ranks train apart for the whole run. The slow rank sleeps 0.4 s a step, so it reaches the save at
-    # step 6 about 2.4 s after the other, beyond checkpoint_timeout=1 s: it trains on (its beats say so), and the
-    # save waits for it, as Lightning's own barrier would, instead of ending a healthy run. (ModelCheckpoint
-    # broadcasts whether its file exists first, which already waits for every rank.)
+    # step 6 about 2.4 s after the other: the save waits for it under the process group's timeout, as Lightning's own
+    # barrier would, instead of ending a healthy run. (ModelCheckpoint broadcasts whether its file exists first,
+    # which already waits for every rank.)
     ranks = _fit(
         tmp_path,
         LocalSGDConfig(sync_every=8),
@@ -641,7 +640,6 @@ def test_a_save_waits_for_a_rank_that_trains_on_apart(tmp_path, slow_rank):
         max_steps=8,
         max_epochs=2,
         callbacks=[_SaveAt(tmp_path / "step6.ckpt", 6)],
-        strategy_kwargs={"checkpoint_timeout": 1.0},
     )
     saved = read_saved_run(tmp_path / "step6.ckpt")
     assert saved is not None and saved.local_sgd is not None
@@ -669,9 +667,8 @@ class _LoneSaveAt(pl.Callback):
 
 
 def test_a_save_fails_once_the_rank_it_waits_for_stops_training(tmp_path):
-    # Rank 0 alone saves at step 2 of a window of 8: rank 1 trains on (its beats keep rank 0 waiting) to the sync at
-    # step 8, where it waits for rank 0 and stops beating; the save then fails within checkpoint_timeout, naming it,
-    # and rank 0 goes on to meet it at that sync.
+    # Rank 0 alone saves at step 2 of a window of 8 while rank 1 trains on: the save fails after checkpoint_timeout,
+    # naming rank 1, and rank 0 goes on to meet it at the sync of step 8 (the saves' group is not training's).
     ranks = _fit(
         tmp_path,
         LocalSGDConfig(sync_every=8),
@@ -683,12 +680,12 @@ def test_a_save_fails_once_the_rank_it_waits_for_stops_training(tmp_path):
     )
     result = torch.load(tmp_path / "lone.pt")
     assert result["message"] == (
-        "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but "
-        "rank(s) [1] did not call save_checkpoint within 1 s. Call trainer.save_checkpoint on every rank, as "
-        "Lightning's DDP strategies require (ModelCheckpoint does)."
+        "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but not "
+        "every rank called save_checkpoint within 1 s ([Rank 0]: Ranks 1 failed to pass monitoredBarrier in 1000 "
+        "ms). Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies require (ModelCheckpoint "
+        "does)."
     )
-    # It waited while rank 1 trained its 6 steps (0.3 s each), then at most about two timeouts more.
-    assert 6 * 0.3 < result["seconds"] < 6 * 0.3 + 8, result
+    assert 1 <= result["seconds"] < 8, result
     assert all(record["local"]["syncs"] == 1 for record in ranks)
 
 

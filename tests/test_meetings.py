@@ -1,4 +1,4 @@
-"""The meeting rules' small parts in one process: Exchange's travelling gather and DeferredRead."""
+"""The meeting rules' small parts in one process: Exchange's gather in flight and DeferredRead."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def test_a_gather_in_passing_arrives_at_the_next_meeting(gloo_group):
     assert exchange.arrived() is None  # read once
 
 
-def test_a_travelling_gather_must_be_read_before_the_next(gloo_group):
+def test_a_gather_in_flight_must_be_read_before_the_next(gloo_group):
     exchange = Exchange()
     exchange.gather(torch.tensor([1.0]), world_size=1, in_passing=True)
-    with pytest.raises(AssertionError, match="read the travelling gather"):
+    with pytest.raises(AssertionError, match="read the gather in flight"):
         exchange.gather(torch.tensor([2.0]), world_size=1, in_passing=True)
 
 

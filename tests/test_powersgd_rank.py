@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from lightning_ddpopt.deferred import DeferredRead
-from lightning_ddpopt.hooks import lowrank
+from lightning_ddpopt.hooks import powersgd
 from lightning_ddpopt.hooks.auto import _ProbeBucket
-from lightning_ddpopt.hooks.powersgd import powersgd_hook
-from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.hooks.powersgd_rank import (
     EXACT_PATIENCE,
     FALL_MARGIN,
@@ -22,7 +21,6 @@ from lightning_ddpopt.hooks.powersgd_rank import (
     RANK_WINDOW,
     RankController,
 )
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
 from lightning_ddpopt.ledger import CommLedger
 
 pytestmark = pytest.mark.quick
@@ -68,9 +66,9 @@ def test_a_warm_up_spike_raises_the_rank_and_it_falls_back_when_half_the_rank_wo
     state = _state(config, bucket, ledger)
     gradients = _spike_then_low_rank(2 * RANK_WINDOW, 8 * RANK_WINDOW)
     drawn = []  # the rounds that drew a fresh projection for Q instead of warm-starting from the last one
-    draw = lowrank.random_q
+    draw = powersgd.random_q
     monkeypatch.setattr(
-        lowrank, "random_q", lambda *args, **kwargs: drawn.append(state.iteration) or draw(*args, **kwargs)
+        powersgd, "random_q", lambda *args, **kwargs: drawn.append(state.iteration) or draw(*args, **kwargs)
     )
     sent = [_sync(state, ledger, bucket, g) for g in gradients]
     verdicts = _verdicts(config, 10)

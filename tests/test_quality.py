@@ -20,12 +20,9 @@ from lightning_ddpopt.hooks.auto import _ProbeBucket
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import powersgd_hook
-from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig, is_adaptive
-from lightning_ddpopt.hooks.powersgd_rank import EXACT_PATIENCE, RANK_WINDOW
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
-from lightning_ddpopt.ledger import CommLedger
-from lightning_ddpopt.records import local_drift
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.powersgd_rank import ERROR_BOUNDS, EXACT_PATIENCE, RANK_WINDOW, is_adaptive
+from lightning_ddpopt.ledger import CommLedger, local_drift
 from tests.helpers import StackModel, fit_ddp
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.quick
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_ddpopt"
 #: Attributes without a leading underscore that torch documents nowhere: set through ``_compat`` only.
-UNDOCUMENTED = {"require_backward_grad_sync", "require_forward_param_sync", "get_referrers"}
+UNDOCUMENTED = {"require_backward_grad_sync", "require_forward_param_sync"}
 #: What the strategies read of the ``DDPStrategy`` they subclass, declared and checked at construction in ``_compat``.
 INHERITED = set(_compat.DDP_STRATEGY_INTERNALS) | set(_compat.FABRIC_DDP_STRATEGY_ATTRIBUTES)
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from lightning_ddpopt.core import CoreViews
-from lightning_ddpopt.ledger import CommLedger
-from lightning_ddpopt.records import StepRecord
+from lightning_ddpopt.ledger import CommLedger, StepRecord
+from lightning_ddpopt.measuring import CoreViews
 from lightning_ddpopt.timing import HostTimeline, Timeline, timeline_for
 
 __all__ = ["LedgerCursor"]

@@ -1,6 +1,6 @@
 """AMPMonitor: loss scale, overflows, skipped steps and non-finite gradients inside Lightning's Trainer.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ class AMPMonitor(MeasuringCallback):
         self._scaler: torch.amp.GradScaler | None = None
         self._checked_through = 0  # the last optimizer step whose gradients (or parameters) were checked
         self._patched_module: pl.LightningModule | None = None
-        self._exchange = Exchange()  # every rank's verdict, travelling from a meeting in passing to the next check
-        self._travelling: _Found | None = None
+        self._exchange = Exchange()  # every rank's verdict, in flight from a meeting in passing to the next check
+        self._in_flight: _Found | None = None
         self._deferred: _Deferred | None = None  # on a GPU, the last check's verdict, read at the next one
 
     @property
@@ -212,7 +212,7 @@ class AMPMonitor(MeasuringCallback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._exchange.drop()
-        self._travelling = self._deferred = None
+        self._in_flight = self._deferred = None
         if self._patched_module is not None:
             del self._patched_module.lr_scheduler_step
             self._patched_module = None
@@ -230,7 +230,7 @@ class AMPMonitor(MeasuringCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._scaler is None and self.check_nonfinite:
-            # The end of fit is a meeting: a verdict still travelling arrives, and local SGD's steps since its last
+            # The end of fit is a meeting: a verdict still in flight arrives, and local SGD's steps since its last
             # sync (the same on every rank) are checked.
             if self._checked_through < self.steps:
                 # No logs at the end of fit.
@@ -238,7 +238,7 @@ class AMPMonitor(MeasuringCallback):
                     trainer, pl_module, parameters=True, log=False, checked="checked at the end of fit"
                 )
             else:
-                self._decide_travelled(trainer)
+                self._decide_in_flight(trainer)
                 self._decide_deferred(trainer)
         report_if_last(trainer, self)
 
@@ -356,11 +356,11 @@ class AMPMonitor(MeasuringCallback):
         ``parameters``: check the parameters too, which cover the steps since the last check (between local SGD's
         syncs: a non-finite gradient leaves its parameter non-finite after the optimizer step). Called only where
         the ranks meet anyway (:mod:`lightning_ddpopt.meetings`), so it adds no barrier: gradients every rank holds
-        alike decide without a collective; otherwise every rank's verdict is exchanged, travelling until the next
+        alike decide without a collective; otherwise every rank's verdict is exchanged, in flight until the next
         check where the ranks meet only in passing (``in_passing``). ``checked``: when such checks come, for the
         report.
         """
-        self._decide_travelled(trainer)
+        self._decide_in_flight(trainer)
         self._decide_deferred(trainer)
         steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
         self._checked_through = self.steps
@@ -386,10 +386,10 @@ class AMPMonitor(MeasuringCallback):
         if alike:
             verdict = flag  # the same gradients on every rank: the same verdict, no collective
         elif dist.is_available() and dist.is_initialized():
-            # One collective (the strategy's reduce adds a barrier); in passing it travels to the next check.
+            # One collective (the strategy's reduce adds a barrier); in passing it stays in flight to the next check.
             flags = self._exchange.gather(flag, trainer.world_size, in_passing, final=not log)
             if flags is None:
-                self._travelling = found
+                self._in_flight = found
                 self._log_count(pl_module, log)
                 return
             verdict = flags.max()
@@ -409,10 +409,10 @@ class AMPMonitor(MeasuringCallback):
         if deferred is not None and deferred.read():
             self._report_nonfinite(trainer, deferred.found)
 
-    def _decide_travelled(self, trainer: pl.Trainer) -> None:
+    def _decide_in_flight(self, trainer: pl.Trainer) -> None:
         """Act on the verdicts exchanged in passing at the previous check, every rank alike."""
-        flags, found = self._exchange.arrived(), self._travelling
-        self._travelling = None
+        flags, found = self._exchange.arrived(), self._in_flight
+        self._in_flight = None
         if flags is not None and found is not None and bool(flags.max().item()):
             self._report_nonfinite(trainer, found)
 

@@ -1,6 +1,6 @@
 """CommProfiler: sync time (its span and the part the step waits for), bytes, bandwidth and jitter, across ranks.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ from lightning_ddpopt._validate import require_int, require_number
 from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
-from lightning_ddpopt.core import CoreViews
 from lightning_ddpopt.costmodel import bus_bandwidth
 from lightning_ddpopt.deferred import to_device
-from lightning_ddpopt.ledger import CommLedger
-from lightning_ddpopt.measuring import MeasuringCallback
+from lightning_ddpopt.ledger import QUALITY_FIELDS, CommLedger, StepRecord, local_drift, run_quality
+from lightning_ddpopt.measuring import CoreViews, MeasuringCallback
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
-from lightning_ddpopt.records import QUALITY_FIELDS, StepRecord, local_drift, run_quality
 from lightning_ddpopt.timing import median_seconds
 from lightning_ddpopt.units import MIB, format_bytes
 
@@ -59,7 +57,7 @@ class CommProfiler(MeasuringCallback):
     once and steps aside). Every ``every_n_steps`` optimizer steps the ranks' figures are aggregated (one small
     all-gather) and logged (under local SGD at the next parameter sync, where the ranks meet anyway: see
     :func:`lightning_ddpopt.meetings.ranks_meet`; with ``overlap_steps`` the ranks do not wait for each other at a
-    sync's start, so the gather travels and its figures are logged at the next sync); nothing else communicates
+    sync's start, so the gather stays in flight and its figures are logged at the next sync); nothing else communicates
     during training.
 
     ====================================  ==========================================================================
@@ -192,7 +190,7 @@ class CommProfiler(MeasuringCallback):
         #: The quality figures over the whole run and every rank (set at the end of fit; see :func:`_run_quality`).
         self.run_quality: dict[str, float] = {}
         self._interval: dict[str, list[float]] = {name: [] for name in _INTERVAL_FIELDS}
-        self._exchange = Exchange()  # every rank's figures, travelling from a meeting in passing to the next one
+        self._exchange = Exchange()  # every rank's figures, in flight from a meeting in passing to the next one
         self._fit_steps = 0  # steps taken in this fit (the first jitter_skip_steps are not jitter)
 
     @override
@@ -371,7 +369,7 @@ class CommProfiler(MeasuringCallback):
         }
 
     def _aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_passing: bool, log: bool) -> None:
-        """Gather every rank's figures since the last aggregation and derive the logged ones; in passing they travel."""
+        """Gather every rank's figures since the last aggregation and derive the logged ones (in passing: later)."""
         self._use_arrived(trainer.world_size, pl_module, log)
         local = self._local_figures(pl_module.device)
         gathered = self._exchange.gather(local, trainer.world_size, in_passing, final=not log)

@@ -1,6 +1,6 @@
 """StragglerDetector: which rank is slow, by how much, and in which phase: data, compute or the optimizer step.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from lightning_ddpopt.callbacks._cursor import LedgerCursor
 from lightning_ddpopt.callbacks._report import report_if_last
 from lightning_ddpopt.callbacks._tensorboard import charts, write_layout_if_first
 from lightning_ddpopt.deferred import to_device
+from lightning_ddpopt.ledger import StepRecord
 from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.meetings import Exchange, meets_in_passing, ranks_meet
-from lightning_ddpopt.records import StepRecord
 from lightning_ddpopt.timing import Mark, Timeline
 
 __all__ = ["StragglerDetector"]
@@ -87,8 +87,8 @@ class StragglerDetector(MeasuringCallback):
     whoever is slow makes the others wait, wherever their next sync point is. Every ``every_n_steps`` steps the
     per-rank means are gathered (one small all-gather; under local SGD at the next parameter sync, where the ranks
     meet anyway: see :func:`lightning_ddpopt.meetings.ranks_meet`; with ``overlap_steps`` the ranks do not wait for
-    each other at a sync's start, so the gather travels and its verdict comes at the next sync); at the end of fit
-    the steps since the last window get a verdict too, so a run shorter than one window still gets one.
+    each other at a sync's start, so the gather stays in flight and its verdict comes at the next sync); at the end of
+    fit the steps since the last window get a verdict too, so a run shorter than one window still gets one.
 
     On CPU the phases are host times. On a GPU every boundary is a CUDA event on the current stream, read back a
     step or so later without a host sync: data is then the time the device sat idle while the host fetched,
@@ -158,8 +158,8 @@ class StragglerDetector(MeasuringCallback):
         self._totals: torch.Tensor | None = None
         self._steps_in_window = 0
         self._undecided = False
-        self._exchange = Exchange()  # every rank's sums, travelling from a meeting in passing to the next one
-        self._travelling_step = 0
+        self._exchange = Exchange()  # every rank's sums, in flight from a meeting in passing to the next one
+        self._in_flight_step = 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -239,7 +239,7 @@ class StragglerDetector(MeasuringCallback):
             return
         self._records.extend(self._cursor.new_records(wait=True))
         self._resolve(wait=True)
-        self._decide_travelled(trainer, pl_module, log=False)  # the end of fit is a meeting
+        self._decide_in_flight(trainer, pl_module, log=False)  # the end of fit is a meeting
         # The steps since the last window (all of a run shorter than one window) get a verdict too. Host step
         # counts and gathered figures decide, so every rank takes this branch or none does.
         if self._steps_in_window > 0 or self._undecided:
@@ -295,8 +295,8 @@ class StragglerDetector(MeasuringCallback):
             self._totals += torch.tensor(step, dtype=torch.float64)
 
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
-        """Gather every rank's sums since the last gather, and decide; in passing the sums travel to the next one."""
-        self._decide_travelled(trainer, pl_module, log=not final)
+        """Gather every rank's sums since the last gather, and decide (in passing: at the next gather)."""
+        self._decide_in_flight(trainer, pl_module, log=not final)
         assert self._totals is not None  # made in setup
         local = to_device(self._totals.clone(), pl_module.device)
         self._totals.zero_()
@@ -304,14 +304,14 @@ class StragglerDetector(MeasuringCallback):
         in_passing = not final and meets_in_passing(trainer)
         gathered = self._exchange.gather(local, trainer.world_size, in_passing, final=final)
         if gathered is None:
-            self._travelling_step = trainer.global_step
+            self._in_flight_step = trainer.global_step
         else:
             self._decide(trainer, pl_module, gathered, trainer.global_step, final=final, log=not final)
 
-    def _decide_travelled(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
+    def _decide_in_flight(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
         gathered = self._exchange.arrived()
         if gathered is not None:
-            self._decide(trainer, pl_module, gathered, self._travelling_step, final=False, log=log)
+            self._decide(trainer, pl_module, gathered, self._in_flight_step, final=False, log=log)
 
     def _decide(
         self,

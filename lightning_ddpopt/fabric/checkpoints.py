@@ -66,8 +66,8 @@ class CheckpointingDDPStrategy(FabricDDPStrategy):
         What differs per rank (comm-hook state, local SGD's inner optimizer and island outer states) goes to the
         directory ``path + ".ddpopt"``, each rank writing its own (see :mod:`lightning_ddpopt.checkpoint_shards`).
 
-        Every rank must call it, as Fabric requires; with a stateful hook a call on fewer ranks raises within
-        ``checkpoint_timeout`` seconds (see :mod:`lightning_ddpopt.checkpoint`).
+        Every rank must call it, as Fabric requires; with a stateful hook a call on fewer ranks raises once the
+        process group's timeout (or ``checkpoint_timeout``) has passed (see :mod:`lightning_ddpopt.checkpoint`).
 
         Args:
             path: where the checkpoint goes, as for ``fabric.save``.

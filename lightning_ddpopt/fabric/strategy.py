@@ -50,7 +50,6 @@ from lightning_ddpopt._compat import (
     check_ddp_strategy_internals,
     check_versions,
     set_ddp_sync,
-    swap_submodule,
     unscale_once,
 )
 from lightning_ddpopt._groups import destroy_process_group_at_exit
@@ -65,7 +64,7 @@ from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import fabric_state, load_fabric_state
 from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
 from lightning_ddpopt.strategy_base import CoreStrategy
@@ -117,7 +116,8 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         find_unused_parameters: see ``DistributedDataParallel``.
         static_graph: see ``DistributedDataParallel``; refused with ``fabric.no_backward_sync`` (pytorch#143580).
         cpu_affinity: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
-        checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks only).
+        checkpoint_timeout: seconds a checkpoint save waits for every rank before it raises (stateful hooks and
+            local SGD only); ``None``: the process group's ``timeout``.
         local_sgd: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
         hierarchical: see :class:`lightning_ddpopt.OptimizedDDPStrategy`.
         fault_tolerance: see :class:`lightning_ddpopt.OptimizedDDPStrategy` and above.
@@ -144,7 +144,7 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         cpu_affinity: bool | list[list[int]] = False,
-        checkpoint_timeout: float = 30.0,
+        checkpoint_timeout: float | None = None,
         local_sgd: LocalSGDConfig | None = None,
         hierarchical: bool | Literal["auto"] = "auto",
         fault_tolerance: FaultTolerance | None = None,
@@ -291,7 +291,6 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
             (lambda: super(OptimizedDDPStrategy, self).optimizer_step(optimizer, **kwargs)) if take else lambda: None,
             self.model,
             rank_zero_info,
-            self._rewrap,
         )
         if ft is not None:
             ft.after_step()
@@ -416,19 +415,6 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
                 yield
         finally:
             self._sync_blocked -= 1
-
-    def _rewrap(self, cap_mb: float) -> DistributedDataParallel:
-        """Wrap the module in a new DDP with ``cap_mb`` (autotune); the parameters, optimizer and hook state stay.
-
-        Fabric holds the DDP module inside its own wrapper, which the strategy never sees: every module that holds
-        the old DDP as a submodule is pointed at the new one.
-        """
-        old = self.model
-        assert old is not None
-        new = self._wrapped_again(old.module, cap_mb, self._wrap)
-        if not swap_submodule(old, new):
-            raise RuntimeError("ddpopt: bucket_cap_mb='autotune' found no module holding the DDP-wrapped model")
-        return new
 
     def _loss_scale(self) -> torch.Tensor | None:
         return current_loss_scale(self.precision)

@@ -56,7 +56,7 @@ class FaultTolerance:
         compression: the precision each step's gradients cross the islands in: ``"fp32"`` (default), or ``"fp16"``
             or ``"bf16"`` (half the bytes on the link between islands; each island's gradients are divided by the
             islands taking part before the cast, as the ``fp16`` hook does, so the sum overflows only where the mean
-            would). Per step only: with ``local_sgd`` the change travels in ``LocalSGDConfig(compression=...)``.
+            would). Per step only: with ``local_sgd`` the change is compressed by ``LocalSGDConfig(compression=...)``.
     """
 
     islands: int | None = None
@@ -206,7 +206,7 @@ def check_fault_tolerance(config: object, local_sgd: LocalSGDConfig | None) -> N
     if local_sgd is not None and config.compression != "fp32":
         raise ValueError(
             f"FaultTolerance compression={config.compression!r} is for the per-step average across islands; with "
-            "local_sgd the change travels in LocalSGDConfig(compression=...): leave FaultTolerance's at 'fp32'"
+            "local_sgd the change is compressed by LocalSGDConfig(compression=...): leave FaultTolerance's at 'fp32'"
         )
     if local_sgd is not None:
         # The islands sync every H steps through torchft, blocking, the change sent whole in its own precision.

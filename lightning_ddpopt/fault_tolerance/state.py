@@ -36,9 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_ddpopt._compat import batches_that_stepped, move_training_data
-from lightning_ddpopt.core import CoreViews
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState
+from lightning_ddpopt.hooks.base import ErrorFeedbackState
 from lightning_ddpopt.localsgd import LocalSGD
+from lightning_ddpopt.measuring import CoreViews
 
 __all__ = [
     "FabricIsland",

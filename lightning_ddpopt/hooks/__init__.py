@@ -1,16 +1,22 @@
 """Comm hooks with torch's ``(state, bucket) -> Future[Tensor]`` signature, and their registry."""
 
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook
-from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.base import CommHookState, ErrorFeedbackState, squared_norm
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
 from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import powersgd_hook
-from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
-from lightning_ddpopt.hooks.registry import COMM_HOOKS, HookSpec, get_hook_spec, int8_spec, powersgd_spec
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.registry import (
+    COMM_HOOKS,
+    HookSpec,
+    get_hook_spec,
+    int8_spec,
+    powersgd_spec,
+    register_comm_hook,
+)
+from lightning_ddpopt.hooks.two_tier import TwoTierForm
 
 __all__ = [
     "AUTO_HOOK",
@@ -18,6 +24,7 @@ __all__ = [
     "COMM_HOOKS",
     "HookChoice",
     "CommHookState",
+    "ErrorFeedbackState",
     "HierarchicalInt8State",
     "HierarchicalPowerSGDState",
     "HierarchicalState",
@@ -26,6 +33,7 @@ __all__ = [
     "Int8State",
     "PowerSGDConfig",
     "PowerSGDState",
+    "TwoTierForm",
     "allreduce_mean_hook",
     "bf16_allreduce_hook",
     "choose_hook",
@@ -38,4 +46,6 @@ __all__ = [
     "int8_spec",
     "powersgd_hook",
     "powersgd_spec",
+    "register_comm_hook",
+    "squared_norm",
 ]

@@ -2,7 +2,7 @@
 
 PowerSGD's chains run on one, so that every rank issues their collectives in DDP's bucket order while the backward
 pass goes on; int8's two later stages run on two, bucket after bucket, while the backward pass goes on; local SGD's
-travelling sync is carried on on one as soon as it arrives (int8's second stage, an island's outer step and gather).
+sync in flight is carried on on one as soon as it arrives (int8's second stage, an island's outer step and gather).
 """
 
 from __future__ import annotations

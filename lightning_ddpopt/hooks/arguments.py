@@ -1,4 +1,4 @@
-"""The strategy's comm-hook arguments checked at construction, and which registry hooks have a two-tier form."""
+"""The strategy's comm-hook arguments checked at construction, alone and against local SGD."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ from typing import Literal
 
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
-from lightning_ddpopt.hooks.registry import HookSpec, get_hook_spec, int8_spec, powersgd_spec, validate_hook_callable
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.registry import (
+    HookSpec,
+    get_hook_spec,
+    hierarchical_hooks,
+    int8_spec,
+    powersgd_spec,
+    validate_hook_callable,
+)
+from lightning_ddpopt.localsgd.config import LocalSGDConfig
 
-__all__ = ["DEFAULT_COMM_HOOK", "HIERARCHICAL_HOOKS", "validate_comm_hook", "validate_hierarchical"]
+__all__ = ["DEFAULT_COMM_HOOK", "validate_comm_hook", "validate_hierarchical", "validate_local_sgd"]
 
 DEFAULT_COMM_HOOK = "allreduce"
-#: The registry hooks with a two-tier form: :mod:`lightning_ddpopt.hooks.hierarchical`'s (the dtype each casts to
-#: between nodes: ``_CAST`` in :mod:`lightning_ddpopt.hooks.install`), :mod:`lightning_ddpopt.hooks.hierarchical_int8`'s
-#: and :mod:`lightning_ddpopt.hooks.hierarchical_powersgd`'s.
-HIERARCHICAL_HOOKS = ("allreduce", "fp16", "bf16", "int8", "powersgd", "powersgd_fp16", "powersgd_bf16")
 
 
 def validate_hierarchical(
@@ -24,13 +28,14 @@ def validate_hierarchical(
 ) -> bool | Literal["auto"]:
     """Check ``hierarchical`` at construction: ``True``, ``False`` or ``"auto"``.
 
-    ``True`` needs a registry hook with a two-tier form (batched PowerSGD has none), or ``"auto"``.
+    ``True`` needs a registry hook with a two-tier form (``HookSpec.two_tier``; batched PowerSGD has none), or
+    ``"auto"``.
     """
     if hierarchical is not True and hierarchical is not False and hierarchical != "auto":
         raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto'")
     if hierarchical is not True:
         return "auto" if hierarchical == "auto" else False
-    forms = ", ".join(map(repr, HIERARCHICAL_HOOKS))
+    forms = ", ".join(map(repr, hierarchical_hooks()))
     if ddp_comm_hook is not None:
         raise ValueError(
             f"hierarchical=True applies to the registry hooks with a two-tier form ({forms}), not to "
@@ -38,15 +43,15 @@ def validate_hierarchical(
         )
     if isinstance(comm_hook, AutoConfig) or (isinstance(comm_hook, str) and comm_hook == AUTO_HOOK):
         return True  # every hook "auto" may choose has a two-tier form
-    if spec is None or spec.name not in HIERARCHICAL_HOOKS:
-        raise ValueError(
-            f"hierarchical=True needs a comm_hook with a hierarchical form ({forms}, or 'auto'), "
-            f"not comm_hook={comm_hook!r}"
-        )
     if isinstance(comm_hook, PowerSGDConfig) and comm_hook.batched:
         raise ValueError(
             f"hierarchical=True with comm_hook={comm_hook!r}: batched PowerSGD makes one matrix of a whole bucket, "
             "which has no two-tier form; pass batched=False or hierarchical='auto'"
+        )
+    if spec is None or spec.two_tier is None:
+        raise ValueError(
+            f"hierarchical=True needs a comm_hook with a hierarchical form ({forms}, or 'auto'), "
+            f"not comm_hook={comm_hook!r}"
         )
     return True
 
@@ -88,3 +93,36 @@ def validate_comm_hook(
         )
     validate_hook_callable(comm_hook)
     return None, comm_hook
+
+
+def validate_local_sgd(
+    local_sgd: object,
+    *,
+    comm_hook: object,
+    default_hook: str,
+    ddp_comm_hook: Callable | None,
+    model_averaging_period: int | None,
+) -> None:
+    """Refuse local SGD settings that cannot apply together with the strategy's other arguments, at construction."""
+    if local_sgd is None:
+        return
+    if not isinstance(local_sgd, LocalSGDConfig):
+        raise TypeError(f"local_sgd={local_sgd!r} must be a LocalSGDConfig (e.g. LocalSGDConfig.diloco(16)) or None")
+    if model_averaging_period is not None:
+        raise ValueError(
+            f"local_sgd and model_averaging_period={model_averaging_period} both given: they are two local SGD "
+            "schemes; use local_sgd=LocalSGDConfig.post_local_sgd(...) for Lightning's post-local SGD"
+        )
+    if comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig):
+        raise ValueError(
+            "comm_hook='auto' with local_sgd: auto picks a gradient hook for every step, but with local SGD gradients "
+            "sync only during the warm-up; name the warm-up's hook (e.g. comm_hook='fp16') or leave the default"
+        )
+    custom_hook = ddp_comm_hook is not None or comm_hook not in (None, default_hook)
+    if custom_hook and local_sgd.warmup_steps == 0:
+        hook = ddp_comm_hook if ddp_comm_hook is not None else comm_hook
+        raise ValueError(
+            f"comm_hook={hook!r} would never run: with local_sgd and warmup_steps=0 no gradient is ever "
+            "synchronised. Set LocalSGDConfig(warmup_steps=N) to run it for the first N steps, or drop it; "
+            f"the parameter syncs are compressed by LocalSGDConfig(compression=...) ({local_sgd.compression!r} now)"
+        )

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks.int8 import Int8Config
-from lightning_ddpopt.hooks.powersgd_config import PowerSGDConfig
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
 from lightning_ddpopt.timing import median_seconds
 
 __all__ = ["AUTO_HOOK", "AutoConfig", "HookChoice", "choose_hook", "measure_hook_costs"]

@@ -28,7 +28,7 @@ The ledger counts the packed shard (payload and scales, padding included) as the
 cross nodes, and the fp32 blocks of the first ``all_to_all`` (the bucket, padded to whole blocks and to equal
 shards) as the intra-node bytes. A block holding an inf or NaN gets a non-finite scale: every rank dequantises it,
 every rank's round sees it (the scales checked are the gathered ones, the same everywhere) and no rank commits that
-round's errors (:mod:`lightning_ddpopt.hooks.feedback`).
+round's errors (:mod:`lightning_ddpopt.hooks.base`).
 
 On a CPU the three stages are a pipeline (:class:`~lightning_ddpopt.hooks.hierarchical.TierStages`): a thread and
 a group each; with numba the quantisation with error feedback and the dequantisation into the bucket are the flat
@@ -36,7 +36,7 @@ hook's fused loops (:mod:`lightning_ddpopt.hooks._kernels`). On CUDA the stages 
 side stream. Memory beyond DDP's buckets, per bucket in flight: the padded bucket twice in fp32 (sent and received
 inside the node) and its int8 gather, O(P); the shard's errors (committed and being written), O(P / M).
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 import math
@@ -48,8 +48,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks import _kernels
-from lightning_ddpopt.hooks.base import squared_norm
-from lightning_ddpopt.hooks.feedback import SyncRound, fed_back_sq
+from lightning_ddpopt.hooks.base import SyncRound, fed_back_sq, squared_norm
 from lightning_ddpopt.hooks.hierarchical import TierStages, run_all
 from lightning_ddpopt.hooks.int8 import Int8State
 from lightning_ddpopt.hooks.int8_codec import (

@@ -18,7 +18,7 @@ every rank (the groups are :class:`lightning_ddpopt.topology.TierGroups`'):
    feedback and warm start, the rest exactly; so the mean of the N node means is every rank's mean;
 3. **inside the node**: the owners' payloads (each compressed matrix's reduced P and Q, the other gradients' reduced
    values) are all-gathered; every rank writes the others' exact values as they are, and every rank, the owner too,
-   decompresses every matrix from the gathered bytes (:func:`~lightning_ddpopt.hooks.lowrank.decompress`): the same
+   decompresses every matrix from the gathered bytes (:func:`~lightning_ddpopt.hooks.powersgd.decompress`): the same
    computation on the same memory everywhere, so every rank ends with the same bucket, bit for bit.
 
 Flat PowerSGD already sends only its factors: what crosses the nodes is the same; each rank computes the power
@@ -36,7 +36,7 @@ pass, bucket after bucket in DDP's order; on CUDA in the hook call on the state'
 the factors and exact values sent between nodes as the hook's wire bytes, and the all-to-all's padded input (M x
 the widest owner's share of the bucket) and the gathered payload's (the widest owner's) as its intra-node bytes.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 import time
@@ -48,9 +48,15 @@ import torch.distributed as dist
 
 from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.hooks.int8_codec import all_gather_async
-from lightning_ddpopt.hooks.lowrank import decompress
-from lightning_ddpopt.hooks.powersgd import allreduce_mean_inplace, completed, compress_listed, dispatch, write_back
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
+from lightning_ddpopt.hooks.powersgd import (
+    PowerSGDState,
+    allreduce_mean_inplace,
+    completed,
+    compress_listed,
+    decompress,
+    dispatch,
+    write_back,
+)
 from lightning_ddpopt.topology import TierGroups
 
 __all__ = ["HierarchicalPowerSGDState", "hierarchical_powersgd_hook"]

@@ -21,45 +21,26 @@ from lightning_ddpopt._compat import attached_comm_hook
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
 from lightning_ddpopt.hooks.across_islands import AcrossIslands, AcrossIslandsState, across_islands_hook
-from lightning_ddpopt.hooks.arguments import (
-    DEFAULT_COMM_HOOK,
-    HIERARCHICAL_HOOKS,
-    validate_comm_hook,
-    validate_hierarchical,
-)
+from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK, validate_comm_hook, validate_hierarchical
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, flat_fp16_note
-from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
-from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
-from lightning_ddpopt.hooks.hierarchical_powersgd import HierarchicalPowerSGDState, hierarchical_powersgd_hook
 from lightning_ddpopt.hooks.int8 import Int8State
 from lightning_ddpopt.hooks.island import IslandState, island_hook
-from lightning_ddpopt.hooks.powersgd_config import CPUKernels, PowerSGDConfig, local_cpu_kernels
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
+from lightning_ddpopt.hooks.powersgd import PowerSGDState
 from lightning_ddpopt.hooks.registry import (
     TESTED_BACKENDS,
     WRITTEN_FOR_BACKENDS,
     HookSpec,
     get_hook_spec,
+    hierarchical_hooks,
     validate_hook_callable,
 )
+from lightning_ddpopt.hooks.two_tier import agreed_cpu_kernels
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.topology import TierGroups, Topology
 
 __all__ = ["HookInstaller", "builtin_allreduce_suffices"]
-
-_CAST: dict[str, torch.dtype | None] = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-#: What crosses nodes, in words, for the setup log line.
-_CROSSING = {
-    "allreduce": "the bucket's precision",
-    "fp16": "fp16",
-    "bf16": "bf16",
-    "int8": "int8 blocks",
-    "powersgd": "PowerSGD's fp32 factors",
-    "powersgd_fp16": "PowerSGD's fp16 factors",
-    "powersgd_bf16": "PowerSGD's bf16 factors",
-}
 
 
 class HookInstaller:
@@ -97,7 +78,6 @@ class HookInstaller:
                 "ddp_comm_hook too, or use comm_hook="
             )
         self.auto = comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig)
-        self._matrix_dtype = comm_hook.matrix_dtype if isinstance(comm_hook, PowerSGDConfig) else None
         self._auto_config = comm_hook if isinstance(comm_hook, AutoConfig) else AutoConfig()
         self._comm_state_arg = comm_state
         self._ddp_hook, self._ddp_state, self._ddp_wrapper = ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper
@@ -140,7 +120,7 @@ class HookInstaller:
         wrapped in :func:`~lightning_ddpopt.hooks.island.island_hook`. ``across``: per-step fault tolerance's
         average across the islands, which :func:`~lightning_ddpopt.hooks.across_islands.across_islands_hook` runs
         on the hook's result. ``observed``: something reads the ledger's
-        syncs (a measuring callback, autotune); without it, ``comm_hook="allreduce"`` on NCCL leaves DDP's own C++
+        syncs (a measuring callback); without it, ``comm_hook="allreduce"`` on NCCL leaves DDP's own C++
         allreduce in place (:func:`builtin_allreduce_suffices`).
         """
         self._check_post_local_sgd(device)
@@ -152,7 +132,7 @@ class HookInstaller:
         if builtin_allreduce_suffices(self._spec, backend, tiered=tiered, island=wrapped, observed=observed):
             rank_zero_info(
                 f"ddpopt: comm_hook='allreduce' on {backend}: DDP's own C++ allreduce syncs the gradients (nothing "
-                "needs a hook of ours: no measuring callback, manual optimization, autotune, two-tier sync or local "
+                "needs a hook of ours: no measuring callback, manual optimization, two-tier sync or local "
                 "SGD); the ledger sees no sync"
             )
             return
@@ -214,43 +194,20 @@ class HookInstaller:
         loss_scale: Callable[[], torch.Tensor | None],
         device: torch.device,
     ) -> CommHookState:
-        """The two-tier hook's state on the tiers' groups (int8's, PowerSGD's with the flat state's config)."""
-        assert self._spec is not None and self._tiers is not None
-        state: CommHookState
-        if self._spec.name == "int8":
-            assert isinstance(self.comm_state, Int8State)
-            state = HierarchicalInt8State(
-                config=self.comm_state.config, tiers=self._tiers, process_group=model.process_group, ledger=ledger
-            )
-            state.bind_module(model.module)
-        elif isinstance(self.comm_state, PowerSGDState):
-            on_cpu = device.type == "cpu"
-            state = HierarchicalPowerSGDState(
-                config=self.comm_state.config,
-                tiers=self._tiers,
-                ledger=ledger,
-                pipelined=on_cpu,  # its chains on a worker thread: the tiers' groups serve no other thread
-                cpu_kernels=_agreed_cpu_kernels(model) if on_cpu else None,
-            )
-            state.bind_module(model.module)
-        else:
-            state = HierarchicalState(
-                tiers=self._tiers,
-                dtype=_CAST[self._spec.name],
-                process_group=model.process_group,
-                ledger=ledger,
-            )
+        """The state of the registry entry's two-tier form on the tiers' groups, with the flat state's config."""
+        assert self._spec is not None and self._spec.two_tier is not None and self._tiers is not None
+        assert isinstance(self.comm_state, CommHookState)
+        state = self._spec.two_tier.make_state(
+            flat=self.comm_state, tiers=self._tiers, process_group=model.process_group, ledger=ledger, device=device
+        )
+        state.bind_module(model.module)
         state.loss_scale = loss_scale
         return state
 
     def _two_tier_hook(self) -> CommHook:
-        """The hook of the two-tier state :meth:`_two_tier_state` built."""
-        hook: CommHook = hierarchical_hook
-        if isinstance(self.comm_state, HierarchicalInt8State):
-            hook = hierarchical_int8_hook
-        elif isinstance(self.comm_state, HierarchicalPowerSGDState):
-            hook = hierarchical_powersgd_hook
-        return hook
+        """The hook of the registry entry's two-tier form (whose state :meth:`_two_tier_state` built)."""
+        assert self._spec is not None and self._spec.two_tier is not None
+        return self._spec.two_tier.hook
 
     def _two_tiers(self, topology: Topology | None, model: DistributedDataParallel, backend: str) -> bool:
         """Whether this run's sync is hierarchical; says why on rank 0 (every rank decides alike)."""
@@ -269,11 +226,13 @@ class HookInstaller:
         if dist.get_process_group_ranks(model.process_group) != sorted(r for node in topology.nodes for r in node):
             rank_zero_warn(flat + "DDP's process_group is not every rank, and the tiers are made over every rank")
             return False
-        if name not in HIERARCHICAL_HOOKS:
-            # hierarchical=True with another hook is refused at construction; here: "auto"'s choice.
+        form = self._spec.two_tier if self._spec is not None else None
+        if form is None:
+            # hierarchical=True with another hook is refused at construction; here: "auto"'s choice, or a hook
+            # whose registry entry declares no two-tier form.
             rank_zero_info(
                 flat + f"comm hook {name or self.comm_hook_name!r} has no hierarchical form (those with one: "
-                f"{', '.join(HIERARCHICAL_HOOKS)})"
+                f"{', '.join(hierarchical_hooks())})"
             )
             return False
         if self.hierarchical == "auto" and backend not in TESTED_BACKENDS:
@@ -282,16 +241,10 @@ class HookInstaller:
                 f"{backend} yet (hierarchical=True uses it)"
             )
             return False
-        if self.hierarchical == "auto" and name.startswith("powersgd"):
-            rank_zero_info(
-                flat + "PowerSGD sends only its factors between the ranks; its two-tier form moves each node's fp32 "
-                "gradients inside the node to split the compression work, which over gloo costs more than it saves "
-                "(hierarchical=True uses it)"
-            )
+        if self.hierarchical == "auto" and form.flat_when_auto is not None:
+            rank_zero_info(flat + form.flat_when_auto)
             return False
-        crossing = _CROSSING[name]
-        if self._matrix_dtype is not None:  # a PowerSGDConfig's, whatever the registry name says
-            crossing = f"PowerSGD's {self._matrix_dtype} factors"
+        crossing = form.crossing
         rank_zero_info(
             f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in its own "
             f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "
@@ -403,9 +356,9 @@ class HookInstaller:
         if isinstance(state, PowerSGDState):
             state.process_group = self._group = own_group()
             state.pipelined = True
-            state.cpu_kernels = _agreed_cpu_kernels(model)
+            state.cpu_kernels = agreed_cpu_kernels(model.process_group)
         elif isinstance(state, Int8State):
-            # int8's stages travel point to point, driven by worker threads: on a group nothing else uses meanwhile.
+            # int8's stages go point to point, driven by worker threads: on a group nothing else uses meanwhile.
             state.exchange_group = self._group = own_group()
 
     def fit_to_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -464,25 +417,13 @@ class HookInstaller:
             self._tiers = None
 
 
-def _agreed_cpu_kernels(model: DistributedDataParallel) -> CPUKernels:
-    """PowerSGD's CPU kernels that every rank can run (every rank calls it, on the model's group).
-
-    The decompression must give the same bits on every rank: computed the same way everywhere, the way the least
-    able rank can ("blas" with more threads somewhere, else "blocked" without numba).
-    """
-    order: tuple[CPUKernels, ...] = ("numba", "blocked", "blas")
-    kernels = torch.tensor([order.index(local_cpu_kernels())])
-    dist.all_reduce(kernels, op=dist.ReduceOp.MAX, group=model.process_group)
-    return order[int(kernels)]
-
-
 def builtin_allreduce_suffices(
     spec: HookSpec | None, backend: str, *, tiered: bool, island: bool, observed: bool
 ) -> bool:
     """Whether DDP's own allreduce does all ``comm_hook="allreduce"`` would: on NCCL, with nothing needing our hook.
 
     Our ``allreduce`` hook is DDP's mean allreduce run from Python, reporting each bucket to the ledger; on NCCL that is
-    a Python call and a ledger entry per bucket for nothing when no callback or autotune reads the ledger, and no
+    a Python call and a ledger entry per bucket for nothing when no callback reads the ledger, and no
     two-tier sync or local SGD island wraps it. On gloo it stays: the CPU tests run every path through it.
     """
     return (

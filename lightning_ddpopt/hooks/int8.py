@@ -22,7 +22,7 @@ owner's re-quantisation of the sum is not fed back, because which rank owns a bl
 everything else is computed per parameter, so the result is the same bits whatever the layout (a resume is
 bit-exact, although DDP's buckets in the first step after it differ from the rebuilt ones before the checkpoint).
 A block holding an inf or NaN gets a non-finite scale, so it comes back non-finite on every rank and the GradScaler
-skips the step everywhere; that round's errors are never committed (see :mod:`lightning_ddpopt.hooks.feedback`).
+skips the step everywhere; that round's errors are never committed (see :mod:`lightning_ddpopt.hooks.base`).
 
 On the CPU with numba installed, each stage (quantise with error feedback, sum and re-quantise, dequantise) runs as
 one fused pass (:mod:`lightning_ddpopt.hooks._kernels`) whatever torch's thread count, with the same arithmetic in
@@ -31,7 +31,7 @@ the same order as the torch path below: the same bytes on the wire for every fin
 Ordering and overlap:
 
 * **On a CPU with** ``Int8State(exchange_group=...)`` (what ``OptimizedDDPStrategy`` sets: a process group of the
-  hook's own) both stages travel as point-to-point messages on that group, and every receive is posted before any
+  hook's own) both stages go as point-to-point messages on that group, and every receive is posted before any
   send: the hook (on the backward thread) quantises the bucket, posts the receives of both stages and sends its
   chunks; one worker thread waits for the chunks, sums, re-quantises and sends the reduced chunk to every rank,
   bucket after bucket; a second one waits for the reduced chunks and dequantises them into the bucket. The backward
@@ -50,7 +50,7 @@ Ordering and overlap:
   bucket's CUDA-aware future makes it wait for the side stream only at DDP's end-of-backward wait. On a CPU the
   all-gather's result is dequantised into the bucket in a future callback.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 import math
@@ -65,8 +65,7 @@ import torch.distributed as dist
 from lightning_ddpopt._validate import require_int
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
-from lightning_ddpopt.hooks.base import squared_norm
-from lightning_ddpopt.hooks.feedback import ErrorFeedbackState, SyncRound, fed_back_sq
+from lightning_ddpopt.hooks.base import ErrorFeedbackState, SyncRound, fed_back_sq, squared_norm
 from lightning_ddpopt.hooks.int8_codec import (
     all_gather_async,
     dequantize_blocks,

@@ -1,6 +1,6 @@
 """int8's wire format, shared by the int8 comm hook and local SGD's int8 syncs: quantise, pack, average, all-gather.
 
-A row of ``block`` fp32 values travels as ``block`` int8 values and one fp32 scale (``max |x| / 127``, rounded to
+A row of ``block`` fp32 values is sent as ``block`` int8 values and one fp32 scale (``max |x| / 127``, rounded to
 nearest); a packed row holds every block's payload, then every scale as 4 bytes. Every function gives the same
 bytes through numba's loops (:mod:`lightning_ddpopt.hooks._kernels`, on the CPU where numba is installed) as
 through torch's kernels, and sums the ranks' rows in rank order, so every rank computes the same bits.

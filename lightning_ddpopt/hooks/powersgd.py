@@ -39,28 +39,638 @@ Under fp16 AMP two things keep the state sound:
   from the state before it.
   On CPU the decision is taken at the round's last bucket. On a GPU the verdict never reaches the host: when the
   next round opens, the round is committed on the device, each new error and Q memory replaced in place by
-  ``where(finite, new, kept)`` (:meth:`~lightning_ddpopt.hooks.feedback.ErrorFeedbackState._commit`),
+  ``where(finite, new, kept)`` (:meth:`~lightning_ddpopt.hooks.base.ErrorFeedbackState._commit`),
   on the side stream, after the round's own kernels. Until then both rounds' error feedback is held.
 * **Error feedback is kept in the units of its loss scale.** Each stored error remembers the loss scale of the
   backward pass that produced it (``CommHookState.loss_scale``) and is rescaled to the current scale before it
   is added, so a GradScaler's growth or backoff does not inject it 2x too large or too small.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+**What is where, in this module.** :class:`PowerSGDConfig`: the settings, the wire dtypes of the factors, the CPU
+kernels a rank can run. :func:`random_q` and :func:`orthogonalize`: orthonormal columns, the seeded start of the power
+iteration and the orthogonalisation of P; both give the same bits on every rank: the start is drawn by the CPU
+generator from ``(seed, iteration, key)``, and with numba the orthogonalisation runs as a loop whose arithmetic does
+not depend on the thread count. :class:`PowerSGDState`: the per-rank state, what lives between steps and what a
+checkpoint keeps (error feedback, warm-start Q memories, the rank in use); how a round's state is committed, on the
+host and on a GPU alike, is :class:`~lightning_ddpopt.hooks.base.ErrorFeedbackState`'s rule, and the Q memories
+follow it. :func:`low_rank_allreduce`: the low-rank step for a bucket's matrices (P = M Q, all-reduce, orthogonalise,
+Q = M^T P, all-reduce), one after another on the thread that runs the bucket's chain; it adds the stored error
+feedback, keeps this rank's compression error and the new Q memories in the sync round, and hands back NaN on every
+rank when a reduced factor is not finite; on the CPU with numba the passes over M are fused loops
+(:mod:`lightning_ddpopt.hooks._kernels`) that give the same bits whatever torch's thread count. :func:`powersgd_hook`
+and :func:`dispatch`: the hook, which runs each bucket's chain where the state runs its chains.
+
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 import math
 import time
+import zlib
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt._validate import require_int
+from lightning_ddpopt.deferred import DeferredRead, to_device
+from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
-from lightning_ddpopt.hooks.feedback import SyncRound
-from lightning_ddpopt.hooks.lowrank import low_rank_allreduce
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
+from lightning_ddpopt.hooks.base import ErrorFeedbackState, SyncRound, config_mismatch, fed_back_sq, squared_norm
+from lightning_ddpopt.hooks.powersgd_rank import RankChange, RankController
 
-__all__ = ["allreduce_mean_inplace", "completed", "compress_listed", "dispatch", "powersgd_hook", "write_back"]
+__all__ = [
+    "MATRIX_DTYPES",
+    "CPUKernels",
+    "MatrixDtype",
+    "PowerSGDConfig",
+    "PowerSGDState",
+    "allreduce_mean_inplace",
+    "completed",
+    "compress_listed",
+    "decompress",
+    "dispatch",
+    "local_cpu_kernels",
+    "low_rank_allreduce",
+    "orthogonalize",
+    "powersgd_hook",
+    "random_q",
+    "strongest_columns",
+    "write_back",
+]
+
+
+MatrixDtype = Literal["fp32", "fp16", "bf16"]
+#: How the CPU computes the passes over M: numba's fused loops or BLAS in row blocks (one thread), whole-matrix BLAS.
+CPUKernels = Literal["numba", "blocked", "blas"]
+
+#: The dtype each ``matrix_dtype`` sends P and Q in.
+MATRIX_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(kw_only=True)
+class PowerSGDConfig:
+    """How PowerSGD compresses.
+
+    Args:
+        rank: the rank of the low-rank approximation; an m x n gradient sends (m + n) x rank elements. With
+            ``max_error`` it is where the rank starts.
+        max_error: the bound on the relative compression error (the norm of what the compression dropped over the
+            norm of what it was given, summed over the ranks): every ``RANK_WINDOW`` syncs the error is measured,
+            and while it is above the bound the rank doubles, up to ``max_rank``. ``None`` keeps ``rank`` fixed.
+            ``"auto"`` (the default): 0.6 when an optimizer is adaptive (Adam and its kin,
+            :data:`~lightning_ddpopt.hooks.powersgd_rank.ADAPTIVE_OPTIMIZERS`), else 0.9
+            (:data:`~lightning_ddpopt.hooks.powersgd_rank.ERROR_BOUNDS`), as ``OptimizedDDPStrategy`` finds them at
+            setup; a state used without the strategy takes 0.6 unless :meth:`PowerSGDState.fit_bound_to` is called.
+            The bounds come from ``benchmarks/transformer_quality.py``; the docs' comm-hook guide gives its results.
+        max_rank: the largest rank ``max_error`` may raise the rank to.
+        start_iter: synchronised optimizer steps of plain allreduce before compression starts. It counts sync
+            rounds, i.e. optimizer steps, not micro-batches (accumulation skips the syncs in between). With error
+            feedback or warm start it must be at least 2: DDP rebuilds its buckets after the first step.
+        min_compression_rate: compress a matrix only if ``m * n >= (m + n) * rank * min_compression_rate``;
+            others are all-reduced uncompressed, together with biases and other 1-D tensors.
+        error_feedback: keep each rank's compression error and add it to the next step's gradient.
+        warm_start: start each step's power iteration from the last step's Q instead of a fresh random one.
+        batched: treat each whole bucket as one square matrix (fewer, larger matmuls; usually less accurate).
+        matrix_dtype: the dtype in which P and Q are sent: "fp32", or "fp16"/"bf16" for half the bytes.
+        orthogonalization_epsilon: added to column norms when orthogonalising (with 0 and without numba, a QR
+            decomposition; with numba, Gram-Schmidt with a second pass: the same bits on every rank whatever its
+            thread count).
+        seed: seeds the random projections, identically on every rank.
+    """
+
+    rank: int = 4
+    max_error: float | Literal["auto"] | None = "auto"
+    max_rank: int = 64
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    batched: bool = False
+    matrix_dtype: MatrixDtype = "fp32"
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require_int("PowerSGDConfig rank", self.rank, 1)
+        require_int("PowerSGDConfig max_rank", self.max_rank, 1)
+        if self.max_error is not None and self.max_rank < self.rank:
+            raise ValueError(
+                f"PowerSGDConfig max_rank={self.max_rank} must be at least rank={self.rank} (max_error bounds the "
+                "error by raising the rank from rank up to max_rank; max_error=None keeps rank fixed)"
+            )
+        if (
+            self.max_error is not None
+            and self.max_error != "auto"
+            and (
+                isinstance(self.max_error, bool)
+                or not isinstance(self.max_error, int | float)
+                or not 0 < self.max_error < 1
+            )
+        ):
+            raise ValueError(
+                f"PowerSGDConfig max_error={self.max_error!r} must be a number between 0 and 1 (exclusive), 'auto' "
+                "(by the optimizer) or None for a fixed rank"
+            )
+        require_int("PowerSGDConfig start_iter", self.start_iter, 0)
+        if (self.error_feedback or self.warm_start) and self.start_iter < 2:
+            raise ValueError(
+                f"PowerSGDConfig start_iter={self.start_iter} must be at least 2 with error_feedback or warm_start: "
+                "DDP rebuilds its buckets after the first step, which would invalidate the per-bucket state"
+            )
+        if not isinstance(self.min_compression_rate, int | float) or self.min_compression_rate < 1:
+            raise ValueError(f"PowerSGDConfig min_compression_rate={self.min_compression_rate!r} must be >= 1")
+        if self.matrix_dtype not in MATRIX_DTYPES:
+            raise ValueError(
+                f"PowerSGDConfig matrix_dtype={self.matrix_dtype!r} is not valid; choose one of {sorted(MATRIX_DTYPES)}"
+            )
+        if not isinstance(self.orthogonalization_epsilon, int | float) or self.orthogonalization_epsilon < 0:
+            raise ValueError(
+                f"PowerSGDConfig orthogonalization_epsilon={self.orthogonalization_epsilon!r} must be >= 0"
+            )
+
+    def compresses(self, rows: int, cols: int, rank: int | None = None) -> bool:
+        """Whether a ``rows`` x ``cols`` gradient is compressed (else it is all-reduced as it is).
+
+        It is when ``(rows + cols) x rank`` values are at least ``min_compression_rate`` times fewer than
+        ``rows x cols``.
+
+        Args:
+            rows: the gradient's rows.
+            cols: its columns.
+            rank: the rank in use (``max_error`` may have raised it), or ``None`` for the config's.
+        """
+        rank = min(rows, cols, self.rank if rank is None else rank)
+        return rows * cols >= (rows + cols) * rank * self.min_compression_rate
+
+
+def local_cpu_kernels() -> CPUKernels:
+    """This process's choice for :meth:`PowerSGDState.kernels`, before agreeing it with the other ranks.
+
+    numba's loops whatever torch's thread count: each row's arithmetic is the same on any number of threads.
+    Without numba, row blocks on one thread and whole-matrix BLAS (which splits its sums by thread) on more.
+    """
+    if _kernels.available():
+        return "numba"
+    return "blas" if torch.get_num_threads() > 1 else "blocked"
+
+
+def random_q(
+    config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int], loops: bool = False
+) -> torch.Tensor:
+    """The orthonormal start of the power iteration, seeded by (seed, iteration, key): the same on every rank.
+
+    Drawn by the CPU generator: a GPU's generator spreads its draws over the device's multiprocessors, so GPUs of
+    different models could draw different values.
+    """
+    # The CPU generator keeps only a seed's low 32 bits, so all three go through one 32-bit hash.
+    seed = zlib.crc32(f"{config.seed}/{iteration}/{key}".encode())
+    q = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    orthogonalize(q, config.orthogonalization_epsilon, loops)
+    return q
+
+
+def orthogonalize(matrix: torch.Tensor, epsilon: float, loops: bool = False) -> None:
+    """Make the columns of ``matrix`` orthonormal, in place, computing in fp32.
+
+    ``loops``: through numba's loop, the same bits whatever the thread count.
+    """
+    if loops and _kernels.fits(matrix):
+        _kernels.orthogonalize(matrix, epsilon)
+        return
+    work = matrix.float()
+    if epsilon == 0:
+        work = torch.linalg.qr(work, mode="reduced").Q
+    else:
+        for i in range(work.shape[1]):
+            column = work[:, i : i + 1]
+            column.div_(column.norm() + epsilon)
+            if i + 1 < work.shape[1]:
+                rest = work[:, i + 1 :]
+                rest.sub_(column @ (column.t() @ rest))
+    matrix.copy_(work)
+
+
+class _Regroup:
+    """Batched PowerSGD's first round after a resume: compress the groups the saved state was made with.
+
+    DDP starts a fresh module with its initial bucket layout and rebuilds it after the first step, so the first
+    resumed round would see buckets that the saved Q memories (keyed by a bucket's parameter names) never saw.
+    This round collects the gradients instead and compresses each saved group once all of it has arrived, in
+    DDP's bucket order, the same on every rank; a bucket's future completes when all of its gradients are done.
+    """
+
+    def __init__(self, groups: list[tuple[str, ...]]) -> None:
+        self.groups = groups
+        self.group_of = {name: index for index, group in enumerate(groups) for name in group}
+        self.arrived: dict[str, torch.Tensor] = {}
+        self.done: set[int] = set()
+        self.waiting: list[tuple[set[str], torch.futures.Future[torch.Tensor], torch.Tensor]] = []
+
+
+@dataclass(kw_only=True)
+class PowerSGDState(ErrorFeedbackState):
+    """PowerSGD's per-rank state: the step counter, error feedback and warm-start memories.
+
+    ``iteration`` advances once per sync round, on the last bucket. Error feedback (kept for compressed matrices
+    only: uncompressed tensors are exact) and Q memories are keyed by parameter name (batched: by the bucket's
+    joined names), not by bucket index, so they survive DDP's bucket rebuild after the first step and a resume.
+    Error feedback differs per rank and is stored with the loss scale it is in (``error_scales``, 1 without a
+    GradScaler); Q memories are the same on every rank (they are all-reduced). ``skipped_rounds`` counts rounds
+    whose reduced factors were not finite and left the state untouched. Call :meth:`bind_module` with the wrapped
+    module before the first step.
+
+    The strategy builds it from ``comm_hook="powersgd"`` or a :class:`PowerSGDConfig`; build one yourself only to
+    register :func:`powersgd_hook` on a DDP model of your own.
+
+    Args:
+        config: rank, error bound, warm-up and the rest of PowerSGD's settings.
+        process_group: the group to all-reduce over; ``None`` for the default (world) group.
+        ledger: where the hook reports the bytes it sends; ``None`` records nothing.
+        loss_scale: returns the current loss scale (the strategy sets it under fp16 AMP); see
+            :class:`CommHookState`.
+        iteration: sync rounds so far (restored from a checkpoint; leave it 0).
+        skipped_rounds: rounds whose reduced values were not finite and left the state untouched.
+        errors: each rank's error feedback per parameter name (its own; saved in checkpoints).
+        error_scales: the loss scale each error was computed at (1 without a GradScaler).
+        q_memories: the warm-start Q of each compressed matrix (the same on every rank).
+        pipelined: hand each bucket's chain to a worker thread and return at once (CPU only); it needs a
+            ``process_group`` that nothing else uses during the backward pass. The strategy sets it on CPUs.
+        cpu_kernels: numba's fused loops, agreed on by every rank (the strategy sets them); ``None``: torch's.
+    """
+
+    label: ClassVar[str] = "PowerSGD"
+
+    config: PowerSGDConfig = field(default_factory=PowerSGDConfig)
+    q_memories: dict[str, torch.Tensor] = field(default_factory=dict)
+    pipelined: bool = False
+    cpu_kernels: CPUKernels | None = None
+    #: Each matrix's rank and the error bound (:mod:`~lightning_ddpopt.hooks.powersgd_rank`); the same on every rank.
+    ranks: RankController = field(init=False)
+    #: The element count of each parameter that gets a gradient, in the module's order (set by :meth:`bind_module`).
+    gradient_sizes: list[int] = field(default_factory=list, init=False, repr=False)
+    _regroup: _Regroup | None = field(default=None, repr=False)
+    _worker: Worker | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.ranks = RankController(config=self.config)
+
+    @property
+    def rank(self) -> int:
+        """The highest rank in use (``config.rank``, moved per matrix by ``config.max_error``); alike on every rank."""
+        return self.ranks.highest
+
+    def rank_of(self, key: str) -> int:
+        """The rank a matrix compresses at this round.
+
+        Args:
+            key: the matrix's key: its parameter's name (batched: the bucket's names joined by ``|``).
+        """
+        return self.ranks.rank_of(key)
+
+    @property
+    def rank_changes(self) -> list[RankChange]:
+        """``(step, error, old rank, new rank, matrix key)`` for each change of a matrix's rank, in order."""
+        return self.ranks.changes
+
+    @property
+    def error_bound(self) -> float | None:
+        """The error bound in use: ``config.max_error``, ``"auto"`` resolved (see :meth:`fit_bound_to`)."""
+        return self.ranks.bound
+
+    def fit_bound_to(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Resolve ``max_error="auto"`` for these optimizers: the adaptive bound if any is adaptive, else the other.
+
+        Args:
+            optimizers: the run's optimizers.
+        """
+        self.ranks.fit_bound_to(optimizers)
+
+    def send_measurement(self) -> None:
+        """At the round's last bucket: sum the round's error measurement over the ranks, to be read two rounds later."""
+        total = self.ranks.take()
+        if total is None:  # not measured, or nothing compressed this round (the same on every rank)
+            return
+        work = dist.all_reduce(total, group=self.process_group, async_op=True)
+        self.ranks.expect(DeferredRead(total, work), self.iteration)
+
+    def kernels(self) -> CPUKernels:
+        """How this rank computes the passes over M on the CPU (the strategy agrees it across ranks).
+
+        A state built by hand with ``cpu_kernels=None`` decides per rank: give its ranks the same thread count and
+        packages. The decompression's result must be the same bits on every rank, so every rank must compute it the
+        same way:
+        ``"numba"`` (:mod:`~lightning_ddpopt.hooks._kernels`) where every rank has numba, else ``"blocked"`` where
+        every rank runs one torch thread, else ``"blas"`` (whole-matrix kernels).
+        """
+        return self.cpu_kernels if self.cpu_kernels is not None else local_cpu_kernels()
+
+    def close(self) -> bool:
+        """Stop the CPU worker thread (after the buckets it holds); a later step starts a new one.
+
+        Returns False if the thread is still running a bucket after a minute (its group must then stay as it is).
+        """
+        worker = self._worker
+        if worker is not None and not worker.stop():
+            return False
+        self._worker = None
+        return True
+
+    def bind_module(self, module: torch.nn.Module) -> None:
+        """Learn the parameter names that key the per-parameter state (``module`` is the one DDP wraps).
+
+        Args:
+            module: the module DDP wraps.
+        """
+        super().bind_module(module)
+        trained = [param for param in module.parameters() if param.requires_grad]
+        self.ranks.bind(list(self._names.values()), [_matrix_shape(param) for param in trained])
+        self.gradient_sizes = [param.numel() for param in trained]
+        if self._regroup is not None:
+            self._plan_regroup(list(self._regroup.groups))
+
+    def config_dict(self) -> dict[str, object]:
+        """The PowerSGDConfig as saved, and ``tiers: None`` (a flat sync: a two-tier one's state does not apply)."""
+        return {**asdict(self.config), "tiers": None}
+
+    def mismatch(self, state: dict[str, object]) -> str | None:
+        """Name the config fields in which ``state`` differs, leaving out the error bound (``max_error``, ``max_rank``).
+
+        The bound may change on a resume (and a state saved before it existed has none): the rank reached is kept,
+        within the new bound (see :meth:`~lightning_ddpopt.hooks.powersgd_rank.RankController.load_state_dict`).
+
+        Args:
+            state: what :meth:`state_dict` returned.
+        """
+        bound = {"max_error", "max_rank"}
+        config = {key: value for key, value in self.config_dict().items() if key not in bound}
+        return config_mismatch(self.label, state, config)
+
+    def state_dict(self) -> dict[str, object]:
+        """Iteration, error feedback with its loss scales, and Q memories (tensors on the CPU), plus the config."""
+        if self._worker is not None:
+            self._worker.drain()
+        self._streams.join()  # the Q memories were written on the hook's side stream
+        saved = super().state_dict()  # commits the last round (on a GPU it waits for the next) and resolves it
+        q_memories = {key: q.detach().cpu().clone() for key, q in self.q_memories.items()}
+        return {**saved, "q_memories": q_memories, **self.ranks.state_dict()}
+
+    def load_shared_state_dict(self, state: dict[str, object]) -> str:
+        """Restore the step counter and the Q memories (the same on every rank); error feedback starts afresh.
+
+        Args:
+            state: what :meth:`state_dict` returned on a rank of the other world size.
+        """
+        iteration, q_memories = state["iteration"], state["q_memories"]
+        assert isinstance(iteration, int) and isinstance(q_memories, dict)
+        self._drop_errors()
+        self.iteration = iteration
+        self.q_memories = dict(q_memories)
+        self.ranks.load_state_dict(state)
+        if self.config.batched:
+            self._plan_regroup([tuple(key.split("|")) for key in self.q_memories])
+        lowest = self.ranks.lowest
+        ranks = f"the rank ({self.rank})" if lowest == self.rank else f"the ranks per matrix ({lowest}-{self.rank})"
+        return f"the step count ({iteration}), {ranks} and the warm-start Q memories are kept"
+
+    def _plan_regroup(self, groups: list[tuple[str, ...]]) -> None:
+        known = set(self._names.values())
+        usable = [group for group in groups if not known or set(group) <= known]
+        self._regroup = _Regroup(usable) if usable else None
+
+    def _close_round(self, seal_now: bool = True) -> None:
+        self._regroup = None
+        super()._close_round(seal_now)
+
+    def _tables(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {**super()._tables(), "q": self.q_memories}
+
+    def _commit_shared(self, round_: SyncRound, finite: torch.Tensor | None) -> None:
+        """The round's Q memories, by the commit rule; batched, keys of groups a parameter was in before are dropped.
+
+        On the device a key with no memory keeps the fresh projection the next round would draw where the round was
+        not finite: all-reduced values and one verdict, so the same on every rank.
+        """
+        if self.config.batched:
+            # A parameter belongs to one batched matrix: drop keys of groups it was in before (another layout).
+            regrouped = {name for key in round_.q_memories for name in key.split("|")}
+            for key in [k for k in self.q_memories if k not in round_.q_memories]:
+                if regrouped.intersection(key.split("|")):
+                    self._drop("q", key, finite)
+        for key, new in round_.q_memories.items():
+
+            def fresh(like: torch.Tensor, key: str = key) -> torch.Tensor:
+                q = random_q(self.config, self.iteration, key, (like.shape[0], like.shape[1]))
+                return to_device(q, like.device).to(like.dtype)
+
+            self._put("q", key, new, finite, fresh)
+
+
+def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
+    """The matrix PowerSGD compresses a parameter's gradient as: its first dimension by the rest (1-D: by 1)."""
+    rows = param.shape[0] if param.dim() else 1
+    return rows, param.numel() // max(rows, 1)
+
+
+# Values of M per row block of the one-thread error-and-decompression pass: 32768 fp32 values, 128 KiB.
+_CACHE_BLOCK_ELEMENTS = 32768
+
+
+def low_rank_allreduce(
+    state: PowerSGDState,
+    round_: SyncRound,
+    bucket: dist.GradBucket,
+    matrices: list[torch.Tensor],
+    keys: list[str],
+    add_feedback: bool,
+    fed_back: torch.Tensor | None = None,
+    factors: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> list[torch.Tensor]:
+    """Replace each matrix M with the rank-r approximation P Q^T of its mean over ranks.
+
+    ``add_feedback``: M's stored error is added first (with numba, in the pass that computes M Q). Returns this
+    rank's compression errors ``M - P P^T M`` (Vogels et al., Algorithm 2: the local matrix minus its projection
+    with the local Q), empty when error feedback is off. New Q memories go to ``round_``; when a
+    reduced P is not finite, the matrices come back as NaN on every rank. On a measured round
+    (:attr:`~lightning_ddpopt.hooks.base.CommHookState.measuring`) the compression error goes to the ledger;
+    ``fed_back``: the squared norm of error feedback the caller added to the matrices already. ``factors``: receives
+    each matrix's reduced ``(P, Q)`` (P orthogonalised, NaN where the round's P was not finite), in order.
+    """
+    config = state.config
+    wire_dtype = MATRIX_DTYPES[config.matrix_dtype]
+    fused = state.kernels() == "numba" and _kernels.fits(*matrices)
+    qs = []
+    for matrix, key in zip(matrices, keys, strict=True):
+        shape = (matrix.shape[1], min(*matrix.shape, state.rank_of(key)))
+        q = state.q_memories.get(key) if config.warm_start else None
+        if q is not None and q.shape[0] == shape[0] and q.shape[1] > shape[1]:
+            q = strongest_columns(q, shape[1])  # the matrix's rank fell: start from what it kept
+        if q is None or q.shape != shape:
+            # Drawn on the CPU (the same bits on every rank, whatever its GPU) and copied without a host wait.
+            q = to_device(random_q(config, state.iteration, key, shape, fused), matrix.device)
+        elif q.device != matrix.device:  # restored on the CPU: copied without a host wait
+            q = to_device(q, matrix.device)
+        qs.append(q.to(matrix))
+
+    # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
+    # (Q^T M^T)^T rather than M Q, and (P^T M)^T rather than M^T P below: BLAS streams the large matrix about 3x
+    # faster in these forms (measured: 10 ms against 31 ms for 6 x 2048 x 2048 at rank 4 on one CPU thread).
+    feedback = [
+        state.stored_error(round_, key, m) if add_feedback else None for m, key in zip(matrices, keys, strict=True)
+    ]
+    if fused:
+        local_ps = [_kernels.add_and_project(m, q, f) for m, q, f in zip(matrices, qs, feedback, strict=True)]
+    else:
+        for m, found in zip(matrices, feedback, strict=True):
+            if found is not None:
+                error, ratio = found
+                m.add_(error) if ratio is None else m.addcmul_(error, ratio)
+        local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
+    # The matrices hold the error fed back now: what the compression is given.
+    measuring_error = state.ranks.measuring
+    # Each matrix's squared norm, summed in order: the same bits as squared_norm(*matrices).
+    given_each = [squared_norm(m) for m in matrices] if state.measuring or measuring_error else None
+    given_sq = sum(given_each, torch.zeros_like(given_each[0])) if given_each else None
+    ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
+    finite = round_.check(ps)
+    for p in ps:
+        orthogonalize(p, config.orthogonalization_epsilon, fused)
+        # A non-finite local M makes the reduced P non-finite on every rank: hand back NaN everywhere, so the
+        # overflow is seen (and the step skipped) on every rank alike.
+        p.masked_fill_(~finite, math.nan)
+    # Q = M^T P averaged over ranks, so that M ~ P Q^T.
+    fused = fused and _kernels.fits(*ps)
+    local_qs = [
+        _kernels.transposed_product(m, p) if fused else (p.t() @ m).t() for m, p in zip(matrices, ps, strict=True)
+    ]
+    qs = _allreduce_matrices(state, bucket, local_qs, wire_dtype)
+    round_.check(qs)
+    if factors is not None:
+        factors.extend(zip(ps, qs, strict=True))
+    errors = []
+    for m, p, q, local_q, key in zip(matrices, ps, qs, local_qs, keys, strict=True):
+        if config.error_feedback:
+            errors.append(state.error_buffer(round_, key, tuple(m.shape), m.dtype, m.device))
+            if fused and _kernels.fits(errors[-1]):
+                _kernels.error_and_decompress(m, p, local_q, q, errors[-1])
+            else:
+                _error_and_decompress(m, p, local_q, q, errors[-1], blocked=state.kernels() != "blas")
+        else:
+            torch.matmul(p, q.t(), out=m)
+    if given_sq is not None:
+        assert given_each is not None
+        # Without error feedback no error is formed: M - P P^T M is orthogonal to P P^T M, whose norm is local Q's.
+        dropped_each = [squared_norm(e) for e in errors]  # summed in order: the bits of squared_norm(*errors)
+        if errors:
+            dropped_sq = sum(dropped_each, torch.zeros_like(given_sq))
+        else:
+            dropped_sq = (given_sq - squared_norm(*local_qs)).clamp_(min=0)
+        if measuring_error:
+            _measure_ranks(state, matrices, keys, qs, local_qs, dropped_each, given_each)
+        if state.measuring:
+            fed_back = fed_back if fed_back is not None else fed_back_sq(feedback)
+            state.record_compression(bucket, given_sq, dropped_sq, fed_back)
+    if config.warm_start:
+        round_.q_memories.update(zip(keys, qs, strict=True))
+    return errors
+
+
+def strongest_columns(q: torch.Tensor, keep: int) -> torch.Tensor:
+    """The ``keep`` columns of ``q`` with the largest norms, in their order (the same on every rank: Q is reduced)."""
+    return q[:, torch.sort(_strongest_first(q)[:keep]).values]
+
+
+def _strongest_first(q: torch.Tensor) -> torch.Tensor:
+    """``q``'s column indices by falling norm, ties in column order: the same on every rank (Q is reduced)."""
+    return torch.sort(q.norm(dim=0), descending=True, stable=True).indices
+
+
+def _measure_ranks(
+    state: PowerSGDState,
+    matrices: list[torch.Tensor],
+    keys: list[str],
+    qs: list[torch.Tensor],
+    local_qs: list[torch.Tensor],
+    dropped_each: list[torch.Tensor],
+    given_each: list[torch.Tensor],
+) -> None:
+    """Each matrix's squared norms for its rank: given, dropped, and dropped were its rank halved.
+
+    Halving keeps the columns of P whose reduced Q columns are strongest (as the next round's warm start would); what
+    this rank's approximation loses with the others is its ``M^T P`` columns' energy (P is orthonormal).
+    """
+    for index, (m, key, q, local_q, given) in enumerate(zip(matrices, keys, qs, local_qs, given_each, strict=True)):
+        dropped = dropped_each[index] if dropped_each else (given - squared_norm(local_q)).clamp_(min=0)
+        keep = state.ranks.halved(key, m.shape[0], m.shape[1])
+        weakest = _strongest_first(q)[keep:]
+        lost = local_q.index_select(1, weakest).double().square().sum() if weakest.numel() else torch.zeros_like(given)
+        state.ranks.add(key, given, dropped, dropped + lost)
+
+
+def decompress(state: PowerSGDState, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``M = P Q^T`` as :func:`low_rank_allreduce` computes it with ``state``'s settings: the same bits.
+
+    For a rank that holds the reduced factors of a matrix another rank compressed (two-tier PowerSGD's owners).
+
+    Args:
+        state: the hook's state (error feedback and CPU kernels decide how the owner decompressed).
+        m: the matrix to write (rows x cols).
+        p: its reduced, orthogonalised P (rows x r).
+        q: its reduced Q (cols x r).
+    """
+    if not state.config.error_feedback:
+        torch.matmul(p, q.t(), out=m)
+    elif state.kernels() == "numba" and _kernels.fits(m, p):
+        _kernels.decompress(m, p, q)
+    elif m.is_cuda or state.kernels() == "blas":
+        torch.matmul(p, q.t(), out=m)
+    else:
+        rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
+        for start in range(0, m.shape[0], rows):
+            torch.mm(p[start : start + rows], q.t(), out=m[start : start + rows])
+
+
+def _error_and_decompress(
+    m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor, blocked: bool
+) -> None:
+    """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``, through torch.
+
+    ``blocked`` (one CPU thread): both are done a block of rows at a time, small enough to stay in the cache between
+    the two: M is read from memory once instead of twice. With more threads the whole-matrix kernels run instead:
+    small blocks would cost an OpenMP fork and join each.
+    """
+    q_t, local_q_t = q.t(), local_q.t()
+    if m.is_cuda or not blocked:
+        error.copy_(m).addmm_(p, local_q_t, alpha=-1)
+        torch.matmul(p, q_t, out=m)
+        return
+    rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
+    for start in range(0, m.shape[0], rows):
+        m_rows, p_rows = m[start : start + rows], p[start : start + rows]
+        error[start : start + rows].copy_(m_rows).addmm_(p_rows, local_q_t, alpha=-1)
+        torch.mm(p_rows, q_t, out=m_rows)
+
+
+def _allreduce_matrices(
+    state: PowerSGDState,
+    bucket: dist.GradBucket,
+    matrices: list[torch.Tensor],
+    wire_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Mean-all-reduce ``matrices`` as one flat copy in ``wire_dtype``; return the means, ``matrices`` intact.
+
+    Divided by the world size before the cast, so that a half-precision sum cannot overflow where the mean would not.
+    """
+    flat = torch.cat([m.reshape(-1) for m in matrices]).div_(state.world_size).to(wire_dtype)
+    state.record_wire_bytes(bucket, flat.numel() * flat.element_size())
+    state.wait(dist.all_reduce(flat, group=state.process_group, async_op=True))
+    flat = flat.to(matrices[0].dtype)
+    out, offset = [], 0
+    for m in matrices:
+        out.append(flat[offset : offset + m.numel()].view_as(m))
+        offset += m.numel()
+    return out
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -279,7 +889,7 @@ def _regrouped_batched(
     names: list[str],
     gradients: list[torch.Tensor],
 ) -> torch.futures.Future[torch.Tensor]:
-    """One bucket of the first round after a resume: see :class:`~lightning_ddpopt.hooks.powersgd_state._Regroup`."""
+    """One bucket of the first round after a resume: see :class:`_Regroup`."""
     regroup = state._regroup
     assert regroup is not None
     loose = [(name, gradient) for name, gradient in zip(names, gradients, strict=True) if name not in regroup.group_of]

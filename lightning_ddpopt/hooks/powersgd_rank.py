@@ -20,22 +20,26 @@ rank is the same on every rank. A matrix that a raised rank no longer compresses
 so that rise waits for ``EXACT_PATIENCE`` measurements above the bound in a row: a spike of a window or two does not
 send a matrix exactly for the rest of the run.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+``max_error="auto"`` is resolved here too, by the run's optimizers: :data:`ERROR_BOUNDS` holds the bound for an
+adaptive optimizer (:func:`is_adaptive`) and for others.
+
+The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ddpopt.deferred import DeferredRead
-from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig, is_adaptive
 
 __all__ = [
+    "ADAPTIVE_OPTIMIZERS",
+    "ERROR_BOUNDS",
     "EXACT_PATIENCE",
     "FALL_MARGIN",
     "FALL_PATIENCE",
@@ -43,7 +47,15 @@ __all__ = [
     "RANK_WINDOW",
     "RankChange",
     "RankController",
+    "is_adaptive",
 ]
+
+#: Optimizers that scale each coordinate by its own history (Adam and its kin): a compression error costs them more.
+#: Matched in a class name or any base's, case-insensitively (AdamW, FusedAdam, AdamW8bit, a subclass of Adam, ...).
+ADAPTIVE_OPTIMIZERS = ("adam", "adagrad", "adadelta", "adafactor", "rmsprop", "lamb")
+#: ``max_error="auto"``'s bound: with an adaptive optimizer, and with others. Chosen from the errors and held-out
+#: losses of ``benchmarks/transformer_quality.py`` (the docs' comm hooks guide has them).
+ERROR_BOUNDS = {"adaptive": 0.6, "other": 0.9}
 
 #: Syncs between two measurements of the compression error that may change a matrix's rank.
 RANK_WINDOW = 5
@@ -58,6 +70,35 @@ FALL_PATIENCE = 2
 EXACT_PATIENCE = 3
 #: The most measurements in a row a fall may wait for.
 _MAX_PATIENCE = 64
+
+
+class _Settings(Protocol):
+    """What the controller reads of PowerSGD's settings (a :class:`~lightning_ddpopt.hooks.powersgd.PowerSGDConfig`)."""
+
+    rank: int
+    max_error: float | Literal["auto"] | None
+    max_rank: int
+    start_iter: int
+    batched: bool
+
+    def compresses(self, rows: int, cols: int, rank: int | None = None) -> bool:
+        """Whether a ``rows`` x ``cols`` gradient is compressed at ``rank`` (``None``: the config's)."""
+        ...
+
+
+def is_adaptive(optimizer: object) -> bool:
+    """Whether ``optimizer`` (or the optimizer it wraps, e.g. ``ZeroRedundancyOptimizer``'s) is Adam-like.
+
+    Its class's or a base class's name contains one of :data:`ADAPTIVE_OPTIMIZERS` (a class name alone works too).
+    """
+    if isinstance(optimizer, str):
+        names = [optimizer]
+    else:
+        inner = getattr(optimizer, "optim", None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return is_adaptive(inner)
+        names = [cls.__name__ for cls in type(optimizer).__mro__]
+    return any(kind in name.lower() for name in names for kind in ADAPTIVE_OPTIMIZERS)
 
 
 class RankChange(NamedTuple):
@@ -79,10 +120,11 @@ class RankController:
     """The rank each matrix compresses at: ``config.rank``, moved per matrix by the measured error (module doc).
 
     Args:
-        config: the rank, the bound (``max_error``) and the highest rank (``max_rank``).
+        config: PowerSGD's settings (a :class:`~lightning_ddpopt.hooks.powersgd.PowerSGDConfig`): the rank, the
+            bound (``max_error``) and the highest rank (``max_rank``).
     """
 
-    config: PowerSGDConfig
+    config: _Settings
     #: The rank of a matrix without a rank of its own (``config.rank``; a state of an earlier release: its rank).
     default_rank: int = field(default=0, init=False)
     #: Each measured matrix's rank, by key; the same on every rank.

@@ -6,6 +6,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -13,9 +14,9 @@ import torch.distributed as dist
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
-from lightning_ddpopt.hooks.powersgd import powersgd_hook
-from lightning_ddpopt.hooks.powersgd_config import ERROR_BOUNDS, PowerSGDConfig
-from lightning_ddpopt.hooks.powersgd_state import PowerSGDState
+from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
+from lightning_ddpopt.hooks.powersgd_rank import ERROR_BOUNDS
+from lightning_ddpopt.hooks.two_tier import TwoTierForm, cast_form, int8_form, powersgd_form
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.precision import native_bf16
 
@@ -24,9 +25,12 @@ __all__ = [
     "TESTED_BACKENDS",
     "WRITTEN_FOR_BACKENDS",
     "HookSpec",
+    "MakeState",
     "get_hook_spec",
+    "hierarchical_hooks",
     "int8_spec",
     "powersgd_spec",
+    "register_comm_hook",
     "validate_hook_callable",
 ]
 
@@ -43,6 +47,22 @@ WRITTEN_FOR_BACKENDS = {
 
 def _any_backend(backend: str) -> str | None:
     return None
+
+
+class MakeState(Protocol):
+    """What builds a hook's state: called with the keywords ``process_group`` and ``ledger``.
+
+    A state class of :class:`CommHookState`'s keywords is one (``functools.partial(MyState, config=...)`` too).
+    """
+
+    def __call__(self, *, process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
+        """The state a hook runs with.
+
+        Args:
+            process_group: the group the hook communicates on; ``None`` for the default group.
+            ledger: where the hook reports its bytes; ``None`` records nothing.
+        """
+        ...
 
 
 def _plain_state(process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
@@ -77,15 +97,19 @@ class HookSpec:
         name: the registry name users pass as ``comm_hook``.
         summary: one line for error messages and docs.
         hook: the hook function, torch's ``(state, bucket) -> Future[Tensor]`` signature.
-        make_state: creates the state the hook runs with, from the process group and the ledger.
+        make_state: creates the state the hook runs with, called with the keywords ``process_group`` and
+            ``ledger`` (a :class:`CommHookState` subclass itself, or a ``functools.partial`` of one, will do).
         unsupported_reason: given a process-group backend name, why the hook cannot run there, or ``None``.
+        two_tier: the hook's two-tier form, which ``hierarchical=`` uses on several nodes; ``None``: it has none
+            (the sync stays flat).
     """
 
     name: str
     summary: str
     hook: CommHook
-    make_state: Callable[[dist.ProcessGroup | None, CommLedger | None], CommHookState] = _plain_state
+    make_state: MakeState = _plain_state
     unsupported_reason: Callable[[str], str | None] = _any_backend
+    two_tier: TwoTierForm | None = None
 
     def build(self, process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
         """Create the state this hook runs with.
@@ -94,7 +118,7 @@ class HookSpec:
             process_group: the group the hook communicates on; ``None`` for the default group.
             ledger: where the hook reports its bytes; ``None`` records nothing.
         """
-        return self.make_state(process_group, ledger)
+        return self.make_state(process_group=process_group, ledger=ledger)
 
 
 def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
@@ -113,7 +137,8 @@ def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
         rank += f" (raised up to {config.max_rank} while the error is above {config.max_error:g})"
     summary = f"{'batched ' if config.batched else ''}PowerSGD {rank} from step {config.start_iter}{dtype}"
     reason = _bf16_backend if config.matrix_dtype == "bf16" else _any_backend
-    return HookSpec(name, summary, powersgd_hook, functools.partial(_powersgd_state, config), reason)
+    form = None if config.batched else powersgd_form(config.matrix_dtype)  # one matrix per bucket: no two tiers
+    return HookSpec(name, summary, powersgd_hook, functools.partial(_powersgd_state, config), reason, form)
 
 
 def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
@@ -125,7 +150,7 @@ def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
     """
     feedback = "with" if config.error_feedback else "without"
     summary = f"block-wise int8 (blocks of {config.block_size}), {feedback} error feedback: a quarter of the bytes"
-    return HookSpec(name, summary, int8_hook, functools.partial(_int8_state, config))
+    return HookSpec(name, summary, int8_hook, functools.partial(_int8_state, config), two_tier=int8_form())
 
 
 _POWERSGD_DEFAULT = PowerSGDConfig()
@@ -133,13 +158,24 @@ _POWERSGD_DEFAULT = PowerSGDConfig()
 COMM_HOOKS: dict[str, HookSpec] = {
     spec.name: spec
     for spec in (
-        HookSpec("allreduce", "fp32 mean all-reduce (DDP's behaviour), bytes recorded", allreduce_mean_hook),
-        HookSpec("fp16", "float16-compressed all-reduce: half the bytes", fp16_allreduce_hook),
+        HookSpec(
+            "allreduce",
+            "fp32 mean all-reduce (DDP's behaviour), bytes recorded",
+            allreduce_mean_hook,
+            two_tier=cast_form(None),
+        ),
+        HookSpec(
+            "fp16",
+            "float16-compressed all-reduce: half the bytes",
+            fp16_allreduce_hook,
+            two_tier=cast_form(torch.float16),
+        ),
         HookSpec(
             "bf16",
             "bfloat16-compressed all-reduce: half the bytes, fp32 range",
             bf16_allreduce_hook,
             unsupported_reason=_bf16_backend,
+            two_tier=cast_form(torch.bfloat16),
         ),
         int8_spec(Int8Config()),
         powersgd_spec(_POWERSGD_DEFAULT),
@@ -164,6 +200,46 @@ def get_hook_spec(name: str) -> HookSpec:
             f"comm_hook={name!r} is not a known hook; choose one of {sorted(COMM_HOOKS)}, 'auto' (measured), "
             "a PowerSGDConfig, a callable hook(state, bucket) -> Future, or None"
         ) from None
+
+
+def hierarchical_hooks() -> list[str]:
+    """The registry names whose entry has a two-tier form (:attr:`HookSpec.two_tier`), in registry order."""
+    return [name for name, spec in COMM_HOOKS.items() if spec.two_tier is not None]
+
+
+#: Names ``comm_hook=`` gives a meaning of its own, which no entry may take (``"auto"``: :mod:`..auto`'s choice).
+_RESERVED_NAMES = ("auto",)
+
+
+def register_comm_hook(spec: HookSpec) -> HookSpec:
+    """Add ``spec`` to :data:`COMM_HOOKS`, so that ``comm_hook=spec.name`` selects it; return it.
+
+    The hook then runs as the registry's own do: its bytes and timings in the ledger, its state saved in checkpoints
+    and restored on resume, with the Trainer's and Fabric's strategy alike. Register it in every process before the
+    strategy is built (at import of the module that defines it, for example); see the guide "Writing a comm hook".
+
+    Args:
+        spec: the entry: its name, summary, hook and the state it runs with.
+
+    Raises:
+        TypeError: ``spec`` is not a :class:`HookSpec`, or its hook cannot be called as ``hook(state, bucket)``.
+        ValueError: its name is empty, reserved, or already registered.
+    """
+    if not isinstance(spec, HookSpec):
+        raise TypeError(f"register_comm_hook(spec={spec!r}): spec must be a HookSpec(name, summary, hook, make_state)")
+    if not isinstance(spec.name, str) or not spec.name or spec.name in _RESERVED_NAMES:
+        raise ValueError(
+            f"register_comm_hook(spec): spec.name={spec.name!r} must be a non-empty string other than "
+            f"{', '.join(map(repr, _RESERVED_NAMES))}"
+        )
+    if spec.name in COMM_HOOKS:
+        raise ValueError(
+            f"register_comm_hook(spec): spec.name={spec.name!r} is registered already "
+            f"({COMM_HOOKS[spec.name].summary}); choose another name"
+        )
+    validate_hook_callable(spec.hook, "spec.hook")
+    COMM_HOOKS[spec.name] = spec
+    return spec
 
 
 def validate_hook_callable(hook: Callable, argument: str = "comm_hook") -> None:

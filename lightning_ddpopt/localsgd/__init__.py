@@ -19,8 +19,8 @@ exactly. A resume between syncs continues from rank 0's parameters on every rank
 of the weights): the ranks' local progress since the last sync is replaced by rank 0's.
 """
 
-from lightning_ddpopt.localsgd.config import LocalSGDConfig, validate_local_sgd
+from lightning_ddpopt.localsgd.config import LocalSGDConfig
 from lightning_ddpopt.localsgd.driver import LocalSGDDriver
 from lightning_ddpopt.localsgd.outer import LocalSGD, ParameterSync
 
-__all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDDriver", "ParameterSync", "validate_local_sgd"]
+__all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDDriver", "ParameterSync"]

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from lightning_ddpopt._validate import require_int
-from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig
 
-__all__ = ["INT8_BLOCK", "REPLICA_LAYOUTS", "WIRE_DTYPES", "LocalSGDConfig", "validate_local_sgd"]
+__all__ = ["INT8_BLOCK", "REPLICA_LAYOUTS", "WIRE_DTYPES", "LocalSGDConfig"]
 
 Compression = Literal["fp32", "fp16", "bf16", "int8"]
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -35,19 +33,19 @@ class LocalSGDConfig:
         outer_lr: the outer optimizer's learning rate (> 0); 1 without momentum is plain averaging.
         outer_momentum: the outer optimizer's momentum, in [0, 1).
         nesterov: Nesterov momentum (needs ``outer_momentum > 0``).
-        compression: how the parameter change travels between the replicas: all-reduced in ``"fp32"``, ``"fp16"``
+        compression: how the parameter change is sent between the replicas: all-reduced in ``"fp32"``, ``"fp16"``
             or ``"bf16"``, or ``"int8"``: blocks of 1024 values quantised to int8 with an fp32 scale each, exchanged
             in the int8 comm hook's reduce-scatter shape (each replica's chunks to their owners, summed there in fp32
             and quantised again, then gathered), every rank dequantising the same bytes. Like a ring all-reduce of a
             quarter of the fp32 bytes at any number of replicas, with buffers of about a byte per parameter.
         buffers: ``"average"`` floating-point buffers at each sync, or ``"broadcast"`` rank 0's.
-        overlap_steps: ``tau``, inner steps the parameter change travels while the ranks train on (0: they wait for
+        overlap_steps: ``tau``, inner steps the parameter change is in flight while the ranks train on (0: they wait for
             it). With ``tau >= 1`` (< ``sync_every``) the all-reduce (int8: the all-gather) starts at the sync point
             and is applied ``tau`` steps later (Streaming DiLoCo's overlap, Douillard et al. 2025): the
             outer step moves the anchor, the same on every rank, and each rank's parameters become
             ``overlap_mixing x`` its own ``+ (1 - overlap_mixing) x`` the new anchor, so they differ by what each
             rank learned meanwhile until the next sync.
-        overlap_mixing: ``alpha`` in [0, 1], the weight of a rank's own parameters when a travelling sync is applied
+        overlap_mixing: ``alpha`` in [0, 1], the weight of a rank's own parameters when an overlapped sync is applied
             (0.5 as in Streaming DiLoCo).
         replica: which ranks train together as one replica (an *island*): ``"rank"`` (each rank its own),
             ``"node"`` (the ranks of a node), a number ``k`` (ranks ``0..k-1``, ``k..2k-1``, ...), or ``"auto"``: a
@@ -87,7 +85,7 @@ class LocalSGDConfig:
             raise ValueError(
                 f"LocalSGDConfig buffers={self.buffers!r} is not valid; choose one of ['average', 'broadcast']"
             )
-        require_int("LocalSGDConfig overlap_steps", self.overlap_steps, 0, " (inner steps a sync travels)")
+        require_int("LocalSGDConfig overlap_steps", self.overlap_steps, 0, " (inner steps a sync is in flight)")
         if self.overlap_steps >= self.sync_every:
             raise ValueError(
                 f"LocalSGDConfig overlap_steps={self.overlap_steps} must be below sync_every={self.sync_every}: a "
@@ -132,46 +130,6 @@ class LocalSGDConfig:
             **overrides: any other field of the config, e.g. ``warmup_steps=500``.
         """
         return cls(sync_every=sync_every, **overrides)
-
-
-def validate_local_sgd(
-    local_sgd: object,
-    *,
-    comm_hook: object,
-    default_hook: str,
-    ddp_comm_hook: Callable | None,
-    model_averaging_period: int | None,
-    bucket_cap_mb: object,
-) -> None:
-    """Refuse local SGD settings that cannot apply together with the strategy's other arguments, at construction."""
-    if local_sgd is None:
-        return
-    if not isinstance(local_sgd, LocalSGDConfig):
-        raise TypeError(f"local_sgd={local_sgd!r} must be a LocalSGDConfig (e.g. LocalSGDConfig.diloco(16)) or None")
-    if model_averaging_period is not None:
-        raise ValueError(
-            f"local_sgd and model_averaging_period={model_averaging_period} both given: they are two local SGD "
-            "schemes; use local_sgd=LocalSGDConfig.post_local_sgd(...) for Lightning's post-local SGD"
-        )
-    if bucket_cap_mb == "autotune":
-        raise ValueError(
-            "bucket_cap_mb='autotune' with local_sgd: autotune rewraps the model in a new DDP, which broadcasts rank "
-            "0's parameters over the other ranks' local progress, and most local steps do not sync at all; use "
-            "bucket_cap_mb='auto' or a number"
-        )
-    if comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig):
-        raise ValueError(
-            "comm_hook='auto' with local_sgd: auto picks a gradient hook for every step, but with local SGD gradients "
-            "sync only during the warm-up; name the warm-up's hook (e.g. comm_hook='fp16') or leave the default"
-        )
-    custom_hook = ddp_comm_hook is not None or comm_hook not in (None, default_hook)
-    if custom_hook and local_sgd.warmup_steps == 0:
-        hook = ddp_comm_hook if ddp_comm_hook is not None else comm_hook
-        raise ValueError(
-            f"comm_hook={hook!r} would never run: with local_sgd and warmup_steps=0 no gradient is ever "
-            "synchronised. Set LocalSGDConfig(warmup_steps=N) to run it for the first N steps, or drop it; "
-            f"the parameter syncs are compressed by LocalSGDConfig(compression=...) ({local_sgd.compression!r} now)"
-        )
 
 
 def _is_number(value: object) -> bool:

@@ -7,7 +7,7 @@ ranks meet (read through :mod:`lightning_ddpopt.meetings`), so that the measurin
 collectives until then. It also counts the steps a GradScaler skipped, records each sync in the ledger, averages the
 ranks at the end of fit, and carries each rank's inner optimizer state in checkpoints.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (round, verdict, meeting, in flight, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class LocalSGDDriver:
             self.loop = LocalSGD(self.config, model.module, self._group, island=group, place=self.islands.place)
             return
         if self.config.overlap_steps:
-            # The change travels while training goes on: on a group of its own, so that what training issues
+            # The change is in flight while training goes on: on a group of its own, so that what training issues
             # meanwhile (the SIGTERM meeting, validation's collectives) does not queue behind it.
             group = self._group = own_group()
         self.loop = LocalSGD(self.config, model.module, group)
@@ -208,7 +208,7 @@ class LocalSGDDriver:
         return {"optimizer_states": [_to_cpu(optimizer.state_dict()) for optimizer in optimizers]}
 
     def teardown(self) -> None:
-        """Lightning's SIGTERM handling again; a sync still travelling after a failure is dropped; the group goes."""
+        """Lightning's SIGTERM handling again; a sync still in flight after a failure is dropped; the group goes."""
         sigterm, self._sigterm = self._sigterm, None
         if sigterm is not None:
             sigterm.remove()  # Lightning's own again, should the trainer fit once more
@@ -216,7 +216,7 @@ class LocalSGDDriver:
             self.loop.abandon_in_flight()  # only after a failure: fit's end applies it
             self.loop.drop_shards()  # only after a failure: fit's end gathers them
             if not self.loop.close():
-                rank_zero_warn("ddpopt: local SGD's travelling sync is still busy after a minute; its groups are kept")
+                rank_zero_warn("ddpopt: local SGD's overlapped sync is still busy after a minute; its groups are kept")
                 return
             if self._group is not None or self.groups is not None:
                 self.loop.process_group = self.loop.island = None  # the groups' last references are ours

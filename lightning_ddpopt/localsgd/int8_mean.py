@@ -22,7 +22,7 @@ class Int8Mean:
     chunk i to replica i, which sums the replicas' chunks in fp32 in rank order and quantises the sum again; an
     all-gather gives every replica every reduced chunk, which every rank dequantises alike: the same mean everywhere.
     Memory per rank: three buffers of a byte per value of the shard, with their scales (O(P / island size)), at any
-    number of replicas. When a sync travels (``overlap_steps``), :class:`~lightning_ddpopt.localsgd.outer.LocalSGD`
+    number of replicas. When a sync overlaps (``overlap_steps``), :class:`~lightning_ddpopt.localsgd.outer.LocalSGD`
     runs the second stage (:meth:`finish`) beside the training thread.
 
     Args:

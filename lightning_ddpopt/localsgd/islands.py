@@ -7,7 +7,7 @@ for the setup log line; :class:`IslandGroups` makes their process groups, the sa
 :class:`~lightning_ddpopt.topology.TierGroups` (an island is a node to them): the island's gradient group, its
 gather group (the outer step's shards), and the group across the islands of this rank's island rank.
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (round, verdict, meeting, in flight, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations

@@ -1,31 +1,77 @@
-"""Local SGD's outer loop: each rank's parameter change averaged every ``H`` steps, the outer step, the anchor.
+"""Local SGD's outer loop: each replica's parameter change averaged every ``H`` steps, the outer step, its state.
 
 See :mod:`lightning_ddpopt.localsgd` for the method; :class:`LocalSGD` is driven by
-:class:`~lightning_ddpopt.localsgd.driver.LocalSGDDriver`. Terms (meeting, travel, island): the design page's glossary.
+:class:`~lightning_ddpopt.localsgd.driver.LocalSGDDriver`. Terms (meeting, in flight, island): the design page's
+glossary.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks._worker import Worker
-from lightning_ddpopt.hooks.base import squared_norm
+from lightning_ddpopt.hooks.base import config_mismatch, squared_norm
 from lightning_ddpopt.hooks.streams import SideStreams
 from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
 from lightning_ddpopt.localsgd.int8_mean import Int8Mean
-from lightning_ddpopt.localsgd.outer_state import InFlight, OuterState, ParameterSync
 from lightning_ddpopt.localsgd.shard import Shard
-from lightning_ddpopt.localsgd.travel import TravellingSync
 
-__all__ = ["LocalSGD", "ParameterSync"]
+__all__ = ["InFlight", "LocalSGD", "ParameterSync"]
+
+#: A fault-tolerant replica's ``sync_mean``: a change (fp32) averaged over the quorum in place, sent in the wire
+#: buffer given (``None``: as it is); whether the sync commits.
+QuorumMean = Callable[[torch.Tensor, torch.Tensor | None], bool]
 
 
-class LocalSGD(TravellingSync, OuterState):
+@dataclass(frozen=True)
+class ParameterSync:
+    """One parameter sync: what it sent and when (host seconds), for the ledger.
+
+    ``overlapped``: it was in flight while the ranks trained on; ``start_s`` to ``end_s`` is its arrival only.
+    ``drift``: squared norms (0-dim tensors) of this rank's parameter change and of the mean change it carried
+    (``None`` for a sync restored from a checkpoint in flight).
+    """
+
+    num_elements: int
+    logical_bytes: int
+    wire_bytes: int
+    start_s: float
+    end_s: float
+    overlapped: bool = False
+    drift: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class InFlight:
+    """A sync started and not applied yet: what carries the mean change, and when to apply it.
+
+    ``wire``: the mean change (all-reduced, or restored from a checkpoint), or with int8 the gathered packed rows.
+    ``own_sq``: the squared norm of this rank's change (``None`` when restored from a checkpoint).
+    ``ahead``: a job beside the training thread carries the sync on as soon as it arrives (the mean into the work
+    buffer; in an island also the drift, the outer step and the gather of the next anchor): wait for it before
+    reading any of them.
+    ``drift``: the squared norms of this replica's change and of the mean, measured over the island ahead.
+    ``gathered``: in an island, the next anchor, the whole model, gathered ahead into the shard's gather buffer
+    (``None``: not yet, or a save's gather took the buffer since).
+    """
+
+    wire: torch.Tensor
+    work: dist.Work | None
+    apply_at: int
+    wire_bytes: int
+    own_sq: torch.Tensor | None = None
+    ahead: bool = False
+    drift: tuple[torch.Tensor, torch.Tensor] | None = None
+    gathered: torch.Tensor | None = None
+
+
+class LocalSGD:
     """The outer loop of local SGD / DiLoCo over ``module``'s parameters; the strategy drives it.
 
     Call :meth:`before_batch` before each training batch's forward (it says whether gradients sync) and
@@ -46,11 +92,21 @@ class LocalSGD(TravellingSync, OuterState):
     island rank, one per replica), its change is all that it sends across the replicas, and an all-gather inside the
     island rebuilds the model after each outer step. Without an island the shard is the whole model.
 
-    A sync that travels (``overlap_steps``) is carried on beside the training thread as soon as it arrives: on a
-    worker thread on a CPU, on a side stream on CUDA, int8's second stage; on a CPU in an island also the outer step
-    and the island's gather of the next anchor, into a second momentum buffer (1/M of the model) and the gather's
-    buffers, so that the step that applies it only commits them and mixes the parameters. Until then the anchor,
-    the momentum and the mean stay as they were (a checkpoint saved meanwhile holds them).
+    A sync is one sequence: the shard's change ``anchor - params``, its mean over the replicas, the outer step on the
+    anchor, the island's gather of the new anchor into the parameters, the buffers' sync. Only the mean differs by
+    mode, chosen once (:meth:`_send` and :meth:`_receive`, :meth:`_average`):
+
+    * fp32, fp16, bf16: one all-reduce of ``change / replicas``, fp32 in place, else in the wire buffer (half
+      precision, or fp32 when overlapped);
+    * int8: :class:`~lightning_ddpopt.localsgd.int8_mean.Int8Mean`'s all-to-all of int8 chunks, reduced, gathered;
+    * fault-tolerant islands (:attr:`across_islands` set): the replica's ``sync_mean`` over the quorum, which may
+      drop the sync (the anchor stays); never overlapped.
+
+    An overlapped sync (``overlap_steps``) is started at the sync point and carried on beside the training thread as
+    soon as it arrives: on a worker thread on a CPU, on a side stream on CUDA, int8's second stage; on a CPU in an
+    island also the outer step and the island's gather of the next anchor, into a second momentum buffer (1/M of the
+    model) and the gather's buffers, so that the step that applies it only commits them and mixes the parameters.
+    Until then the anchor, the momentum and the mean stay as they were (a checkpoint saved meanwhile holds them).
     """
 
     def __init__(
@@ -91,37 +147,36 @@ class LocalSGD(TravellingSync, OuterState):
         self._in_flight: InFlight | None = None
         self._wire: torch.Tensor | None = None
         self._int8 = Int8Mean(self.process_group, self.replicas) if self.config.compression == "int8" else None
-        # Where a travelling sync is carried on beside the training thread (see the class doc).
+        # The mean over the replicas, by mode (see the class doc): sent, then received into the work buffer.
+        self._send = self._send_all_reduce if self._int8 is None else self._send_int8
+        self._receive = self._receive_all_reduce if self._int8 is None else self._receive_int8
+        # fp32 all-reduced in place, unless overlapped (then in the wire buffer, as half precision always is).
+        self._in_place = self.config.compression == "fp32" and not self.config.overlap_steps
+        self._quorum: QuorumMean | None = None
+        self._average = self._average_over_replicas
+        # Where an overlapped sync is carried on beside the training thread (see the class doc).
         self._worker: Worker | None = None
         self._side = SideStreams()
         # The outer momentum of the next anchor, computed ahead in an island (the current one stays until the apply).
         self._next_momentum: torch.Tensor | None = None
         # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
         self._steps_off_anchor = 0
-        #: Fault-tolerant islands (:mod:`lightning_ddpopt.fault_tolerance`): averages a change sent as it is, in place,
-        #: over the islands of the quorum and returns whether the sync commits (``None``: the replicas are
-        #: :attr:`process_group`'s).
-        self.across_islands: Callable[[torch.Tensor, torch.Tensor | None], bool] | None = None
         #: Sync after the next local optimizer step, whatever the schedule (every rank alike), then as scheduled.
         self.sync_next = False
 
-    def unshard(self) -> None:
-        """Hold the whole anchor and outer momentum on every rank and leave the island (at the end of training).
+    @property
+    def across_islands(self) -> QuorumMean | None:
+        """Fault-tolerant islands (:mod:`lightning_ddpopt.fault_tolerance`): the replica's ``sync_mean``.
 
-        A collective on the island, once training is over: a checkpoint saved afterwards, when the island's groups
-        are gone, holds the whole outer state. Nothing syncs afterwards.
+        It averages a change sent as it is, in place, over the islands of the quorum and returns whether the sync
+        commits; ``None``: the replicas are :attr:`process_group`'s. Setting it chooses the sync's mean.
         """
-        if self.island is None:
-            return
-        assert self._in_flight is None, "finish() applies a travelling sync first"
-        anchor = None if self.anchor is None else self.layout.gathered_copy(self.anchor)
-        momentum = None if self.momentum is None else self.layout.gathered_copy(self.momentum)
-        self.island = None
-        self.layout = Shard(self.params, None, 1, 0, self._unit)
-        self.anchor, self.momentum = anchor, momentum
-        self._work = self._wire = self._next_momentum = None
-        if self._int8 is not None:
-            self._int8.release()
+        return self._quorum
+
+    @across_islands.setter
+    def across_islands(self, sync_mean: QuorumMean | None) -> None:
+        self._quorum = sync_mean
+        self._average = self._average_over_replicas if sync_mean is None else self._average_over_quorum
 
     @property
     def sharded(self) -> bool:
@@ -146,7 +201,7 @@ class LocalSGD(TravellingSync, OuterState):
         """Whether the next optimizer step call meets the other ranks, the same on every rank.
 
         It does when it syncs gradients (the warm-up) or takes part in a parameter sync: the sync itself, or the start
-        of one that travels while the ranks train on (applying it later waits for the slower rank's start anyway).
+        of an overlapped one while the ranks train on (applying it later waits for the slower rank's start anyway).
         """
         return not self.local or (self.steps + 1 - self.config.warmup_steps) % self.config.sync_every == 0
 
@@ -157,6 +212,17 @@ class LocalSGD(TravellingSync, OuterState):
         In the local phase with ``overlap_steps``: a sync starts and the ranks train on without waiting for each other.
         """
         return self.local and bool(self.config.overlap_steps)
+
+    @property
+    def local_steps_since_sync(self) -> int:
+        """Local optimizer steps whose progress the anchor does not hold.
+
+        0 right after a sync without overlap and in the warm-up; with ``overlap_steps`` and ``overlap_mixing > 0``
+        the window the last sync carried plus the steps since it started (part of their progress is mixed in).
+        """
+        return self._steps_off_anchor
+
+    # The schedule: which batches sync gradients, which steps sync parameters.
 
     def before_batch(self) -> bool:
         """Anchor the parameters when the local phase begins; return whether this batch's gradients sync everywhere."""
@@ -177,9 +243,7 @@ class LocalSGD(TravellingSync, OuterState):
         """
         assert self.anchor is not None
         self._work_buffer()
-        if self.config.compression in ("fp16", "bf16") or (
-            self.config.compression == "fp32" and self.config.overlap_steps
-        ):
+        if self._int8 is None and not self._in_place:
             self._wire_buffer()
         if self.config.outer_momentum and self.momentum is None:
             # The same first outer step as no momentum yet: 0.9 x 0 + change is the change, bit for bit.
@@ -222,24 +286,6 @@ class LocalSGD(TravellingSync, OuterState):
         self.syncs += 1
         return report
 
-    def abandon_in_flight(self) -> None:
-        """Forget a sync still travelling (training failed before applying it); nothing waits for it any more."""
-        self._in_flight = None
-
-    def close(self) -> bool:
-        """Stop the worker thread of overlapped syncs (at teardown); False if it is still busy."""
-        worker, self._worker = self._worker, None
-        return worker is None or worker.stop()
-
-    def drop_shards(self) -> None:
-        """Forget a sharded outer state that training ended without gathering (a failure): it covers 1/M of the model.
-
-        A checkpoint saved afterwards holds no anchor (a resume anchors afresh at the weights), not a shard.
-        """
-        if self.island is not None:
-            self.anchor = self.momentum = None
-            self._in_flight = None
-
     def finish(self) -> ParameterSync | None:
         """At the end of training: average the replicas' parameters if they trained alone since the last sync.
 
@@ -248,13 +294,15 @@ class LocalSGD(TravellingSync, OuterState):
         parameter *change* since the last sync, compressed as configured (the parameters themselves would lose
         more in fp16 or int8); it is not counted in :attr:`syncs`.
         """
-        if self._in_flight is not None:  # a sync still travelling: apply it first
+        if self._in_flight is not None:  # a sync still in flight: apply it first
             self._apply_in_flight()
         if self.anchor is None or not self.local or self._steps_off_anchor == 0:
             return None
         report = self._exchange(outer_step=False)
         self.averaged_at_end = True
         return report
+
+    # A sync that waits: change, mean, outer step, gather, buffers.
 
     def _exchange(self, outer_step: bool) -> ParameterSync:
         """Average ``anchor - params`` over the replicas and move the anchor by it; load it, sync the buffers.
@@ -266,15 +314,9 @@ class LocalSGD(TravellingSync, OuterState):
         start = time.perf_counter()
         delta = self.layout.change(self.anchor, self._work_buffer())
         own_sq = squared_norm(delta)
-        committed = True
-        if self.across_islands is None:
-            wire_bytes = self._mean_inplace(delta)
-        else:  # a dropped sync (an island lost meanwhile) leaves the anchor: every island goes back to it
-            wire = None if self.config.compression == "fp32" else self._wire_buffer()
-            committed = self.across_islands(delta, wire)  # fp16/bf16: divided by the islands, then cast
-            wire_bytes = delta.numel() * (wire if wire is not None else delta).element_size()
+        wire_bytes, committed = self._average(delta)
         drift = self._drift(own_sq, delta)
-        if committed:
+        if committed:  # a dropped sync (an island lost meanwhile) leaves the anchor: every island goes back to it
             self._outer_step(delta, outer_step)
         self.layout.load(self.layout.gather(self.anchor))
         self.layout.release()
@@ -289,25 +331,143 @@ class LocalSGD(TravellingSync, OuterState):
             drift=drift,
         )
 
-    def heal_state(self) -> dict[str, Any]:
-        """This rank's outer loop, for the same rank of a returning fault-tolerant island (tensors by reference)."""
-        return {
-            "steps": self.steps,
-            "syncs": self.syncs,
-            "steps_off_anchor": self._steps_off_anchor,
-            "anchor": self.anchor,
-            "momentum": self.momentum,
-        }
+    # The mean, by mode (see the class doc): each leaves the mean change in the work buffer, ``delta``.
 
-    def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Take a live island's :meth:`heal_state` (in a sync, as it was taken: the sync then goes on as theirs)."""
-        self.steps, self.syncs, self._steps_off_anchor = state["steps"], state["syncs"], state["steps_off_anchor"]
-        for name in ("anchor", "momentum"):
-            mine, theirs = getattr(self, name), state[name]
-            if theirs is None or mine is None or mine.shape != theirs.shape:
-                setattr(self, name, None if theirs is None else theirs.to(self.params[0].device).clone())
-            else:
-                mine.copy_(theirs)
+    def _average_over_replicas(self, delta: torch.Tensor) -> tuple[int, bool]:
+        """The mean of ``delta`` (the work buffer) over :attr:`process_group`, into it; the bytes sent, True."""
+        handle, wire, sent = self._send(delta)
+        self._receive(handle, wire)
+        return sent, True
+
+    def _average_over_quorum(self, delta: torch.Tensor) -> tuple[int, bool]:
+        """The mean of ``delta`` over the fault-tolerant quorum, into it; the bytes sent, whether the sync commits."""
+        assert self._quorum is not None
+        wire = None if self.config.compression == "fp32" else self._wire_buffer()
+        committed = self._quorum(delta, wire)  # fp16/bf16: divided by the islands, then cast
+        return delta.numel() * (wire if wire is not None else delta).element_size(), committed
+
+    def _send_all_reduce(self, delta: torch.Tensor) -> tuple[dist.Work, torch.Tensor, int]:
+        """Start all-reducing ``delta`` / replicas; the work, the tensor it arrives in, the bytes sent."""
+        # Divided by the replicas before a half-precision cast: no overflow of the sum where the mean would not.
+        delta.div_(self.replicas)
+        wire = delta if self._in_place else self._wire_buffer().copy_(delta)
+        handle = dist.all_reduce(wire, group=self.process_group, async_op=True)
+        assert handle is not None
+        return handle, wire, wire.numel() * wire.element_size()
+
+    def _receive_all_reduce(self, handle: dist.Work, wire: torch.Tensor) -> None:
+        """Wait for the all-reduce; its sum (of changes already divided) into the work buffer."""
+        handle.wait()
+        if not self._in_place:
+            self._work_buffer().copy_(wire)
+
+    def _send_int8(self, delta: torch.Tensor) -> tuple[dist.Work, torch.Tensor, int]:
+        """Start int8's first stage on the work buffer (``delta`` zero-padded to whole chunks)."""
+        assert self._int8 is not None and self._work is not None and delta.data_ptr() == self._work.data_ptr()
+        return self._int8.start(self._work)
+
+    def _receive_int8(self, handle: dist.Work, wire: torch.Tensor) -> None:
+        """int8's second stage: the reduced chunks gathered (into ``wire``) and dequantised into the work buffer."""
+        assert self._int8 is not None and self._work is not None and self.anchor is not None
+        self._int8.finish(handle, self._work, self.anchor.numel())
+
+    # An overlapped sync (``overlap_steps``): started, carried on beside training, applied.
+
+    def _start_sync(self) -> None:
+        """Start sending the parameter change (``overlap_steps``); :meth:`_apply_in_flight` applies its mean.
+
+        What follows its arrival runs beside the training thread where it can (see the class doc).
+        """
+        assert self.anchor is not None
+        delta = self.layout.change(self.anchor, self._work_buffer())
+        own_sq = squared_norm(delta)
+        handle, wire, sent = self._send(delta)
+        in_flight = self._in_flight = InFlight(wire, handle, self.steps + self.config.overlap_steps, sent, own_sq)
+        worker = self._worker
+        if worker is not None:
+
+            def job() -> None:
+                if worker.failed is None:  # else this rank's collectives would be out of step with the others'
+                    self._receive(handle, wire)
+                    if self.island is not None:
+                        self._next_anchor(in_flight)
+
+            in_flight.work, in_flight.ahead = None, True
+            worker.submit(job)
+        elif self._int8 is not None:  # on CUDA, on a side stream whose waits hold back nothing training queues
+            in_flight.work, in_flight.ahead = None, True
+            self._side.run(self._work_buffer(), lambda: self._receive(handle, wire))
+
+    def _arrive(self, in_flight: InFlight) -> torch.Tensor:
+        """Wait for a sync (and what was carried on beside it); the mean change it carried, in the work buffer."""
+        if in_flight.work is not None:
+            in_flight.work.wait()
+            in_flight.work = None
+        if in_flight.ahead:
+            worker = self._worker
+            if worker is not None:
+                worker.drain()
+                if worker.failed is not None:
+                    raise RuntimeError("ddpopt: local SGD's sync failed on its worker thread") from worker.failed
+            self._side.join()
+            return self._work_buffer()
+        return self._work_buffer().copy_(in_flight.wire)
+
+    def _next_anchor(self, in_flight: InFlight) -> None:
+        """In an island: the drift, and the outer step into the gather's stage and the next momentum, gathered.
+
+        The anchor, the momentum and the mean (the work buffer) stay as they are; :meth:`_apply_in_flight` commits.
+        """
+        assert self.anchor is not None
+        mean = self._work_buffer()
+        if in_flight.own_sq is not None:
+            in_flight.drift = self._drift(in_flight.own_sq, mean)
+        stage, _ = self.layout.buffers(mean.device)
+        self._outer_step(mean, outer_step=True, into=(stage[: mean.numel()], self._next_momentum))
+        in_flight.gathered = self.layout.gather(stage)
+
+    def _apply_in_flight(self) -> ParameterSync:
+        """Wait for the mean change, take the outer step, and mix every rank's parameters with the new anchor.
+
+        ``params = overlap_mixing x params + (1 - overlap_mixing) x new anchor``. The step counts as a sync.
+        """
+        assert self.anchor is not None and self._in_flight is not None
+        start = time.perf_counter()
+        in_flight, self._in_flight = self._in_flight, None
+        mean = self._arrive(in_flight)
+        if self.island is None:
+            drift = None if in_flight.own_sq is None else self._drift(in_flight.own_sq, mean)
+            self._outer_step(mean, outer_step=True)
+            model = self.anchor
+        else:  # the same pass whether carried on ahead or not (restored, on CUDA, or a save took its buffer since)
+            if in_flight.gathered is None:
+                self._next_anchor(in_flight)
+            assert in_flight.gathered is not None
+            drift, model = in_flight.drift, in_flight.gathered
+            self.anchor.copy_(model[self.layout.bounds[0] : self.layout.bounds[1]])
+            if self._next_momentum is not None:
+                self.momentum, self._next_momentum = self._next_momentum, self.momentum
+        # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
+        self.layout.load(model, weight=1 - self.config.overlap_mixing)
+        self.layout.release()
+        buffer_bytes = self._sync_buffers()
+        self.syncs += 1
+        # The parameters hold part of the window the sync carried and the steps since it started; only with
+        # mixing 0 are they the anchor itself.
+        started = in_flight.apply_at - self.config.overlap_steps
+        mixing = self.config.overlap_mixing
+        self._steps_off_anchor = self.config.sync_every + self.steps - started if mixing else 0
+        return ParameterSync(
+            num_elements=self.anchor.numel(),
+            logical_bytes=self.anchor.numel() * 4 + buffer_bytes,
+            wire_bytes=in_flight.wire_bytes + buffer_bytes,
+            start_s=start,
+            end_s=time.perf_counter(),
+            overlapped=True,
+            drift=drift,
+        )
+
+    # The steps every sync shares.
 
     def _drift(self, own_sq: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The squared norms of this replica's change and of the mean change (over the island's shards)."""
@@ -345,7 +505,7 @@ class LocalSGD(TravellingSync, OuterState):
         torch.sub(anchor, step, alpha=lr, out=anchor_out)
 
     def _wire_buffer(self) -> torch.Tensor:
-        """The shard-sized buffer a sync travels in (half precision, or fp32 overlapped), kept between syncs."""
+        """The shard-sized buffer a sync is sent in (half precision, or fp32 overlapped), kept between syncs."""
         assert self.anchor is not None
         dtype = WIRE_DTYPES[self.config.compression]
         if self._wire is None or self._wire.device != self.anchor.device:
@@ -361,30 +521,6 @@ class LocalSGD(TravellingSync, OuterState):
         if self._work is None or self._work.device != self.anchor.device:
             self._work = torch.zeros(self.layout.size, device=self.anchor.device)
         return self._work[: self.anchor.numel()]
-
-    @property
-    def local_steps_since_sync(self) -> int:
-        """Local optimizer steps whose progress the anchor does not hold.
-
-        0 right after a sync without overlap and in the warm-up; with ``overlap_steps`` and ``overlap_mixing > 0``
-        the window the last sync carried plus the steps since it started (part of their progress is mixed in).
-        """
-        return self._steps_off_anchor
-
-    def _mean_inplace(self, delta: torch.Tensor) -> int:
-        """The mean of ``delta`` over the replicas, sent as the config says, into ``delta``; the bytes sent."""
-        if self._int8 is not None:
-            assert self._work is not None and delta.data_ptr() == self._work.data_ptr()
-            work, _, sent = self._int8.start(self._work)
-            self._int8.finish(work, self._work, delta.numel())
-            return sent
-        # Divided by the replicas before a half-precision cast: no overflow of the sum where the mean would not.
-        delta.div_(self.replicas)
-        wire = delta if self.config.compression == "fp32" else self._wire_buffer().copy_(delta)
-        dist.all_reduce(wire, group=self.process_group)
-        if wire is not delta:
-            delta.copy_(wire)
-        return wire.numel() * wire.element_size()
 
     def _sync_buffers(self) -> int:
         """Average floating-point buffers (or broadcast them) over every rank, broadcast the others; the bytes sent.
@@ -403,3 +539,162 @@ class LocalSGD(TravellingSync, OuterState):
                     dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0)
             sent += buffer.numel() * buffer.element_size()
         return sent
+
+    # The end of training, and teardown.
+
+    def unshard(self) -> None:
+        """Hold the whole anchor and outer momentum on every rank and leave the island (at the end of training).
+
+        A collective on the island, once training is over: a checkpoint saved afterwards, when the island's groups
+        are gone, holds the whole outer state. Nothing syncs afterwards.
+        """
+        if self.island is None:
+            return
+        assert self._in_flight is None, "finish() applies a sync in flight first"
+        anchor = None if self.anchor is None else self.layout.gathered_copy(self.anchor)
+        momentum = None if self.momentum is None else self.layout.gathered_copy(self.momentum)
+        self.island = None
+        self.layout = Shard(self.params, None, 1, 0, self._unit)
+        self.anchor, self.momentum = anchor, momentum
+        self._work = self._wire = self._next_momentum = None
+        if self._int8 is not None:
+            self._int8.release()
+
+    def abandon_in_flight(self) -> None:
+        """Forget a sync still in flight (training failed before applying it); nothing waits for it any more."""
+        self._in_flight = None
+
+    def close(self) -> bool:
+        """Stop the worker thread of overlapped syncs (at teardown); False if it is still busy."""
+        worker, self._worker = self._worker, None
+        return worker is None or worker.stop()
+
+    def drop_shards(self) -> None:
+        """Forget a sharded outer state that training ended without gathering (a failure): it covers 1/M of the model.
+
+        A checkpoint saved afterwards holds no anchor (a resume anchors afresh at the weights), not a shard.
+        """
+        if self.island is not None:
+            self.anchor = self.momentum = None
+            self._in_flight = None
+
+    # Saved state: checkpoints (whole, or as this rank's slices) and a returning fault-tolerant island's heal.
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, the whole anchor and outer momentum (the same on every replica), plus the config.
+
+        A sync still in flight is waited for and its mean change saved, to be applied after a resume. With an
+        island the shards are gathered: every rank of every island must call it (see :attr:`sharded`).
+        """
+        state, values = self.shard_state()
+        del state["sharded"], state["slices"]
+        for name, value in values.items():  # in the same order on every rank
+            whole = self._whole(value).to(value.dtype)
+            if name == "mean":
+                state["in_flight"]["mean"] = whole
+            else:
+                state[name] = whole
+        return state
+
+    def shard_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """With an island: the counters and config, and this rank's slices of the outer state, not copied.
+
+        For shards that each rank writes (:mod:`lightning_ddpopt.checkpoint_shards`): the first are the same on
+        every rank, with every island rank's ``slices`` (``[start, stop)``); the second hold this rank's values of
+        ``anchor``, ``momentum`` and (a sync still in flight) ``mean`` over its :attr:`layout`'s ``bounds``.
+        """
+        values: dict[str, torch.Tensor] = {}
+        saved_in_flight, in_flight = None, self._in_flight
+        if in_flight is not None:  # with int8, the reduced chunks: saved as their mean, in fp32
+            if in_flight.work is not None:
+                in_flight.work.wait()
+                in_flight.work = None
+            arrived = in_flight.wire.dtype == torch.int8 or in_flight.ahead
+            mean = self._arrive(in_flight) if arrived else in_flight.wire
+            values["mean"] = mean[: self.layout.bounds[1] - self.layout.bounds[0]]
+            saved_in_flight = {"mean": None, "apply_at": in_flight.apply_at, "wire_bytes": in_flight.wire_bytes}
+        if self.anchor is not None:
+            values["anchor"] = self.anchor
+        if self.momentum is not None:
+            values["momentum"] = self.momentum
+        state = {
+            "config": asdict(self.config),
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "anchor": None,
+            "momentum": None,
+            "in_flight": saved_in_flight,
+            "sharded": sorted(values),
+            "slices": self.layout.slices(),
+        }
+        return state, values
+
+    def _whole(self, shard: torch.Tensor) -> torch.Tensor:
+        """A copy of the whole model's values of ``shard`` on the CPU (in an island: gathered from its ranks).
+
+        The island's gather reuses the buffers an overlapped sync's next anchor was gathered into ahead: the apply
+        then computes it again, from the anchor, momentum and mean that are left as they were until then.
+        """
+        if self.island is None:
+            return shard.detach().cpu().clone()
+        if self._in_flight is not None and self._in_flight.gathered is not None:
+            self._in_flight.gathered = None
+            self.layout.release()  # every rank of the island gathered it ahead, and none will read it
+        return self.layout.gathered_copy(shard.detach().float()).cpu()
+
+    def load_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Restore :meth:`state_dict` output; return why it could not be, in words, or ``None``.
+
+        The saved state covers the whole model: each rank takes its shard, whatever the layout it was saved on.
+        """
+        reason = config_mismatch("local SGD", state, _saved_config(self.config))
+        if reason is not None:
+            return f"{reason}; the outer loop starts afresh from the weights"
+        anchor, momentum = state["anchor"], state["momentum"]
+        if anchor is not None and anchor.numel() != self.layout.numel:
+            numel = self.layout.numel
+            return f"the saved anchor has {anchor.numel()} values and the model {numel}; the outer loop starts afresh"
+        device = self.params[0].device
+        start, stop = self.layout.bounds
+        self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
+        self.anchor = None if anchor is None else anchor[start:stop].to(device, torch.float32).clone()
+        self.momentum = None if momentum is None else momentum[start:stop].to(device, torch.float32).clone()
+        if self.anchor is not None:
+            self._allocate()
+        saved = state.get("in_flight")
+        self._in_flight = None
+        if saved is not None:
+            wire = saved["mean"][start:stop].to(device).clone()
+            self._in_flight = InFlight(wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
+        # Every rank resumes from the saved weights (rank 0's): off the anchor by rank 0's steps since the sync.
+        window = self.config.sync_every
+        since = (self.steps - self.config.warmup_steps) % window if self.local and self.anchor is not None else 0
+        self._steps_off_anchor = since + (window if self._in_flight is not None else 0)
+        return None
+
+    def heal_state(self) -> dict[str, Any]:
+        """This rank's outer loop, for the same rank of a returning fault-tolerant island (tensors by reference)."""
+        return {
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "steps_off_anchor": self._steps_off_anchor,
+            "anchor": self.anchor,
+            "momentum": self.momentum,
+        }
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Take a live island's :meth:`heal_state` (in a sync, as it was taken: the sync then goes on as theirs)."""
+        self.steps, self.syncs, self._steps_off_anchor = state["steps"], state["syncs"], state["steps_off_anchor"]
+        for name in ("anchor", "momentum"):
+            mine, theirs = getattr(self, name), state[name]
+            if theirs is None or mine is None or mine.shape != theirs.shape:
+                setattr(self, name, None if theirs is None else theirs.to(self.params[0].device).clone())
+            else:
+                mine.copy_(theirs)
+
+
+def _saved_config(config: LocalSGDConfig) -> dict[str, Any]:
+    """The config fields a saved outer loop must match: the replica layout may change (the state is the model's)."""
+    fields = asdict(config)
+    fields.pop("replica")
+    return fields

@@ -112,7 +112,7 @@ class Shard:
             dist.barrier(group=self.island)
 
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stage a shard travels in (fp32, padded) and the whole model it is gathered into (see the class doc).
+        """The stage a shard is sent in (fp32, padded) and the whole model it is gathered into (see the class doc).
 
         Their first call on a CPU is a collective on the island (the shared buffer is mapped by all its ranks).
         """

@@ -19,7 +19,7 @@ deadlock), so with local SGD on more than one rank:
 Installed on one trainer's loop and signal connector (instance attributes) before Lightning registers its handlers,
 removed at teardown; with a Lightning that lacks either method nothing is changed (and a warning says so).
 
-The terms used here (round, verdict, meeting, travel, island, ...) are defined in the design page's glossary.
+The terms used here (round, verdict, meeting, in flight, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class SigtermAtSyncs:
         self.trainer, self.phase, self.device = trainer, phase, device
         self._patch: SigtermPatch | None = None
         self.pending = False  # this rank received a SIGTERM
-        # The local phase's meeting still travelling: its work and every rank's flag, all-reduced into it.
-        self._travelling: DeferredRead | None = None
+        # The local phase's meeting still in flight: its work and every rank's flag, all-reduced into it.
+        self._in_flight: DeferredRead | None = None
         self._met_at_step = -1  # the optimizer step whose first batch met in passing (once per window)
 
     def install(self) -> bool:
@@ -64,9 +64,9 @@ class SigtermAtSyncs:
     def remove(self) -> None:
         """Lightning's own again (a registered handler stays registered until Lightning restores the old ones).
 
-        A meeting still travelling is dropped: every rank started it at the same batch, so it finishes without us.
+        A meeting still in flight is dropped: every rank started it at the same batch, so it finishes without us.
         """
-        self._travelling = None
+        self._in_flight = None
         if self._patch is not None:
             self._patch.remove()
 
@@ -94,12 +94,12 @@ class SigtermAtSyncs:
 
     def _meet_in_passing(self) -> None:
         """Read the previous window's meeting, start this window's: every rank alike, none waiting for another."""
-        travelling, self._travelling = self._travelling, None
-        if travelling is not None:
-            self._act_on(travelling.read())
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self._act_on(in_flight.read())
         flag = self._flag()
         # On a GPU read on a stream of its own: the compute stream never waits for the others' flags.
-        self._travelling = DeferredRead(flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        self._in_flight = DeferredRead(flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
 
     def _act_on(self, flag: torch.Tensor) -> None:
         if flag.item():
