@@ -30,7 +30,7 @@ from lightning_ddpopt.hooks import PowerSGDConfig
 
 def _fp16_tiers_inline() -> OptimizedDDPStrategy:
     """fp16 in two tiers with each bucket's three stages run in the hook call: what the CPU's stage threads buy."""
-    from lightning_ddpopt.hooks import hierarchical
+    from lightning_ddpopt.hooks import _worker
 
     def run(self: Any, state: Any, sync: Any, index: int) -> torch.futures.Future[torch.Tensor]:
         sync.reduce_inside()
@@ -40,7 +40,7 @@ def _fp16_tiers_inline() -> OptimizedDDPStrategy:
         future.set_result(sync.buffer)
         return future
 
-    hierarchical.TierStages.run = run  # type: ignore[method-assign]
+    _worker.TierStages.run = run  # type: ignore[method-assign]
     return OptimizedDDPStrategy(comm_hook="fp16", hierarchical=True)
 
 

@@ -129,4 +129,6 @@ class _ThenLoader(importlib.abc.Loader):
         self.then(module.__name__, module)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (a copy or an unpickled one): not the wrapped loader's to answer
+            raise AttributeError(name)
         return getattr(self.loader, name)

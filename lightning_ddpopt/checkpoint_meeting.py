@@ -2,9 +2,10 @@
 
 A save that needs every rank (per-rank state to write or gather) first meets them in gloo's monitored barrier, under
 the process group's timeout unless ``checkpoint_timeout`` sets a shorter one: a rank that never comes fails the save
-on rank 0 with torch's message naming it, instead of a gather that hangs. The barrier and the gather run on a gloo
-group of their own, made with the strategy's groups: a barrier that timed out closes its group's connections, and
-training's group must go on. Nothing is written to the store. See :mod:`lightning_ddpopt.checkpoint` for the
+on rank 0 with torch's message naming it (the other ranks' waits end with the same timeout), instead of a gather
+that hangs. The barrier and the gather run on a gloo group of their own, made at setup where saves will need it: a
+barrier that timed out closes its group's connections, and training's group must go on (a later save then says so
+at once). Nothing is written to the store. See :mod:`lightning_ddpopt.checkpoint` for the
 contract. Used by :class:`~lightning_ddpopt.core.StrategyCore`.
 """
 
@@ -36,36 +37,46 @@ class RankStates:
         self._run = ""
         self._saves = 0
         self._group: dist.ProcessGroup | None = None
+        self._failed: str | None = None
 
     def name_run(self, nonce: str) -> None:
         """Name this run's saves (the same ``nonce`` on every rank), so that each save's id is unique to it."""
         self._run = nonce
 
-    def start(self, timeout: timedelta | None) -> None:
-        """Make the saves' gloo group with the process group's ``timeout`` (every rank, in the strategy's order)."""
+    def start(self, timeout: timedelta | None, needed: bool) -> None:
+        """Take the process group's ``timeout``; make the saves' group now if a save will need it (``needed``).
+
+        Every rank calls it at the same point of setup. A run whose saves need no meeting (a stateless hook without
+        local SGD) makes no group; a save that needs one later (after teardown, say) makes it then.
+        """
         self._group_timeout = timeout
-        if dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        if needed:
+            self._make_group()
 
     def agree(self, *, rank: int, world_size: int) -> str:
         """Meet every rank (see the module doc); return the save's id, the same on every rank and unique to it.
 
         Raises:
-            RuntimeError: a rank did not arrive within the timeout (on rank 0, naming it; the others time out too).
+            RuntimeError: a rank did not arrive within the timeout (on rank 0, naming the first missing one; the
+                others time out alike), or an earlier save's meeting failed and closed the saves' group.
         """
         self._saves += 1
         if world_size > 1:
-            timeout = (
-                timedelta(seconds=self.timeout_s)
-                if self.timeout_s is not None
-                else self._group_timeout or timedelta(minutes=30)
-            )
+            if self._failed is not None:
+                raise RuntimeError(
+                    "ddpopt: saving a checkpoint needs the ranks' save meeting, which an earlier save on fewer ranks "
+                    f"closed ({self._failed}); call save_checkpoint on every rank"
+                )
+            group = self._make_group()
+            timeout = self._timeout()
             try:
-                dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+                dist.monitored_barrier(group=group, timeout=timeout)
             except RuntimeError as error:
+                self._failed = str(error).splitlines()[0]  # torch's line naming the rank; gloo's detail follows
                 raise RuntimeError(
                     "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), "
-                    f"but not every rank called save_checkpoint within {timeout.total_seconds():g} s ({error}). Call "
+                    f"but not every rank called save_checkpoint within {timeout.total_seconds():g} s "
+                    f"({self._failed}). Call "
                     "trainer.save_checkpoint on every rank, as Lightning's DDP strategies require (ModelCheckpoint "
                     "does)."
                 ) from None
@@ -98,5 +109,17 @@ class RankStates:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        """The saves' gloo group over every rank (``None`` with one rank)."""
+        """The saves' gloo group over every rank (``None`` with one rank, or before a save needs it)."""
+        return self._group
+
+    def _timeout(self) -> timedelta:
+        if self.timeout_s is not None:
+            return timedelta(seconds=self.timeout_s)
+        return self._group_timeout or timedelta(minutes=30)
+
+    def _make_group(self) -> dist.ProcessGroup | None:
+        """The saves' group, made on first need with the save's timeout (every rank's waits in it end with it)."""
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout())
+            self._failed = None
         return self._group

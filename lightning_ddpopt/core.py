@@ -4,7 +4,11 @@ Lightning has two front ends, and each has a ``DDPStrategy`` of its own: :class:
 subclasses the Trainer's, :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` Fabric's. Both hand their events to
 one :class:`StrategyCore`, which owns the components (the hook installer, the bucket controller, the ledger, the
 checkpoint gathers, local SGD's driver, the core binding) and calls them in the order their rules need, so the two
-front ends cannot drift apart. :class:`CoreViews` gives both strategies the same public properties over it.
+front ends cannot drift apart. :class:`CoreStrategy`, mixed into both beside Lightning's or Fabric's ``DDPStrategy``,
+holds the steps both take alike: each strategy says *when* a step runs, :class:`CoreStrategy` *what* it does. What
+it reads of the ``DDPStrategy`` it is mixed with is :class:`_DDPStrategyLike`, whose private parts are checked at
+construction by :func:`lightning_ddpopt._compat.check_ddp_strategy_internals`.
+:class:`~lightning_ddpopt.measuring.CoreViews` gives both strategies the same public properties over the core.
 
 The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
@@ -12,12 +16,14 @@ The terms used here (sync round, verdict, meeting, island, wire bytes) are defin
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,16 +35,19 @@ from lightning_ddpopt.buckets import BucketController, validate_bucket_cap_mb
 from lightning_ddpopt.checkpoint import SavedRun, write_rank_states
 from lightning_ddpopt.checkpoint_meeting import RankStates
 from lightning_ddpopt.checkpoint_shards import shards_supported
+from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
 from lightning_ddpopt.hooks.across_islands import AcrossIslands
-from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK, validate_local_sgd
+from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.install import HookInstaller
+from lightning_ddpopt.hooks.registry import DEFAULT_COMM_HOOK, validate_local_sgd
 from lightning_ddpopt.ledger import CommLedger, StepRecord
 from lightning_ddpopt.localsgd import LocalSGDConfig, LocalSGDDriver
+from lightning_ddpopt.measuring import CoreViews
 from lightning_ddpopt.precision import OptimizerSteps
 from lightning_ddpopt.timing import timeline_for
 from lightning_ddpopt.topology import Topology, discover
 
-__all__ = ["StrategyCore"]
+__all__ = ["CoreStrategy", "StrategyCore"]
 
 
 class StrategyCore:
@@ -168,7 +177,6 @@ class StrategyCore:
         ``True``); local SGD reads them too.
         """
         assert self.ledger is not None, "start() first"
-        self.checkpoints.start(timeout)
 
         def own_group() -> dist.ProcessGroup:  # over the model's ranks, for traffic that must not interleave with it
             return group_like(model.process_group, backend, timeout)
@@ -200,6 +208,9 @@ class StrategyCore:
         if self.local_sgd is not None:
             self.local_sgd.start(model, own_group)
             self._restore_local_sgd()
+        state = self.hooks.comm_state
+        stateful = isinstance(state, CommHookState) and type(state).state_dict is not CommHookState.state_dict
+        self.checkpoints.start(timeout, needed=stateful or self.local_sgd is not None)
         self.buckets.log_plan(backend, self.hooks.comm_hook_name)
 
     def load(self, entry: dict[str, Any] | None, model_wrapped: bool, path: PathType | None = None) -> SavedRun | None:
@@ -365,7 +376,7 @@ class StrategyCore:
         ).to_checkpoint()
 
     def name_run(self, nonce: str) -> None:
-        """Name this run's checkpoint meetings (the same ``nonce`` on every rank): the store outlives a run."""
+        """Name this run's checkpoint saves (the same ``nonce`` on every rank): each save's shards get an id."""
         self.checkpoints.name_run(nonce)
 
     def stop_local_sgd(self) -> None:
@@ -409,3 +420,100 @@ class StrategyCore:
             return
         self._local_sgd_pending = False
         self.local_sgd.restore(self._saved.local_sgd)
+
+
+class _DDPStrategyLike(Protocol):
+    """What :class:`CoreStrategy` reads of the strategy it is mixed into (Lightning's or Fabric's ``DDPStrategy``)."""
+
+    _core: StrategyCore
+
+    @property
+    def _timeout(self) -> timedelta | None: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def bucket_layout(self) -> tuple[int, ...] | None: ...
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None: ...
+
+    @property
+    def ledger(self) -> Any: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def _get_process_group_backend(self) -> str: ...
+
+    def _loss_scale(self) -> torch.Tensor | None: ...
+
+
+class CoreStrategy(CoreViews):
+    """The steps both strategies take with their :class:`~lightning_ddpopt.core.StrategyCore`, and its views."""
+
+    def _start_core(self: _DDPStrategyLike) -> None:
+        """Once the process group exists: the core learns this rank's place (cores, nodes, ledger)."""
+        self._core.start(
+            self.root_device,
+            local_rank=self.local_rank,
+            local_world_size=self.num_processes,
+            node_rank=self.node_rank,
+            world_size=self.world_size,
+            rank=self.global_rank,
+        )
+
+    def _name_run(self: _DDPStrategyLike) -> None:
+        """Name this run's checkpoint saves (every rank): a save's shards are told apart from an earlier run's."""
+        if self.world_size > 1:
+            self._core.name_run(self.broadcast(secrets.token_hex(8)))
+
+    def _install_hook(self: _DDPStrategyLike, model: DistributedDataParallel, measured: bool = True) -> None:
+        """Register the hook on the freshly wrapped ``model`` (see :meth:`StrategyCore.install`)."""
+        self._core.install(
+            model,
+            backend=self._get_process_group_backend(),
+            timeout=self._timeout,
+            device=self.root_device,
+            loss_scale=self._loss_scale,
+            measured=measured,
+        )
+
+    def _log_final_layout(self: _DDPStrategyLike, model: object, say: Callable[[str], None]) -> None:
+        """At the end of training: DDP's bucket layout, if no step logged it yet."""
+        if self.bucket_layout is None and isinstance(model, DistributedDataParallel):
+            self._core.buckets.log_layout(self.ledger, say, self._core.local_phase, final=True)
+
+    def _join_islands(
+        self: _DDPStrategyLike,
+        ft: FaultTolerantSteps,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """Join the fault-tolerant quorum as one island: this job's ranks, its store, its training state."""
+        environment = self.cluster_environment
+        assert environment is not None
+        ft.setup(
+            self.global_rank,
+            self.world_size,
+            (environment.main_address, environment.main_port),
+            self.root_device,
+            state_dict=state_dict,
+            load_state_dict=load_state_dict,
+            broadcast=self.broadcast,
+        )

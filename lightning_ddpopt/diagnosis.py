@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_ddpopt.fault_tolerance.finding import across_islands_finding, islands_finding, islands_summary
-from lightning_ddpopt.finding import Finding, Status
+from lightning_ddpopt.finding import FINDINGS_TITLE, Finding, Status
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDState
 from lightning_ddpopt.hooks.powersgd_rank import ERROR_BOUNDS, is_adaptive
@@ -35,7 +35,6 @@ REPORT_NAME = "ddpopt_report.json"
 #: The areas of every run's findings; a fault-tolerant run adds ``"islands"`` after them.
 AREAS = ("network", "compression", "amp", "accumulation", "stragglers")
 #: The first line of the findings, as printed and in TensorBoard.
-FINDINGS_TITLE = "ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)"
 
 #: An exposed sync (what the step waits for after its own backward compute) above this share of the step makes the
 #: network the bottleneck.
@@ -307,16 +306,20 @@ def _compression(summary: dict[str, Any]) -> Finding:
             "add CommProfiler() (it measures a lossy hook's error every error_every syncs)",
         )
     worst = comm.get("compression_error_max", quality.get("compression_error_max", error))
-    family = "powersgd" if "powersgd" in hook else "int8" if "int8" in hook else "cast"
+    family = _error_family(hook)
     optimizers = summary.get("optimizers") or []
     adaptive = summary.get("adaptive_optimizer", any(map(is_adaptive, optimizers)))
-    limit = COMPRESSION_ERROR_LIMITS[family][0 if adaptive else 1]
+    limit = COMPRESSION_ERROR_LIMITS[family or "cast"][0 if adaptive else 1]
     evidence = f"hook {hook}: relative compression error {_error(error)} (worst rank {_error(worst)})"
     if "compression_error" in comm and comm.get("interval_steps"):
         evidence += f" over the last {comm['interval_steps']} steps"
     if "compression_error" in quality:
         measured = quality["compression_error_measured_syncs"]
         evidence += f"; over the run {_error(quality['compression_error'])} ({measured:g} measured syncs)"
+    if family is None:  # a hook of the user's: its error is measured, but no limit is known for it
+        evidence += "; no quality limit is known for this hook"
+        advice = "compare its validation loss with comm_hook='allreduce' at equal steps"
+        return Finding("compression", "unknown", evidence, advice)
     powersgd = summary.get("powersgd")
     if powersgd is not None:
         highest, lowest = powersgd["rank"], powersgd.get("lowest_rank", powersgd["rank"])  # earlier: one rank
@@ -352,6 +355,15 @@ def _compression(summary: dict[str, Any]) -> Finding:
     else:
         advice = f"the rank reached max_rank={rank}: raise PowerSGDConfig(max_rank=...), or use comm_hook='int8'"
     return Finding("compression", "problem", evidence, advice)
+
+
+def _error_family(hook: str) -> str | None:
+    """Which of :data:`COMPRESSION_ERROR_LIMITS` judges ``hook``'s error; ``None`` for a hook that is not ours."""
+    if "powersgd" in hook:
+        return "powersgd"
+    if "int8" in hook:
+        return "int8"
+    return "cast" if hook in ("fp16", "bf16") else None
 
 
 def _heavier_than_int8(summary: dict[str, Any], comm: dict[str, Any]) -> int | None:

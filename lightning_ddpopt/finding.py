@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-__all__ = ["Finding", "Status"]
+__all__ = ["FINDINGS_TITLE", "Finding", "Status"]
 
 Status = Literal["problem", "ok", "unknown"]
+#: The findings' heading, in the order the diagnosis looks (the report's and TensorBoard's).
+FINDINGS_TITLE = "ddpopt findings (network -> compression -> AMP -> accumulation -> stragglers)"
 
 
 @dataclass(frozen=True)

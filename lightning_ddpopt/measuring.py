@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
 if TYPE_CHECKING:
     from lightning_ddpopt.affinity import CoreBinding
@@ -108,6 +109,12 @@ class CoreViews:
     def bucket_layout(self) -> tuple[int, ...] | None:
         """DDP's bucket sizes once final (the plan's if no hook saw them)."""
         return self._core.buckets.layout
+
+    @property
+    def autotuner(self) -> None:
+        """Deprecated, always ``None``: ``bucket_cap_mb="autotune"`` means ``"auto"`` now (the design page says why)."""
+        rank_zero_deprecation("ddpopt: strategy.autotuner is deprecated and always None: autotune is retired")
+        return None
 
     @property
     def local_sgd(self) -> LocalSGD | None:

@@ -39,19 +39,18 @@ from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.checkpoint_shards import remove_shards
-from lightning_ddpopt.core import StrategyCore
+from lightning_ddpopt.core import CoreStrategy, StrategyCore
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
 from lightning_ddpopt.fault_tolerance.driver import CHECKPOINT_KEY as FT_CHECKPOINT_KEY
 from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
 from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
-from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.registry import DEFAULT_COMM_HOOK
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.measuring import MeasuringCallback
 from lightning_ddpopt.precision import current_loss_scale
-from lightning_ddpopt.strategy_base import CoreStrategy
 
 __all__ = ["OptimizedDDPStrategy"]
 

@@ -67,11 +67,18 @@ def test_bad_auto_candidates_fail_at_construction(candidates, error, message):
 
 
 def test_auto_measures_only_its_candidates(gloo_group):
-    from lightning_ddpopt.hooks import auto
+    from lightning_ddpopt.hooks import auto, registry
 
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 16))
     assert set(
-        auto.measure_hook_costs(model, None, torch.device("cpu"), repeats=1, candidates=AutoConfig().candidates)
+        auto.measure_hook_costs(
+            model,
+            None,
+            torch.device("cpu"),
+            repeats=1,
+            candidates=AutoConfig().candidates,
+            lookup=registry.get_hook_spec,
+        )
     ) == {
         "allreduce",
         "fp16",
@@ -125,7 +132,7 @@ def test_auto_times_the_real_hooks_on_a_bounded_probe(gloo_group, monkeypatch):
     monkeypatch.setattr(registry, "get_hook_spec", counting_spec)
     monkeypatch.setattr(auto, "_ProbeBucket", recording_bucket)
     model = nn.Sequential(nn.Linear(4096, 2048), nn.Linear(2048, 16))  # 8.4M + 32.8k values
-    estimates = auto.measure_hook_costs(model, None, torch.device("cpu"), repeats=2)
+    estimates = auto.measure_hook_costs(model, None, torch.device("cpu"), repeats=2, lookup=registry.get_hook_spec)
     assert calls == {"allreduce": 3, "fp16": 3, "int8": 3, "powersgd": 3}
     assert probes == [[(4 * 1024 * 1024,)]] * 3 + [[(1024, 4096)]]
     assert set(estimates) == {"allreduce", "fp16", "int8", "powersgd"}

@@ -72,6 +72,7 @@ def _latency_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_auto_measures_the_latency_at_scale_the_same_on_every_rank(tmp_path):
     # From AUTO_MEASURED_FROM_RANKS ranks (lowered to 2 in the ranks, for this test) "auto" times an all-reduce.
     with socket.socket() as sock:

@@ -32,14 +32,14 @@ def _round(
     q_memories: dict[str, float] | None = None,
 ) -> None:
     """One sync round: errors and Q memories of constant values under their keys, ``exact``: sent uncompressed."""
-    round_ = state._open_round()
+    round_ = state.open_round()
     for name, value in errors.items():
         round_.errors[name] = state.error_buffer(round_, name, SHAPE, torch.float32, torch.device("cpu")).fill_(value)
     for key, value in (q_memories or {}).items():
         round_.q_memories[key] = torch.full((3, 2), value)
     round_.sent_exactly.update(exact)
     round_.check([torch.tensor(1.0 if finite else math.inf)])
-    state._close_round()
+    state.close_round()
 
 
 def _fed_back(state: ErrorFeedbackState, names: list[str], scale: float) -> list[torch.Tensor]:
@@ -47,7 +47,7 @@ def _fed_back(state: ErrorFeedbackState, names: list[str], scale: float) -> list
 
     The device path commits a round when the next one opens (the host's at once): that commit comes first here.
     """
-    state._settle()
+    state._apply_completed()
     gradients = [torch.ones(SHAPE) for _ in names]
     state.add_error_feedback(SyncRound(torch.tensor(scale)), names, gradients)
     return gradients
@@ -218,6 +218,6 @@ def test_the_device_path_commits_a_round_when_the_next_opens_as_on_a_gpu():
         state._verdict_on_device = on_device
         _round(state, True, {"w": 0.5})
         # The host commits at once; the device leaves the round sealed (a GPU's host never waits for its verdict).
-        assert (state._sealed is not None, "w" in state.errors) == (on_device, not on_device)
-        state._open_round()
-        assert state._sealed is None and torch.equal(state.errors["w"], torch.full(SHAPE, 0.5))
+        assert (state._completed is not None, "w" in state.errors) == (on_device, not on_device)
+        state.open_round()
+        assert state._completed is None and torch.equal(state.errors["w"], torch.full(SHAPE, 0.5))

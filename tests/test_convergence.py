@@ -76,8 +76,8 @@ def allreduce_accuracy(tmp_path_factory):
     return _accuracy(tmp_path_factory.mktemp("allreduce"), "allreduce")
 
 
-#: The hooks whose convergence the default run checks (each family's first); the slow run checks every hook.
-DEFAULT_RUN_HOOKS = ("int8", "powersgd")
+#: The hook whose convergence the default run checks (int8's quality: the transformer test); the slow run, every hook.
+DEFAULT_RUN_HOOKS = ("powersgd",)
 
 
 @pytest.mark.parametrize(

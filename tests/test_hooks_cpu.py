@@ -120,11 +120,11 @@ def _multi_bucket_worker(rank: int, port: int, steps: int, out: str) -> None:
 def test_every_powersgd_variant_runs_multi_bucket_on_gloo(tmp_path):
     # torch's powerSGD_hook aborts here (gloo "Received data size doesn't match expected size").
     out = str(tmp_path / "results.pt")
-    mp.start_processes(_multi_bucket_worker, args=(29531, 30, out), nprocs=2, start_method="fork")
+    mp.start_processes(_multi_bucket_worker, args=(29531, 12, out), nprocs=2, start_method="fork")
     results = torch.load(out)
     for name, result in results.items():
-        # 30 steps: 2 of plain allreduce (start_iter), then compressed.
-        assert result == {"identical": True, "finite": True, "buckets": 6, "compressed_steps": 28}, name
+        # 12 steps: 2 of plain allreduce (start_iter), then compressed.
+        assert result == {"identical": True, "finite": True, "buckets": 6, "compressed_steps": 10}, name
 
 
 @pytest.mark.quick

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddpopt import OptimizedDDPStrategy
 from lightning_ddpopt._groups import destroy_all_groups
-from lightning_ddpopt.hooks import COMM_HOOKS, Int8Config, Int8State, int8_hook
+from lightning_ddpopt.hooks import COMM_HOOKS, Int8Config, Int8State, get_hook_spec, int8_hook
 from lightning_ddpopt.ledger import CommLedger
 from tests.helpers import fit_ddp, jitter_backward, stack_gradient_bytes
 
@@ -196,9 +196,9 @@ def test_auto_skips_int8_for_a_model_smaller_than_one_block(gloo_group):
     from lightning_ddpopt.hooks.auto import measure_hook_costs
 
     # Nor for PowerSGD: a 10 x 10 matrix is not worth compressing at rank 4, so it would be sent exactly.
-    estimates = measure_hook_costs(nn.Linear(10, 10), None, torch.device("cpu"), repeats=1)
+    estimates = measure_hook_costs(nn.Linear(10, 10), None, torch.device("cpu"), repeats=1, lookup=get_hook_spec)
     assert set(estimates) == {"allreduce", "fp16"}
-    estimates = measure_hook_costs(nn.Linear(64, 64), None, torch.device("cpu"), repeats=1)
+    estimates = measure_hook_costs(nn.Linear(64, 64), None, torch.device("cpu"), repeats=1, lookup=get_hook_spec)
     assert set(estimates) == {"allreduce", "fp16", "int8", "powersgd"}
 
 

@@ -681,7 +681,7 @@ def test_a_save_fails_once_the_rank_it_waits_for_stops_training(tmp_path):
     result = torch.load(tmp_path / "lone.pt")
     assert result["message"] == (
         "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but not "
-        "every rank called save_checkpoint within 1 s ([Rank 0]: Ranks 1 failed to pass monitoredBarrier in 1000 "
+        "every rank called save_checkpoint within 1 s ([Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 "
         "ms). Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies require (ModelCheckpoint "
         "does)."
     )

@@ -344,7 +344,7 @@ def test_checkpoint_saved_on_one_rank_fails_fast_and_clearly(tmp_path):
     result = torch.load(tmp_path / "lone.pt")
     assert result["message"] == (
         "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but not "
-        "every rank called save_checkpoint within 2 s ([Rank 0]: Ranks 1 failed to pass monitoredBarrier in 2000 "
+        "every rank called save_checkpoint within 2 s ([Rank 0]: Rank 1 failed to pass monitoredBarrier in 2000 "
         "ms). Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies require (ModelCheckpoint "
         "does)."
     )
@@ -381,9 +381,9 @@ def test_batched_q_memories_of_an_old_layout_are_dropped(gloo_group):
     state.q_memories = {"a|b": torch.ones(2, 1), "c": torch.ones(2, 1), "d|e": torch.ones(2, 1)}
     round_ = SyncRound(None)
     round_.q_memories["b|c"] = torch.zeros(2, 1)
-    state._sealed = round_
-    round_.seal()
-    state._settle()
+    state._completed = round_
+    round_.complete()
+    state._apply_completed()
     # a, b and c now live in the new group; d|e is untouched. A resume regroups by these keys alone.
     assert sorted(state.q_memories) == ["b|c", "d|e"]
 
@@ -398,11 +398,11 @@ def test_error_buffers_alternate_and_a_non_finite_round_leaves_the_committed_err
     like = torch.zeros(3, 3)
 
     def round_writing(value: float, finite: bool) -> torch.Tensor:
-        round_ = state._open_round()
+        round_ = state.open_round()
         buffer = state.error_buffer(round_, "w", (3, 3), torch.float32, like.device).fill_(value)
         round_.errors["w"] = buffer
         round_.check([torch.tensor(1.0 if finite else math.inf)])
-        state._close_round()
+        state.close_round()
         return buffer
 
     first = round_writing(1.0, finite=True)
@@ -418,15 +418,15 @@ def test_error_buffers_alternate_and_a_non_finite_round_leaves_the_committed_err
     assert after.data_ptr() == second.data_ptr()
     assert torch.equal(state.errors["w"], torch.full((3, 3), 4.0))
     # Another shape under the key (a layout change) gets a fresh buffer rather than a wrong-sized spare.
-    round_ = state._open_round()
+    round_ = state.open_round()
     assert state.error_buffer(round_, "w", (2, 2), torch.float32, like.device).shape == (2, 2)
     assert isinstance(round_, SyncRound)
     # A round under other keys (another bucket layout) commits: the old key's buffers are let go.
     state._round = None
-    round_ = state._open_round()
+    round_ = state.open_round()
     round_.errors["v"] = state.error_buffer(round_, "v", (3, 3), torch.float32, like.device).fill_(5.0)
     round_.check([torch.tensor(1.0)])
-    state._close_round()
+    state.close_round()
     assert set(state._backing) == {"v"} and not state._spare
 
 

@@ -75,6 +75,40 @@ def test_hook_registry_names():
 
 
 @pytest.mark.quick
+def test_a_make_state_by_keywords_or_by_position_builds_the_state(gloo_group):
+    import functools
+
+    from lightning_ddpopt.hooks import CommHookState, HookSpec, allreduce_mean_hook
+    from lightning_ddpopt.ledger import CommLedger
+
+    ledger = CommLedger()
+    by_keywords = HookSpec("mine", "mine", allreduce_mean_hook, functools.partial(CommHookState))
+    assert by_keywords.build(None, ledger).ledger is ledger
+    # An earlier release's entry: make_state(group, ledger), positional, with names of its own.
+    by_position = HookSpec("old", "old", allreduce_mean_hook, lambda group, books: CommHookState(ledger=books))
+    assert by_position.build(None, ledger).ledger is ledger
+
+
+@pytest.mark.quick
+def test_the_registry_module_keeps_its_loader_whole_for_copy_and_pickle():
+    import copy
+    import pickle
+
+    import lightning.pytorch.strategies as strategies
+
+    loader = strategies.__spec__.loader
+    assert copy.copy(loader).is_package("lightning.pytorch.strategies")
+    assert pickle.loads(pickle.dumps(loader)).is_package("lightning.pytorch.strategies")
+    assert copy.deepcopy(strategies.__spec__).name == "lightning.pytorch.strategies"
+
+
+@pytest.mark.quick
+def test_the_autotuner_is_deprecated_and_none():
+    with pytest.deprecated_call(match="autotuner is deprecated"):
+        assert OptimizedDDPStrategy().autotuner is None
+
+
+@pytest.mark.quick
 def test_lightning_cli_yaml_configures_the_strategy(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(

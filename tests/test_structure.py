@@ -1,4 +1,4 @@
-"""The package's shape, as the design page states it: small modules, no import circle, private APIs in ``_compat``."""
+"""The package's shape, as the design page states it: no import circle, 8 import floors, private APIs in ``_compat``."""
 
 from __future__ import annotations
 
@@ -28,9 +28,21 @@ def _modules() -> dict[str, ast.Module]:
 
 
 def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
-    """The package modules ``name`` imports, ``TYPE_CHECKING`` and function-level imports included."""
+    """The package modules ``name`` imports when it runs, function-level imports included.
+
+    Imports under ``TYPE_CHECKING`` name a collaborator's type (a state holds the ledger it calls, a view names the
+    core it reads); they never run, so they cannot close a circle.
+    """
     found = set()
+    type_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
     for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -67,6 +79,78 @@ def test_no_import_circle():
         if name not in state:
             visit(name, [name])
     assert not circles, circles
+
+
+#: The design page's bound on the import graph's depth (module-level imports; see "Import floors").
+MAX_FLOORS = 8
+
+
+def _module_level_imports(name: str, tree: ast.Module, modules: dict[str, ast.Module], packages: set[str]) -> set[str]:
+    """The package modules ``name`` imports when it runs: not under ``TYPE_CHECKING``, not inside a function.
+
+    A name imported from a package is the module the package's ``__init__`` takes it from.
+    """
+
+    def statements(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+        found: list[ast.Import | ast.ImportFrom] = []
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.If | ast.Try):
+                found += statements(node.body) + statements(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    found += statements(handler.body)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                found.append(node)
+        return found
+
+    def pairs(module: str, tree: ast.Module) -> list[tuple[str, str | None]]:
+        out: list[tuple[str, str | None]] = []
+        for node in statements(tree.body):
+            if isinstance(node, ast.Import):
+                out += [(alias.name, None) for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    package = module.split(".") if module in packages else module.split(".")[:-1]
+                    base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+                out += [(base, alias.name) for alias in node.names]
+        return out
+
+    found = set()
+    for base, alias in pairs(name, tree):
+        if alias is not None and f"{base}.{alias}" in modules:
+            target: str | None = f"{base}.{alias}"
+        elif base in packages and alias is not None:
+            target = next((b for b, a in pairs(base, modules[base]) if a == alias and b in modules), None)
+        else:
+            target = base if base in modules else None
+        if target is not None and target not in packages and target != name:
+            found.add(target)
+    return found
+
+
+def test_the_import_graph_is_at_most_eight_floors_deep():
+    modules = _modules()
+    packages = {name for name in modules if (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()}
+    graph = {
+        name: _module_level_imports(name, tree, modules, packages)
+        for name, tree in modules.items()
+        if name not in packages
+    }
+    floors: dict[str, int] = {}
+
+    def floor(name: str) -> int:
+        if name not in floors:
+            floors[name] = 1 + max((floor(target) for target in graph[name]), default=0)
+        return floors[name]
+
+    deepest = max(graph, key=floor)
+    chain = [deepest]
+    while graph[chain[-1]]:
+        chain.append(max(graph[chain[-1]], key=floor))
+    assert floor(deepest) <= MAX_FLOORS, " -> ".join(chain)
+    assert floor("lightning_ddpopt.strategy") == floor("lightning_ddpopt.fabric.strategy") == MAX_FLOORS
 
 
 def _defined_by_us(modules: dict[str, ast.Module]) -> set[str]:

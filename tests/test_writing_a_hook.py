@@ -40,14 +40,22 @@ def topk_registered():
 
 
 class _HookProbe(pl.Callback):
-    """Saves, per rank, the hook's state after every step (``state_dict()`` commits the step's round, as a save)."""
+    """Saves, per rank, the hook's committed state after every step, read as it is (nothing committed for it)."""
 
     def __init__(self, out: Path) -> None:
         self.out, self.steps = out, []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        saved = trainer.strategy.comm_state.state_dict()
-        self.steps.append({key: saved[key] for key in ("iteration", "skipped_rounds", "errors", "config")})
+        state = trainer.strategy.comm_state
+        errors = {name: error.clone() for name, error in state.errors.items()}
+        self.steps.append(
+            {
+                "iteration": state.iteration,
+                "skipped": state.skipped_rounds,
+                "errors": errors,
+                "config": state.config_dict(),
+            }
+        )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         torch.save(self.steps, self.out / f"hook{trainer.global_rank}.pt")
@@ -79,13 +87,16 @@ def test_the_guides_hook_syncs_skips_the_overflow_and_resumes_bit_exactly(tmp_pa
         assert record["comm_hook_name"] == "topk"
         # The ledger counts what the hook's format sends, every step, a fiftieth of fp32's bytes.
         assert [step["wire_bytes"] for step in record["steps"]] == [TOPK_BYTES] * 8
-        assert TOPK_BYTES * 40 < stack_gradient_bytes()
-        # The commit rule: the overflow on rank 1 made every rank's round non-finite; its errors were not committed.
+        assert all(step["logical_bytes"] == stack_gradient_bytes() for step in record["steps"])
+        # The commit rule: the hook closes its rounds with seal_now=False, so each step's round is judged when the
+        # next one opens: nothing is committed after the first step, and the overflowing rounds (the second step of
+        # each epoch, on rank 1) are dropped on every rank when the following round opens: the committed errors
+        # stay as they were exactly then, and change at every other step.
         assert [step["iteration"] for step in steps] == list(range(1, 9))
-        assert [step["skipped_rounds"] for step in steps] == [0, 1, 1, 1, 1, 2, 2, 2]
-        for skipped in (2, 6):
-            assert _same_errors(steps[skipped - 1]["errors"], steps[skipped - 2]["errors"])
-            assert not _same_errors(steps[skipped]["errors"], steps[skipped - 1]["errors"])
+        assert len(steps[0]["errors"]) == 0
+        assert [step["skipped"] for step in steps] == [0, 0, 1, 1, 1, 1, 2, 2]
+        unchanged = [_same_errors(steps[k]["errors"], steps[k - 1]["errors"]) for k in range(1, 8)]
+        assert unchanged == [False, True, False, False, False, True, False]
         assert all(bool(error.isfinite().all()) for error in steps[-1]["errors"].values())
         assert len(steps[-1]["errors"]) == 2 * LAYERS and steps[-1]["config"] == {"ratio": 0.01}
     # Every rank ends with the same parameters, and they moved.
@@ -100,7 +111,7 @@ def test_the_guides_hook_syncs_skips_the_overflow_and_resumes_bit_exactly(tmp_pa
         torch.testing.assert_close(resumed[rank]["params"], ranks[rank]["params"], rtol=0, atol=0)
         assert [step["wire_bytes"] for step in resumed[rank]["steps"]] == [TOPK_BYTES] * 4
         for got, want in zip(resumed_hooks[rank], hooks[rank][4:], strict=True):
-            assert (got["iteration"], got["skipped_rounds"]) == (want["iteration"], want["skipped_rounds"])
+            assert (got["iteration"], got["skipped"]) == (want["iteration"], want["skipped"])
             assert _same_errors(got["errors"], want["errors"])
 
 
@@ -139,3 +150,16 @@ def test_the_guides_hook_on_three_ranks_with_fabric(tmp_path, topk_registered):
     for rank in ranks:
         assert rank["hook"] == "topk" and rank["state"] == "TopKState"
         assert {step["wire"] for step in rank["steps"]} == {sent}
+
+
+@pytest.mark.quick
+def test_the_diagnosis_reports_a_users_hooks_error_without_judging_it_by_the_casts_limit():
+    from lightning_ddpopt.diagnosis import diagnose
+
+    findings = {f.area: f for f in diagnose({"comm_hook": "topk", "comm": {"compression_error": 0.5}})}
+    assert findings["compression"].status == "unknown"
+    assert "relative compression error 0.500" in findings["compression"].evidence
+    assert "no quality limit is known for this hook" in findings["compression"].evidence
+    # The built-in casts keep theirs.
+    findings = {f.area: f for f in diagnose({"comm_hook": "fp16", "comm": {"compression_error": 0.5}})}
+    assert findings["compression"].status == "problem"

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.loggers import TensorBoardLogger  # the base of the Trainer's too
 
-from lightning_ddpopt.diagnosis import FINDINGS_TITLE, Finding
+from lightning_ddpopt.finding import FINDINGS_TITLE, Finding
 from lightning_ddpopt.measuring import MeasuringCallback
 
 __all__ = ["FINDINGS_TAG", "Charts", "charts", "findings_markdown", "write_findings", "write_layout_if_first"]

@@ -9,7 +9,7 @@ local SGD's inner optimizer states) into shards beside it (:mod:`lightning_ddpop
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
@@ -21,7 +21,9 @@ from typing_extensions import override
 
 from lightning_ddpopt._compat import PathType
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
-from lightning_ddpopt.core import StrategyCore
+
+if TYPE_CHECKING:
+    from lightning_ddpopt.core import StrategyCore
 
 __all__ = ["CheckpointingDDPStrategy"]
 

@@ -18,15 +18,17 @@ from typing import TYPE_CHECKING, Any, cast
 import lightning.pytorch as pl
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_ddpopt.callbacks import AMPMonitor, CommProfiler, StragglerDetector
 from lightning_ddpopt.diagnosis import REPORT_NAME
-from lightning_ddpopt.fabric.strategy import OptimizedDDPStrategy
-from lightning_ddpopt.measuring import FrontEnd, MeasuringCallback
+from lightning_ddpopt.measuring import CoreViews, FrontEnd, MeasuringCallback
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
+
+    from lightning_ddpopt.fabric.strategy import OptimizedDDPStrategy
 
 __all__ = ["Monitor"]
 
@@ -82,13 +84,14 @@ class Monitor:
     def __init__(
         self, fabric: Fabric, callbacks: Iterable[Callback] | None = None, report_dir: str | Path | None = None
     ) -> None:
-        strategy = fabric.strategy
-        if not isinstance(strategy, OptimizedDDPStrategy):
+        # Ours is the one Fabric strategy that is also a CoreViews.
+        if not (isinstance(fabric.strategy, FabricDDPStrategy) and isinstance(fabric.strategy, CoreViews)):
             raise TypeError(
                 "Monitor measures through lightning_ddpopt.fabric.OptimizedDDPStrategy; this Fabric runs "
-                f"{type(strategy).__name__}. Pass Fabric(strategy=OptimizedDDPStrategy(...)) or "
+                f"{type(fabric.strategy).__name__}. Pass Fabric(strategy=OptimizedDDPStrategy(...)) or "
                 "strategy='ddp_optimized'"
             )
+        strategy = cast("OptimizedDDPStrategy", fabric.strategy)
         if strategy.model is None:
             raise RuntimeError("Monitor(fabric) comes after fabric.setup(model, optimizer): no model is set up yet")
         defaults: list[Callback] = [CommProfiler(), StragglerDetector(), AMPMonitor()]

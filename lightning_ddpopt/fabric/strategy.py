@@ -55,19 +55,18 @@ from lightning_ddpopt._compat import (
 from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import ExtraSyncs
-from lightning_ddpopt.core import StrategyCore
+from lightning_ddpopt.core import CoreStrategy, StrategyCore
 from lightning_ddpopt.fabric.checkpoints import CheckpointingDDPStrategy
 from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
 from lightning_ddpopt.fault_tolerance.driver import CHECKPOINT_KEY as FT_CHECKPOINT_KEY
 from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
 from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import fabric_state, load_fabric_state
-from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
+from lightning_ddpopt.hooks.registry import DEFAULT_COMM_HOOK
 from lightning_ddpopt.localsgd import LocalSGDConfig
 from lightning_ddpopt.precision import current_loss_scale
-from lightning_ddpopt.strategy_base import CoreStrategy
 
 __all__ = ["OptimizedDDPStrategy"]
 

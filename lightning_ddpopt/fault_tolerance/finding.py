@@ -9,11 +9,13 @@ flaps) costs every step it is away and a heal each time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.finding import Finding
 from lightning_ddpopt.units import format_bytes
+
+if TYPE_CHECKING:
+    from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 
 __all__ = ["FLAPPING_LOSSES", "across_islands_finding", "islands_finding", "islands_summary"]
 

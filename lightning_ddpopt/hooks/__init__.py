@@ -1,7 +1,7 @@
 """Comm hooks with torch's ``(state, bucket) -> Future[Tensor]`` signature, and their registry."""
 
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook
-from lightning_ddpopt.hooks.base import CommHookState, ErrorFeedbackState, squared_norm
+from lightning_ddpopt.hooks.base import CommHookState, ErrorFeedbackState, TwoTierForm, squared_norm
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
 from lightning_ddpopt.hooks.hierarchical import HierarchicalState, hierarchical_hook
 from lightning_ddpopt.hooks.hierarchical_int8 import HierarchicalInt8State, hierarchical_int8_hook
@@ -16,7 +16,6 @@ from lightning_ddpopt.hooks.registry import (
     powersgd_spec,
     register_comm_hook,
 )
-from lightning_ddpopt.hooks.two_tier import TwoTierForm
 
 __all__ = [
     "AUTO_HOOK",

@@ -8,8 +8,9 @@ when the user lists it: ``AutoConfig(candidates=(..., "powersgd"))``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,9 @@ import torch.distributed as dist
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState
 from lightning_ddpopt.timing import median_seconds
+
+if TYPE_CHECKING:
+    from lightning_ddpopt.hooks.registry import HookSpec
 
 __all__ = ["AUTO_HOOK", "AutoConfig", "HookChoice", "choose_hook", "measure_hook_costs"]
 
@@ -109,8 +113,13 @@ def measure_hook_costs(
     device: torch.device,
     repeats: int = 3,
     candidates: tuple[str, ...] = CANDIDATES,
+    *,
+    lookup: Callable[[str], HookSpec],
 ) -> dict[str, float]:
     """Estimate each candidate's sync seconds per step for ``module``'s gradients, agreed across ranks.
+
+    ``lookup`` is the registry's (:func:`~lightning_ddpopt.hooks.registry.get_hook_spec`), which lists ``"auto"``
+    among its choices and so is not imported here.
 
     Each candidate's real hook (the registry's, as ``comm_hook="auto"`` registers it) syncs a probe bucket of at
     most 16 MiB of fp32 gradients: its work, communication and waits, the median of ``repeats`` after a warm-up
@@ -132,14 +141,14 @@ def measure_hook_costs(
     for name in [name for name in NEAR_LOSSLESS if name in candidates]:
         if name == "int8" and probe < Int8Config().block_size:  # nothing for int8 to save below one block
             continue
-        estimates[name] = _time_hook(name, [(probe,)], process_group, device, repeats) * elements / probe
+        estimates[name] = _time_hook(lookup(name), [(probe,)], process_group, device, repeats) * elements / probe
     rank = PowerSGDConfig().rank
     matrices = [(p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() > 1]
     compressible = [shape for shape in matrices if PowerSGDConfig().compresses(*shape)]
     if compressible and "powersgd" in candidates:
         shapes = _largest_within(compressible, _PROBE_ELEMENTS, min_rows=2 * rank)
         probed = sum(rows * cols for rows, cols in shapes)
-        seconds = _time_hook("powersgd", shapes, process_group, device, repeats)
+        seconds = _time_hook(lookup("powersgd"), shapes, process_group, device, repeats)
         estimates["powersgd"] = seconds * sum(rows * cols for rows, cols in compressible) / probed
     agreed = torch.tensor(list(estimates.values()), dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
@@ -195,16 +204,13 @@ class _ProbeBucket:
 
 
 def _time_hook(
-    name: str,
+    spec: HookSpec,
     shapes: Sequence[tuple[int, ...]],
     process_group: dist.ProcessGroup | None,
     device: torch.device,
     repeats: int,
 ) -> float:
-    """Median seconds the registry's hook ``name`` takes to sync a probe bucket of ``shapes``, until its result."""
-    from lightning_ddpopt.hooks.registry import get_hook_spec  # the registry lists "auto": imported late
-
-    spec = get_hook_spec(name)
+    """Median seconds the registry's hook ``spec`` takes to sync a probe bucket of ``shapes``, until its result."""
     bucket = _ProbeBucket(shapes, device)
     state = spec.build(process_group, None)
     state.bind_module(bucket.module)

@@ -26,16 +26,28 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.deferred import to_device
 from lightning_ddpopt.hooks.streams import SideStreams
-from lightning_ddpopt.ledger import CommLedger
 
-__all__ = ["CommHookState", "ErrorFeedbackState", "SyncRound", "config_mismatch", "fed_back_sq", "squared_norm"]
+if TYPE_CHECKING:
+    from lightning_ddpopt.ledger import CommHook, CommLedger
+    from lightning_ddpopt.topology import TierGroups
+
+__all__ = [
+    "CommHookState",
+    "ErrorFeedbackState",
+    "MakeTwoTierState",
+    "SyncRound",
+    "TwoTierForm",
+    "config_mismatch",
+    "fed_back_sq",
+    "squared_norm",
+]
 
 
 @dataclass(kw_only=True)
@@ -143,6 +155,22 @@ class CommHookState:
             module: the module DDP wraps.
         """
 
+    def run_beside_backward(
+        self, make_group: Callable[[], dist.ProcessGroup], model_group: dist.ProcessGroup | None
+    ) -> dist.ProcessGroup | None:
+        """On a CPU, take a group of its own for work beside the backward pass; ``None``: the hook runs in its call.
+
+        The strategy calls it once at setup, on every rank, for a registry hook on CPU ranks. A hook whose work runs
+        on threads of its own (PowerSGD's chains, int8's point-to-point stages) takes a group there: the backward
+        pass may issue collectives on the model's group meanwhile (DDP's unused-parameter map, a loss's
+        all_gather), which must not interleave with the hook's. The strategy destroys the group at teardown.
+
+        Args:
+            make_group: makes a group over the model's ranks (every rank calls it in one order).
+            model_group: DDP's group, for an agreement the hook needs first.
+        """
+        return None
+
     def close(self) -> bool:
         """Release what the hook runs beside training (PowerSGD's worker thread); False if it could not yet."""
         return True
@@ -215,7 +243,7 @@ class SyncRound:
         self._flags.append(flag)
         return flag
 
-    def seal(self) -> bool:
+    def complete(self) -> bool:
         """End the round; return whether it can be committed at once.
 
         A verdict on the device (a GPU's, or ``on_device=True`` on a CPU: the GPU path under test) is committed when
@@ -233,12 +261,12 @@ class SyncRound:
 
     @property
     def verdict(self) -> torch.Tensor:
-        """The sealed round's verdict, a 0-dim bool tensor where the flags are (``True``: every value was finite)."""
-        assert self._finite is not None, "seal() first"
+        """The completed round's verdict, a 0-dim bool tensor where the flags are (``True``: every value was finite)."""
+        assert self._finite is not None, "complete() first"
         return self._finite
 
     def finite(self) -> bool:
-        """The sealed round's verdict on the host (a host sync for a flag on a GPU)."""
+        """The completed round's verdict on the host (a host sync for a flag on a GPU)."""
         return bool(self.verdict)
 
 
@@ -273,7 +301,7 @@ class ErrorFeedbackState(CommHookState):
     error_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _round: SyncRound | None = field(default=None, repr=False)
-    _sealed: SyncRound | None = field(default=None, repr=False)
+    _completed: SyncRound | None = field(default=None, repr=False)
     #: The last closed round, until :meth:`take_verdict` reads its verdict (``None``: taken, or no round checked).
     _verdict_round: SyncRound | None = field(default=None, repr=False)
     _scale_unknown: set[str] = field(default_factory=set, repr=False)
@@ -330,7 +358,7 @@ class ErrorFeedbackState(CommHookState):
     def _errors_state_dict(self) -> dict[str, object]:
         """The step counter, the skipped rounds and the errors with their loss scales (tensors on the CPU)."""
         # Committed where the errors live (the hook's side stream on a GPU), then read after it.
-        self._streams.call(self._settle)
+        self._streams.call(self._apply_completed)
         self._streams.join()
         self._count_skipped()
         self._resolve()
@@ -354,7 +382,7 @@ class ErrorFeedbackState(CommHookState):
         # Saved by a release that did not record loss scales: each error is taken to be in the units of the first
         # round that adds it (added as it is), and kept in them (:meth:`stored_error`).
         self._scale_unknown = set() if "error_scales" in state else set(errors)
-        self._round = self._sealed = self._verdict_round = None
+        self._round = self._completed = self._verdict_round = None
         self._held = {}
 
     def forget_errors(self) -> None:
@@ -363,7 +391,7 @@ class ErrorFeedbackState(CommHookState):
 
     def _drop_errors(self) -> None:
         self.errors, self.error_scales, self._scale_unknown = {}, {}, set()
-        self._round = self._sealed = self._verdict_round = None
+        self._round = self._completed = self._verdict_round = None
         self._backing, self._spare, self._held = {}, {}, {}
 
     def error_buffer(
@@ -396,7 +424,12 @@ class ErrorFeedbackState(CommHookState):
         (``round_.errors``) and its other staged state are committed only if every value that ``round_.check``
         was given is finite.
         """
-        return self._open_round()
+        if self._round is None:
+            self._apply_completed()
+            scale = self.loss_scale() if self.loss_scale is not None else None
+            scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None
+            self._round = SyncRound(scale, on_device=self._verdict_on_device)
+        return self._round
 
     def close_round(self, seal_now: bool = True) -> None:
         """End the round at its last bucket (``bucket.is_last()``): count it, and commit it if its verdict is in.
@@ -404,32 +437,17 @@ class ErrorFeedbackState(CommHookState):
         Args:
             seal_now: every bucket's checks are in (the hook finished each bucket before returning its future);
                 ``False`` for a hook that finishes buckets in future callbacks: the round is judged when the next
-                one opens, when the state is saved, or when the strategy takes its verdict after backward.
-        """
-        self._close_round(seal_now)
-
-    def _open_round(self) -> SyncRound:
-        if self._round is None:
-            self._settle()
-            scale = self.loss_scale() if self.loss_scale is not None else None
-            scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None
-            self._round = SyncRound(scale, on_device=self._verdict_on_device)
-        return self._round
-
-    def _close_round(self, seal_now: bool = True) -> None:
-        """The round's last bucket was handed in: count it, and commit its state if its verdict is known.
-
-        ``seal_now=False`` for hooks whose buckets finish in future callbacks after the hook returns: the round is
-        sealed when the next one opens (DDP has waited for every bucket by then) or when the state is saved.
+                one opens (DDP has waited for every bucket by then), when the state is saved, or when the strategy
+                takes its verdict after backward.
         """
         self.iteration += 1
         round_, self._round = self._round, None
         self._verdict_round = round_
         if round_ is not None:
-            self._settle()
-            self._sealed = round_
-            if seal_now and round_.seal():
-                self._settle()
+            self._apply_completed()
+            self._completed = round_
+            if seal_now and round_.complete():
+                self._apply_completed()
 
     def take_verdict(self) -> torch.Tensor | None:
         """Whether every value the last closed round sent was finite (a 0-dim bool tensor), once; ask after backward.
@@ -437,23 +455,23 @@ class ErrorFeedbackState(CommHookState):
         The round checked all-reduced values, so the verdict is every rank's alike and covers every rank's gradients
         (a non-finite value on any rank makes what it was reduced into non-finite). ``None`` when the verdict was
         taken already or the round checked nothing (PowerSGD's exact warm-up): a callback then checks for itself.
-        Every bucket's checks are in by the time DDP's backward returns, so sealing here changes nothing the commit
-        decides.
+        Every bucket's checks are in by the time DDP's backward returns, so completing it here changes nothing the
+        commit decides.
         """
         round_, self._verdict_round = self._verdict_round, None
         if round_ is None or not round_._flags:
             return None
         if round_._finite is None:
-            round_.seal()
+            round_.complete()
         return round_.verdict
 
-    def _settle(self) -> None:
-        """Commit the sealed round, if any (see :meth:`_commit`)."""
-        round_, self._sealed = self._sealed, None
+    def _apply_completed(self) -> None:
+        """Commit the completed round, if any (see :meth:`_commit`)."""
+        round_, self._completed = self._completed, None
         if round_ is None:
             return
         if round_._finite is None:
-            round_.seal()
+            round_.complete()
         self._commit(round_)
 
     def _commit(self, round_: SyncRound) -> None:
@@ -652,3 +670,45 @@ def _floats(scales: dict[str, torch.Tensor]) -> dict[str, float]:
     """Each scale as a float, reading each distinct tensor once (a host sync each on a GPU)."""
     read: dict[int, float] = {}
     return {name: read.setdefault(id(scale), float(scale)) for name, scale in scales.items()}
+
+
+class MakeTwoTierState(Protocol):
+    """What builds a two-tier hook's state, from the flat hook's state (its config) and the tiers' groups."""
+
+    def __call__(
+        self,
+        *,
+        flat: CommHookState,
+        tiers: TierGroups,
+        process_group: dist.ProcessGroup,
+        ledger: CommLedger,
+        device: torch.device,
+    ) -> CommHookState:
+        """The two-tier state; the strategy then sets its ``loss_scale`` and calls its ``bind_module``.
+
+        Args:
+            flat: the state the registry entry's ``make_state`` built (its config applies to both forms).
+            tiers: the intra- and cross-node groups.
+            process_group: DDP's group (every rank).
+            ledger: where the hook reports its bytes.
+            device: the gradients' device.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class TwoTierForm:
+    """A registry hook's two-tier form: the hook and state that replace the flat ones on several nodes.
+
+    Attributes:
+        hook: the two-tier hook, torch's ``(state, bucket) -> Future[Tensor]`` signature.
+        make_state: builds its state (see :class:`MakeTwoTierState`).
+        crossing: what crosses the nodes, in words, for the setup log line ("int8 blocks").
+        flat_when_auto: why ``hierarchical="auto"`` keeps the flat sync with this hook (``hierarchical=True`` uses
+            the form anyway); ``None``: ``"auto"`` uses it.
+    """
+
+    hook: CommHook
+    make_state: MakeTwoTierState
+    crossing: str
+    flat_when_auto: str | None = None

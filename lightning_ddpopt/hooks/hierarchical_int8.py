@@ -30,7 +30,7 @@ shards) as the intra-node bytes. A block holding an inf or NaN gets a non-finite
 every rank's round sees it (the scales checked are the gathered ones, the same everywhere) and no rank commits that
 round's errors (:mod:`lightning_ddpopt.hooks.base`).
 
-On a CPU the three stages are a pipeline (:class:`~lightning_ddpopt.hooks.hierarchical.TierStages`): a thread and
+On a CPU the three stages are a pipeline (:class:`~lightning_ddpopt.hooks._worker.TierStages`): a thread and
 a group each; with numba the quantisation with error feedback and the dequantisation into the bucket are the flat
 hook's fused loops (:mod:`lightning_ddpopt.hooks._kernels`). On CUDA the stages are issued in the hook call on a
 side stream. Memory beyond DDP's buckets, per bucket in flight: the padded bucket twice in fp32 (sent and received
@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.hooks import _kernels
-from lightning_ddpopt.hooks.base import SyncRound, fed_back_sq, squared_norm
-from lightning_ddpopt.hooks.hierarchical import TierStages, run_all
+from lightning_ddpopt.hooks._worker import TierStages, run_all
+from lightning_ddpopt.hooks.base import CommHookState, SyncRound, TwoTierForm, fed_back_sq, squared_norm
 from lightning_ddpopt.hooks.int8 import Int8State
 from lightning_ddpopt.hooks.int8_codec import (
     all_gather_async,
@@ -58,9 +58,10 @@ from lightning_ddpopt.hooks.int8_codec import (
     reduce_and_requantize,
     unpack,
 )
+from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.topology import TierGroups
 
-__all__ = ["HierarchicalInt8State", "hierarchical_int8_hook"]
+__all__ = ["HierarchicalInt8State", "hierarchical_int8_hook", "int8_form"]
 
 
 @dataclass(kw_only=True)
@@ -122,7 +123,7 @@ class HierarchicalInt8State(Int8State):
         return {**asdict(self.config), "tiers": self.tiers.topology.layout()}
 
     def close(self) -> bool:
-        """Stop the stages' threads (see :meth:`~lightning_ddpopt.hooks.hierarchical.TierStages.close`)."""
+        """Stop the stages' threads (see :meth:`~lightning_ddpopt.hooks._worker.TierStages.close`)."""
         return self.stages.close()
 
     def state_dict(self) -> dict[str, object]:
@@ -208,21 +209,21 @@ def hierarchical_int8_hook(state: HierarchicalInt8State, bucket: dist.GradBucket
         # The buckets DDP used before its rebuild are not handed in again: free their buffers.
         state._layouts = {key: state._layouts[key] for key in state._used if key in state._layouts}
         state._used = set()
-    sync = _Int8TierSync(state, state._open_round(), bucket)
+    sync = _Int8TierSync(state, state.open_round(), bucket)
     state.add_seconds(time.perf_counter() - start)
     if buffer.is_cuda:
 
         def chain() -> torch.futures.Future[torch.Tensor]:
             future = run_all(sync)
             if bucket.is_last():
-                state._close_round(seal_now=True)  # every bucket's stages ran in stream order
+                state.close_round(seal_now=True)  # every bucket's stages ran in stream order
             return future
 
         return state._streams.run(buffer, chain)
     if bucket.is_last():
         # The buckets finish on the stages' threads: the round is judged once DDP has waited for every bucket, when
         # the next round opens or the state is saved.
-        state._close_round(seal_now=False)
+        state.close_round(seal_now=False)
     return state.stages.run(state, sync, bucket.index())
 
 
@@ -370,3 +371,15 @@ def _add_feedback(
             part.add_(error)
         else:
             part.addcmul_(error, ratio)
+
+
+def _two_tier_state(
+    *, flat: CommHookState, tiers: TierGroups, process_group: dist.ProcessGroup, ledger: CommLedger, **_: object
+) -> CommHookState:
+    assert isinstance(flat, Int8State)
+    return HierarchicalInt8State(config=flat.config, tiers=tiers, process_group=process_group, ledger=ledger)
+
+
+def int8_form() -> TwoTierForm:
+    """int8's two-tier form (:mod:`~lightning_ddpopt.hooks.hierarchical_int8`), with the flat state's config."""
+    return TwoTierForm(hierarchical_int8_hook, _two_tier_state, "int8 blocks")

@@ -47,9 +47,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpopt.deferred import DeferredRead
+from lightning_ddpopt.hooks.base import CommHookState, TwoTierForm
 from lightning_ddpopt.hooks.int8_codec import all_gather_async
 from lightning_ddpopt.hooks.powersgd import (
     PowerSGDState,
+    agreed_cpu_kernels,
     allreduce_mean_inplace,
     completed,
     compress_listed,
@@ -57,9 +59,10 @@ from lightning_ddpopt.hooks.powersgd import (
     dispatch,
     write_back,
 )
+from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.topology import TierGroups
 
-__all__ = ["HierarchicalPowerSGDState", "hierarchical_powersgd_hook"]
+__all__ = ["HierarchicalPowerSGDState", "hierarchical_powersgd_hook", "powersgd_form"]
 
 
 @dataclass(kw_only=True)
@@ -177,7 +180,7 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
     between = time.perf_counter()
     own_names, own_gradients = [names[i] for i in mine], [gradients[i] for i in mine]
     factors: list[tuple[torch.Tensor, torch.Tensor]] = []
-    round_ = state._open_round() if compressing else None
+    round_ = state.open_round() if compressing else None
     if round_ is not None and mine:
         compress_listed(state, round_, bucket, own_names, own_gradients, factors)
     elif mine:
@@ -195,7 +198,7 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
         state.record_tier_seconds(bucket.index(), inside - between, intra_node=False)
     if bucket.is_last():
         state.send_measurement(buffer.device)
-        state._close_round()
+        state.close_round()
     state.add_seconds(time.perf_counter() - start)
     return completed(buffer)
 
@@ -315,3 +318,40 @@ def _unpack(
         p = chunk[offset : offset + rows * rank].view(rows, rank)
         q = chunk[offset + rows * rank : offset + (rows + cols) * rank].view(cols, rank)
         decompress(state, gradient.view(rows, cols), p, q)
+
+
+def _two_tier_state(
+    *,
+    flat: CommHookState,
+    tiers: TierGroups,
+    process_group: dist.ProcessGroup,
+    ledger: CommLedger,
+    device: torch.device,
+) -> CommHookState:
+    assert isinstance(flat, PowerSGDState)
+    on_cpu = device.type == "cpu"
+    return HierarchicalPowerSGDState(
+        config=flat.config,
+        tiers=tiers,
+        ledger=ledger,
+        pipelined=on_cpu,  # its chains on a worker thread: the tiers' groups serve no other thread
+        cpu_kernels=agreed_cpu_kernels(process_group) if on_cpu else None,
+    )
+
+
+def powersgd_form(matrix_dtype: str) -> TwoTierForm:
+    """PowerSGD's two-tier form (:mod:`~lightning_ddpopt.hooks.hierarchical_powersgd`), with the flat state's config.
+
+    Args:
+        matrix_dtype: the dtype P and Q are sent in, for the setup log line.
+    """
+    return TwoTierForm(
+        hierarchical_powersgd_hook,
+        _two_tier_state,
+        f"PowerSGD's {matrix_dtype} factors",
+        flat_when_auto=(
+            "PowerSGD sends only its factors between the ranks; its two-tier form moves each node's fp32 gradients "
+            "inside the node to split the compression work, which over gloo costs more than it saves "
+            "(hierarchical=True uses it)"
+        ),
+    )

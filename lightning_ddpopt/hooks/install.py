@@ -21,7 +21,6 @@ from lightning_ddpopt._compat import attached_comm_hook
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.checkpoint import SavedRun, restore_hook_state
 from lightning_ddpopt.hooks.across_islands import AcrossIslands, AcrossIslandsState, across_islands_hook
-from lightning_ddpopt.hooks.arguments import DEFAULT_COMM_HOOK, validate_comm_hook, validate_hierarchical
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, flat_fp16_note
@@ -29,14 +28,16 @@ from lightning_ddpopt.hooks.int8 import Int8State
 from lightning_ddpopt.hooks.island import IslandState, island_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDState
 from lightning_ddpopt.hooks.registry import (
+    DEFAULT_COMM_HOOK,
     TESTED_BACKENDS,
     WRITTEN_FOR_BACKENDS,
     HookSpec,
     get_hook_spec,
     hierarchical_hooks,
+    validate_comm_hook,
+    validate_hierarchical,
     validate_hook_callable,
 )
-from lightning_ddpopt.hooks.two_tier import agreed_cpu_kernels
 from lightning_ddpopt.ledger import CommHook, CommLedger
 from lightning_ddpopt.topology import TierGroups, Topology
 
@@ -302,7 +303,9 @@ class HookInstaller:
             return reused
         if world_size > 1:
             config = self._auto_config
-            costs = measure_hook_costs(model.module, model.process_group, device, candidates=config.candidates)
+            costs = measure_hook_costs(
+                model.module, model.process_group, device, candidates=config.candidates, lookup=get_hook_spec
+            )
             self.hook_choice = choose_hook(costs, config)
         else:
             self.hook_choice = HookChoice("allreduce", {}, "one process: nothing to communicate")
@@ -328,7 +331,7 @@ class HookInstaller:
             state.loss_scale = loss_scale
             state.bind_module(model.module)
             if device.type == "cpu" and beside_backward:
-                self._run_beside_backward(state, model, own_group)
+                self._group = state.run_beside_backward(own_group, model.process_group)
             return self._spec.hook
         hook: Callable | None = self._callable
         self.comm_state, self._owns_state = self._comm_state_arg, False
@@ -344,22 +347,6 @@ class HookInstaller:
             if self.comm_state.loss_scale is None:
                 self.comm_state.loss_scale = loss_scale
         return hook
-
-    def _run_beside_backward(
-        self, state: CommHookState, model: DistributedDataParallel, own_group: Callable[[], dist.ProcessGroup]
-    ) -> None:
-        """On the CPU, PowerSGD and int8 run on worker threads beside the backward pass, in a group of their own.
-
-        The backward pass may issue collectives on the model's group meanwhile (DDP's unused-parameter map with
-        ``find_unused_parameters=True``, a loss's all_gather), which must not interleave with theirs.
-        """
-        if isinstance(state, PowerSGDState):
-            state.process_group = self._group = own_group()
-            state.pipelined = True
-            state.cpu_kernels = agreed_cpu_kernels(model.process_group)
-        elif isinstance(state, Int8State):
-            # int8's stages go point to point, driven by worker threads: on a group nothing else uses meanwhile.
-            state.exchange_group = self._group = own_group()
 
     def fit_to_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Resolve what depends on the optimizers: PowerSGD's ``max_error="auto"`` bound (logged on rank 0)."""

@@ -137,6 +137,18 @@ class Int8State(ErrorFeedbackState):
     _in_flight: "_BucketSync | None" = field(default=None, repr=False)
     _workers: "tuple[Worker, Worker] | None" = field(default=None, repr=False)
 
+    def run_beside_backward(
+        self, make_group: Callable[[], dist.ProcessGroup], model_group: dist.ProcessGroup | None
+    ) -> dist.ProcessGroup:
+        """On a CPU, exchange point to point from the worker threads, on a group of its own (see the base's).
+
+        Args:
+            make_group: makes a group over the model's ranks (every rank calls it in one order).
+            model_group: DDP's group (unused: int8 needs no agreement).
+        """
+        self.exchange_group = make_group()
+        return self.exchange_group
+
     def close(self) -> bool:
         """Stop the worker threads (after the buckets they hold); a later step starts new ones.
 
@@ -191,7 +203,7 @@ def _collectives(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Fut
         # Left over from a backward pass that raised before its last bucket: never finish it now (this rank alone
         # would issue its collective), and start this round afresh.
         state._in_flight = state._round = None
-    round_ = state._open_round()
+    round_ = state.open_round()
     bucket_sync = _BucketSync(state, round_, bucket)
     # Issue this bucket's first stage, then finish the previous bucket's (its all-to-all has had this bucket's
     # backward to arrive): every rank issues a2a(k), all_gather(k - 1) in DDP's bucket order.
@@ -203,7 +215,7 @@ def _collectives(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Fut
         bucket_sync.finish()
         # On gloo the buckets finish in future callbacks: the round is judged once DDP has waited for every bucket,
         # when the next round opens or the state is saved. On CUDA they finish here, in stream order.
-        state._close_round(seal_now=bucket_sync.buffer.is_cuda)
+        state.close_round(seal_now=bucket_sync.buffer.is_cuda)
     state.add_seconds(time.perf_counter() - start)
     return bucket_sync.future
 
@@ -224,11 +236,11 @@ def _exchanged(
         for worker in workers:
             worker.drain()
         state._round = None
-    bucket_sync = _BucketSync(state, state._open_round(), bucket, group)
+    bucket_sync = _BucketSync(state, state.open_round(), bucket, group)
     if bucket.is_last():
         # The buckets finish on the workers: the round is judged once DDP has waited for every bucket, when the
         # next round opens or the state is saved.
-        state._close_round(seal_now=False)
+        state.close_round(seal_now=False)
     issued = time.perf_counter() - start
     reducer, gatherer = workers
     reducer.submit(lambda: _on_worker(reducer, bucket_sync, lambda: _reduce(bucket_sync, gatherer), issued))

@@ -215,6 +215,21 @@ def local_cpu_kernels() -> CPUKernels:
     return "blas" if torch.get_num_threads() > 1 else "blocked"
 
 
+def agreed_cpu_kernels(process_group: dist.ProcessGroup | None) -> CPUKernels:
+    """PowerSGD's CPU kernels that every rank can run (every rank calls it, on ``process_group``).
+
+    The decompression must give the same bits on every rank: computed the same way everywhere, the way the least
+    able rank can ("blas" with more threads somewhere, else "blocked" without numba).
+
+    Args:
+        process_group: DDP's group (every rank).
+    """
+    order: tuple[CPUKernels, ...] = ("numba", "blocked", "blas")
+    kernels = torch.tensor([order.index(local_cpu_kernels())])
+    dist.all_reduce(kernels, op=dist.ReduceOp.MAX, group=process_group)
+    return order[int(kernels)]
+
+
 def random_q(
     config: PowerSGDConfig, iteration: int, key: str, shape: tuple[int, int], loops: bool = False
 ) -> torch.Tensor:
@@ -366,6 +381,20 @@ class PowerSGDState(ErrorFeedbackState):
         """
         return self.cpu_kernels if self.cpu_kernels is not None else local_cpu_kernels()
 
+    def run_beside_backward(
+        self, make_group: Callable[[], dist.ProcessGroup], model_group: dist.ProcessGroup | None
+    ) -> dist.ProcessGroup:
+        """On a CPU, run the buckets' chains on the worker thread, on a group of its own (see the base's).
+
+        Args:
+            make_group: makes a group over the model's ranks (every rank calls it in one order).
+            model_group: DDP's group, on which the ranks agree the CPU kernels (:func:`agreed_cpu_kernels`).
+        """
+        self.process_group = make_group()
+        self.pipelined = True
+        self.cpu_kernels = agreed_cpu_kernels(model_group)
+        return self.process_group
+
     def close(self) -> bool:
         """Stop the CPU worker thread (after the buckets it holds); a later step starts a new one.
 
@@ -439,9 +468,14 @@ class PowerSGDState(ErrorFeedbackState):
         usable = [group for group in groups if not known or set(group) <= known]
         self._regroup = _Regroup(usable) if usable else None
 
-    def _close_round(self, seal_now: bool = True) -> None:
+    def close_round(self, seal_now: bool = True) -> None:
+        """End the round (as the base class does); the first round after a resume's regrouping ends with it.
+
+        Args:
+            seal_now: every bucket's checks are in (see the base's).
+        """
         self._regroup = None
-        super()._close_round(seal_now)
+        super().close_round(seal_now)
 
     def _tables(self) -> dict[str, dict[str, torch.Tensor]]:
         return {**super()._tables(), "q": self.q_memories}
@@ -759,7 +793,7 @@ def _sync_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures
         future = _compress_and_allreduce(state, bucket, buffer)
     if bucket.is_last():
         state.send_measurement()
-        state._close_round()
+        state.close_round()
     state.add_seconds(time.perf_counter() - start)
     return future
 
@@ -799,7 +833,7 @@ def _compress_and_allreduce(
     state: PowerSGDState, bucket: dist.GradBucket, buffer: torch.Tensor
 ) -> torch.futures.Future[torch.Tensor]:
     config = state.config
-    round_ = state._open_round()
+    round_ = state.open_round()
     names = state.names_in(bucket)
     gradients = bucket.gradients()
     if config.batched:

@@ -1,4 +1,8 @@
-"""Comm-hook registry: name -> factory; the one place that lists the valid ``comm_hook`` names."""
+"""The comm-hook registry (name -> hook and state, the one list of valid names) and the checks of the hook arguments.
+
+The strategy's ``comm_hook``, ``comm_state``, ``ddp_comm_hook`` and ``hierarchical`` are checked here at
+construction, alone and against ``local_sgd``; every message lists the registry's names.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +10,40 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt.hooks.base import CommHookState
+from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig
+from lightning_ddpopt.hooks.base import CommHookState, TwoTierForm
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, bf16_allreduce_hook, fp16_allreduce_hook
+from lightning_ddpopt.hooks.hierarchical import cast_form
+from lightning_ddpopt.hooks.hierarchical_int8 import int8_form
+from lightning_ddpopt.hooks.hierarchical_powersgd import powersgd_form
 from lightning_ddpopt.hooks.int8 import Int8Config, Int8State, int8_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig, PowerSGDState, powersgd_hook
 from lightning_ddpopt.hooks.powersgd_rank import ERROR_BOUNDS
-from lightning_ddpopt.hooks.two_tier import TwoTierForm, cast_form, int8_form, powersgd_form
 from lightning_ddpopt.ledger import CommHook, CommLedger
+from lightning_ddpopt.localsgd.config import LocalSGDConfig
 from lightning_ddpopt.precision import native_bf16
 
 __all__ = [
     "COMM_HOOKS",
+    "DEFAULT_COMM_HOOK",
     "TESTED_BACKENDS",
     "WRITTEN_FOR_BACKENDS",
-    "HookSpec",
-    "MakeState",
     "get_hook_spec",
     "hierarchical_hooks",
+    "HookSpec",
     "int8_spec",
+    "MakeState",
     "powersgd_spec",
     "register_comm_hook",
+    "validate_comm_hook",
+    "validate_hierarchical",
     "validate_hook_callable",
+    "validate_local_sgd",
 ]
 
 #: Backends on which every hook here has been run in tests (CI: gloo on CPUs, 2 and 3 processes).
@@ -98,7 +110,8 @@ class HookSpec:
         summary: one line for error messages and docs.
         hook: the hook function, torch's ``(state, bucket) -> Future[Tensor]`` signature.
         make_state: creates the state the hook runs with, called with the keywords ``process_group`` and
-            ``ledger`` (a :class:`CommHookState` subclass itself, or a ``functools.partial`` of one, will do).
+            ``ledger`` (a :class:`CommHookState` subclass itself, or a ``functools.partial`` of one, will do); one
+            that takes other names is called with the two positionally, as before.
         unsupported_reason: given a process-group backend name, why the hook cannot run there, or ``None``.
         two_tier: the hook's two-tier form, which ``hierarchical=`` uses on several nodes; ``None``: it has none
             (the sync stays flat).
@@ -118,6 +131,12 @@ class HookSpec:
             process_group: the group the hook communicates on; ``None`` for the default group.
             ledger: where the hook reports its bytes; ``None`` records nothing.
         """
+        try:
+            inspect.signature(self.make_state).bind(process_group=process_group, ledger=ledger)
+        except TypeError:  # an earlier release's positional make_state(group, ledger)
+            return self.make_state(process_group, ledger)  # type: ignore[call-arg]
+        except ValueError:  # no signature to read
+            pass
         return self.make_state(process_group=process_group, ledger=ledger)
 
 
@@ -258,3 +277,111 @@ def validate_hook_callable(hook: Callable, argument: str = "comm_hook") -> None:
             f"named (state, bucket), as DDP requires, and return a torch.futures.Future; "
             f"its signature is {signature}"
         ) from None
+
+
+DEFAULT_COMM_HOOK = "allreduce"
+
+
+def validate_hierarchical(
+    hierarchical: object, comm_hook: object, spec: HookSpec | None, ddp_comm_hook: Callable | None = None
+) -> bool | Literal["auto"]:
+    """Check ``hierarchical`` at construction: ``True``, ``False`` or ``"auto"``.
+
+    ``True`` needs a registry hook with a two-tier form (``HookSpec.two_tier``; batched PowerSGD has none), or
+    ``"auto"``.
+    """
+    if hierarchical is not True and hierarchical is not False and hierarchical != "auto":
+        raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto'")
+    if hierarchical is not True:
+        return "auto" if hierarchical == "auto" else False
+    forms = ", ".join(map(repr, hierarchical_hooks()))
+    if ddp_comm_hook is not None:
+        raise ValueError(
+            f"hierarchical=True applies to the registry hooks with a two-tier form ({forms}), not to "
+            f"ddp_comm_hook={ddp_comm_hook!r}, which syncs as it is written"
+        )
+    if isinstance(comm_hook, AutoConfig) or (isinstance(comm_hook, str) and comm_hook == AUTO_HOOK):
+        return True  # every hook "auto" may choose has a two-tier form
+    if isinstance(comm_hook, PowerSGDConfig) and comm_hook.batched:
+        raise ValueError(
+            f"hierarchical=True with comm_hook={comm_hook!r}: batched PowerSGD makes one matrix of a whole bucket, "
+            "which has no two-tier form; pass batched=False or hierarchical='auto'"
+        )
+    if spec is None or spec.two_tier is None:
+        raise ValueError(
+            f"hierarchical=True needs a comm_hook with a hierarchical form ({forms}, or 'auto'), "
+            f"not comm_hook={comm_hook!r}"
+        )
+    return True
+
+
+def validate_comm_hook(
+    comm_hook: object, comm_state: object, ddp_comm_hook: Callable | None
+) -> tuple[HookSpec | None, Callable | None]:
+    """Check ``comm_hook`` at construction; return its registry entry or the callable."""
+    if ddp_comm_hook is not None and comm_hook not in (None, DEFAULT_COMM_HOOK):
+        raise ValueError(
+            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_comm_hook!r} both given; pass one of them "
+            "(comm_hook takes a registry name or a callable)"
+        )
+    if isinstance(comm_hook, AutoConfig):
+        if comm_state is not None:
+            raise ValueError(f"comm_state={comm_state!r} is only used with a callable comm_hook, not with AutoConfig")
+        return None, None
+    if isinstance(comm_hook, PowerSGDConfig):
+        return powersgd_spec(comm_hook), None
+    if isinstance(comm_hook, Int8Config):
+        return int8_spec(comm_hook), None
+    if isinstance(comm_hook, str):
+        if comm_state is not None:
+            raise ValueError(
+                f"comm_state={comm_state!r} is only used with a callable comm_hook; registry hooks such as "
+                f"{comm_hook!r} build their own state"
+            )
+        if ddp_comm_hook is not None or comm_hook == AUTO_HOOK:
+            return None, None
+        return get_hook_spec(comm_hook), None
+    if comm_hook is None:
+        if comm_state is not None:
+            raise ValueError(f"comm_state={comm_state!r} given without a callable comm_hook to receive it")
+        return None, None
+    if not callable(comm_hook):
+        raise TypeError(
+            f"comm_hook={comm_hook!r} must be a registry name (str), a PowerSGDConfig, an Int8Config, an AutoConfig, "
+            "a callable hook(state, bucket), or None"
+        )
+    validate_hook_callable(comm_hook)
+    return None, comm_hook
+
+
+def validate_local_sgd(
+    local_sgd: object,
+    *,
+    comm_hook: object,
+    default_hook: str,
+    ddp_comm_hook: Callable | None,
+    model_averaging_period: int | None,
+) -> None:
+    """Refuse local SGD settings that cannot apply together with the strategy's other arguments, at construction."""
+    if local_sgd is None:
+        return
+    if not isinstance(local_sgd, LocalSGDConfig):
+        raise TypeError(f"local_sgd={local_sgd!r} must be a LocalSGDConfig (e.g. LocalSGDConfig.diloco(16)) or None")
+    if model_averaging_period is not None:
+        raise ValueError(
+            f"local_sgd and model_averaging_period={model_averaging_period} both given: they are two local SGD "
+            "schemes; use local_sgd=LocalSGDConfig.post_local_sgd(...) for Lightning's post-local SGD"
+        )
+    if comm_hook == AUTO_HOOK or isinstance(comm_hook, AutoConfig):
+        raise ValueError(
+            "comm_hook='auto' with local_sgd: auto picks a gradient hook for every step, but with local SGD gradients "
+            "sync only during the warm-up; name the warm-up's hook (e.g. comm_hook='fp16') or leave the default"
+        )
+    custom_hook = ddp_comm_hook is not None or comm_hook not in (None, default_hook)
+    if custom_hook and local_sgd.warmup_steps == 0:
+        hook = ddp_comm_hook if ddp_comm_hook is not None else comm_hook
+        raise ValueError(
+            f"comm_hook={hook!r} would never run: with local_sgd and warmup_steps=0 no gradient is ever "
+            "synchronised. Set LocalSGDConfig(warmup_steps=N) to run it for the first N steps, or drop it; "
+            f"the parameter syncs are compressed by LocalSGDConfig(compression=...) ({local_sgd.compression!r} now)"
+        )
