@@ -2,10 +2,10 @@
 
 A save that needs every rank (per-rank state to write or gather) first meets them in gloo's monitored barrier, under
 the process group's timeout unless ``checkpoint_timeout`` sets a shorter one: a rank that never comes fails the save
-on rank 0 with torch's message naming it (the other ranks' waits end with the same timeout), instead of a gather
-that hangs. The barrier and the gather run on a gloo group of their own, made at setup where saves will need it: a
-barrier that timed out closes its group's connections, and training's group must go on (a later save then says so
-at once). Nothing is written to the store. See :mod:`lightning_ddpopt.checkpoint` for the
+on rank 0 with torch's message naming it (the other ranks wait for rank 0 as long as the process group's timeout),
+instead of a gather that hangs. The barrier and the gather run on a gloo group of their own, made at setup where
+saves will need it: a barrier that timed out closes its group's connections, and training's group must go on (a
+later save then says so at once). Nothing is written to the store. See :mod:`lightning_ddpopt.checkpoint` for the
 contract. Used by :class:`~lightning_ddpopt.core.StrategyCore`.
 """
 
@@ -58,7 +58,8 @@ class RankStates:
 
         Raises:
             RuntimeError: a rank did not arrive within the timeout (on rank 0, naming the first missing one; the
-                others time out alike), or an earlier save's meeting failed and closed the saves' group.
+                others wait for rank 0 as long as the process group's timeout), or an earlier save's meeting failed
+                and closed the saves' group.
         """
         self._saves += 1
         if world_size > 1:
@@ -118,8 +119,13 @@ class RankStates:
         return self._group_timeout or timedelta(minutes=30)
 
     def _make_group(self) -> dist.ProcessGroup | None:
-        """The saves' group, made on first need with the save's timeout (every rank's waits in it end with it)."""
+        """The saves' group, made on first need with the process group's timeout.
+
+        Not with a short ``checkpoint_timeout``: making a group waits for every rank to arrive, which at setup may
+        take longer than a save should wait. Rank 0's wait in the barrier is the save's timeout; the other ranks wait
+        for rank 0 as long as the group's.
+        """
         if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo", timeout=self._timeout())
+            self._group = dist.new_group(backend="gloo", timeout=self._group_timeout)
             self._failed = None
         return self._group

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -679,12 +680,13 @@ def test_a_save_fails_once_the_rank_it_waits_for_stops_training(tmp_path):
         strategy_kwargs={"checkpoint_timeout": 1.0},
     )
     result = torch.load(tmp_path / "lone.pt")
-    assert result["message"] == (
-        "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but not "
-        "every rank called save_checkpoint within 1 s ([Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 "
-        "ms). Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies require (ModelCheckpoint "
-        "does)."
-    )
+    # Ours around torch's own line naming the missing rank (its wording is torch's: matched loosely).
+    assert re.fullmatch(
+        r"ddpopt: saving a checkpoint needs every rank \(each saves its own comm-hook or local SGD state\), but not "
+        r"every rank called save_checkpoint within 1 s \(.*Rank 1 .*monitoredBarrier.*\)\. Call "
+        r"trainer\.save_checkpoint on every rank, as Lightning's DDP strategies require \(ModelCheckpoint does\)\.",
+        result["message"],
+    ), result["message"]
     assert 1 <= result["seconds"] < 8, result
     assert all(record["local"]["syncs"] == 1 for record in ranks)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -342,12 +343,13 @@ def test_checkpoint_saved_on_one_rank_fails_fast_and_clearly(tmp_path):
     )
     fit_ddp(tmp_path, strategy, max_steps=3, callbacks=[LoneSave(tmp_path)])
     result = torch.load(tmp_path / "lone.pt")
-    assert result["message"] == (
-        "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), but not "
-        "every rank called save_checkpoint within 2 s ([Rank 0]: Rank 1 failed to pass monitoredBarrier in 2000 "
-        "ms). Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies require (ModelCheckpoint "
-        "does)."
-    )
+    # Ours around torch's own line naming the missing rank (its wording is torch's: matched loosely).
+    assert re.fullmatch(
+        r"ddpopt: saving a checkpoint needs every rank \(each saves its own comm-hook or local SGD state\), but not "
+        r"every rank called save_checkpoint within 2 s \(.*Rank 1 .*monitoredBarrier.*\)\. Call "
+        r"trainer\.save_checkpoint on every rank, as Lightning's DDP strategies require \(ModelCheckpoint does\)\.",
+        result["message"],
+    ), result["message"]
     assert result["seconds"] < 10
     assert not (tmp_path / "lone.ckpt").exists()
 
