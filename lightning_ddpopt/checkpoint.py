@@ -20,8 +20,8 @@ earlier releases hold them there too.
 The contract: every rank calls ``save_checkpoint`` (Lightning's ``ModelCheckpoint`` and ``Trainer.save_checkpoint``
 do; Lightning's own barrier after saving needs it too). A save with per-rank state first meets every rank in a
 monitored barrier, under the process group's timeout (or ``checkpoint_timeout``): a call on fewer ranks raises a
-``RuntimeError``, on rank 0 naming the missing ranks, instead of hanging in the gather. Stateless hooks without local
-SGD add no collective at all. While local SGD trains apart the ranks drift by up to a window's steps; a
+``RuntimeError``, on rank 0 naming the first missing rank, instead of hanging in the gather. Stateless hooks without
+local SGD add no collective at all. While local SGD trains apart the ranks drift by up to a window's steps; a
 ``checkpoint_timeout`` shorter than a window's time fails such a save.
 
 A resume restores what still applies and says what it could not: another hook or PowerSGD config starts the hook

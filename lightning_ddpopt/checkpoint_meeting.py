@@ -51,7 +51,7 @@ class RankStates:
         """
         self._group_timeout = timeout
         if needed:
-            self._make_group()
+            self._make_group(timeout)
 
     def agree(self, *, rank: int, world_size: int) -> str:
         """Meet every rank (see the module doc); return the save's id, the same on every rank and unique to it.
@@ -68,9 +68,10 @@ class RankStates:
                     "ddpopt: saving a checkpoint needs the ranks' save meeting, which an earlier save on fewer ranks "
                     f"closed ({self._failed}); call save_checkpoint on every rank"
                 )
-            group = self._make_group()
             timeout = self._timeout()
             try:
+                # Made here where setup made none (a stateless hook, or after teardown): its making is the meeting.
+                group = self._make_group(timeout)
                 dist.monitored_barrier(group=group, timeout=timeout)
             except RuntimeError as error:
                 self._failed = str(error).splitlines()[0]  # torch's line naming the rank; gloo's detail follows
@@ -105,8 +106,9 @@ class RankStates:
         return gathered
 
     def close(self) -> None:
-        """Destroy the saves' group (at teardown)."""
+        """Destroy the saves' group (at teardown); a save after it makes another, on every rank alike."""
         destroy_owned_group(self, "_group")
+        self._failed = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -118,14 +120,13 @@ class RankStates:
             return timedelta(seconds=self.timeout_s)
         return self._group_timeout or timedelta(minutes=30)
 
-    def _make_group(self) -> dist.ProcessGroup | None:
-        """The saves' group, made on first need with the process group's timeout.
+    def _make_group(self, timeout: timedelta | None) -> dist.ProcessGroup | None:
+        """The saves' group, made on first need; ``timeout`` bounds its making and every wait in it but rank 0's.
 
-        Not with a short ``checkpoint_timeout``: making a group waits for every rank to arrive, which at setup may
-        take longer than a save should wait. Rank 0's wait in the barrier is the save's timeout; the other ranks wait
-        for rank 0 as long as the group's.
+        At setup it is the process group's (making a group waits for every rank, which may take longer there than a
+        save should wait); made by a save, the save's. A group made after teardown is destroyed with the default
+        group at exit; it runs no Python callbacks in gloo's threads, so that is safe on every torch.
         """
         if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo", timeout=self._group_timeout)
-            self._failed = None
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
         return self._group

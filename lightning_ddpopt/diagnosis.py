@@ -34,8 +34,6 @@ REPORT_NAME = "ddpopt_report.json"
 
 #: The areas of every run's findings; a fault-tolerant run adds ``"islands"`` after them.
 AREAS = ("network", "compression", "amp", "accumulation", "stragglers")
-#: The first line of the findings, as printed and in TensorBoard.
-
 #: An exposed sync (what the step waits for after its own backward compute) above this share of the step makes the
 #: network the bottleneck.
 COMM_SHARE_PROBLEM = 0.3

@@ -87,3 +87,15 @@ def test_the_entry_holds_the_states_tensors_themselves_and_reads_back_plainly(tm
     assert (earlier.hook_choice, earlier.bucket_latency_s) == (restored.hook_choice, 64e-6)
     for r in range(2):
         assert torch.equal(restored.hook_states[r]["errors"]["weight"], errors[r]["weight"])
+
+
+@pytest.mark.quick
+def test_a_save_after_a_failed_meeting_fails_at_once_until_teardown_makes_a_new_group():
+    from lightning_ddpopt.checkpoint_meeting import RankStates
+
+    meeting = RankStates(timeout_s=1.0)
+    meeting._failed = "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms"  # what a timed-out meeting left
+    with pytest.raises(RuntimeError, match=r"which an earlier save on fewer ranks closed \(\[Rank 0\]: Rank 1 failed"):
+        meeting.agree(rank=0, world_size=2)  # at once: no collective, no wait
+    meeting.close()  # teardown: a later save makes a new group on every rank alike
+    assert meeting._failed is None and meeting.group is None

@@ -217,7 +217,7 @@ def test_the_device_path_commits_a_round_when_the_next_opens_as_on_a_gpu():
         state = _powersgd()()
         state._verdict_on_device = on_device
         _round(state, True, {"w": 0.5})
-        # The host commits at once; the device leaves the round sealed (a GPU's host never waits for its verdict).
+        # The host commits at once; the device leaves the round completed, not committed (a GPU's host never waits).
         assert (state._completed is not None, "w" in state.errors) == (on_device, not on_device)
         state.open_round()
         assert state._completed is None and torch.equal(state.errors["w"], torch.full(SHAPE, 0.5))

@@ -27,6 +27,14 @@ def _modules() -> dict[str, ast.Module]:
     return found
 
 
+def _type_checking(node: ast.AST) -> bool:
+    """Whether ``node`` is ``if TYPE_CHECKING:`` (its body never runs; an ``else`` branch does)."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
 def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
     """The package modules ``name`` imports when it runs, function-level imports included.
 
@@ -37,8 +45,9 @@ def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
     type_only = {
         id(inner)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for inner in ast.walk(node)
+        if _type_checking(node)
+        for statement in node.body  # type: ignore[attr-defined]
+        for inner in ast.walk(statement)
     }
     for node in ast.walk(tree):
         if id(node) in type_only:
@@ -94,7 +103,8 @@ def _module_level_imports(name: str, tree: ast.Module, modules: dict[str, ast.Mo
     def statements(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
         found: list[ast.Import | ast.ImportFrom] = []
         for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            if _type_checking(node):
+                found += statements(node.orelse)  # type: ignore[attr-defined]
                 continue
             if isinstance(node, ast.If | ast.Try):
                 found += statements(node.body) + statements(node.orelse)

@@ -171,6 +171,13 @@ class CommHookState:
         """
         return None
 
+    def release_group(self) -> None:
+        """Drop every reference to the groups it communicates on (after :meth:`close`; the strategy destroys them).
+
+        It falls back to the default group, for a checkpoint saved after fit.
+        """
+        self.process_group = None
+
     def close(self) -> bool:
         """Release what the hook runs beside training (PowerSGD's worker thread); False if it could not yet."""
         return True

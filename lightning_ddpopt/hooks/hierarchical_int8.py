@@ -228,7 +228,7 @@ def hierarchical_int8_hook(state: HierarchicalInt8State, bucket: dist.GradBucket
 
 
 class _Int8TierSync:
-    """One bucket's three stages (a :class:`~lightning_ddpopt.hooks.hierarchical.TierSync`)."""
+    """One bucket's three stages (a :class:`~lightning_ddpopt.hooks._worker.TierSync`)."""
 
     def __init__(self, state: HierarchicalInt8State, round_: SyncRound, bucket: dist.GradBucket) -> None:
         self.state, self.round, self.bucket = state, round_, bucket

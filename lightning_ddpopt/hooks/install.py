@@ -24,7 +24,6 @@ from lightning_ddpopt.hooks.across_islands import AcrossIslands, AcrossIslandsSt
 from lightning_ddpopt.hooks.auto import AUTO_HOOK, AutoConfig, HookChoice, choose_hook, measure_hook_costs
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.compression import allreduce_mean_hook, flat_fp16_note
-from lightning_ddpopt.hooks.int8 import Int8State
 from lightning_ddpopt.hooks.island import IslandState, island_hook
 from lightning_ddpopt.hooks.powersgd import PowerSGDState
 from lightning_ddpopt.hooks.registry import (
@@ -395,9 +394,7 @@ class HookInstaller:
                 f"ddpopt: {self.comm_hook_name}'s worker thread is still busy after a minute; its group is kept"
             )
             return
-        state.process_group = None
-        if isinstance(state, Int8State):
-            state.exchange_group = None
+        state.release_group()
         destroy_owned_group(self, "_group")
         if self._tiers is not None:
             self._tiers.close()

@@ -149,6 +149,11 @@ class Int8State(ErrorFeedbackState):
         self.exchange_group = make_group()
         return self.exchange_group
 
+    def release_group(self) -> None:
+        """Drop the groups it communicates on, its exchange group too (see the base's)."""
+        super().release_group()
+        self.exchange_group = None
+
     def close(self) -> bool:
         """Stop the worker threads (after the buckets they hold); a later step starts new ones.
 
