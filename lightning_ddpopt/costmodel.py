@@ -15,6 +15,7 @@ __all__ = [
     "INTRA_NODE_GBPS",
     "allreduce_seconds",
     "bus_bandwidth",
+    "choose_sync_every",
     "estimate_hooks",
     "hierarchical_seconds",
     "parse_count",
@@ -255,3 +256,25 @@ def estimate_hooks(
             tiered = hierarchical_seconds(bytes_fp32, nbytes, nodes[0], nodes[1], link, nodes[2], gather)
         estimates.append(HookEstimate(hook, nbytes, sent, throughput, codec, comm, no_overlap, overlap, tiered))
     return estimates
+
+
+#: DiLoCo's ``sync_every="auto"``: the H it may choose, and the share of H steps' compute one sync may take.
+SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128)
+SYNC_SHARE = 0.1  # placeholder: set from the time-to-loss benchmark's sweep (benchmarks/time_to_loss.py)
+
+
+def choose_sync_every(sync_s: float, compute_s: float, exposed_share: float = 1.0) -> int:
+    """DiLoCo's H for a sync of ``sync_s`` seconds and ``compute_s`` seconds of compute per optimizer step.
+
+    The smallest H of :data:`SYNC_EVERY_CHOICES` at which the sync's exposed time (``exposed_share`` of it: 1 for a
+    blocking sync, less when it is overlapped with the next steps) is at most :data:`SYNC_SHARE` of the compute of H
+    steps; the largest when none is. The same rule serves ``LocalSGDConfig(sync_every="auto")``, from a run's
+    measured figures, and ``ddpopt plan``, from the cost model's.
+    """
+    if not sync_s >= 0 or not compute_s > 0:
+        raise ValueError(f"choose_sync_every needs sync_s >= 0 and compute_s > 0, got {sync_s!r} and {compute_s!r}")
+    exposed = sync_s * exposed_share
+    for every in SYNC_EVERY_CHOICES:
+        if exposed <= SYNC_SHARE * every * compute_s:
+            return every
+    return SYNC_EVERY_CHOICES[-1]
