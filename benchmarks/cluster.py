@@ -220,12 +220,19 @@ def can_emulate() -> str | None:
 
 
 def run_variant(
-    cluster: Cluster, variant: str, port: int, worker_args: Sequence[str], timeout: float, ranks_per_host: int = 1
+    cluster: Cluster,
+    variant: str,
+    port: int,
+    worker_args: Sequence[str],
+    timeout: float,
+    ranks_per_host: int = 1,
+    worker: Path = WORKER,
 ) -> dict:
     """Start ``ranks_per_host`` workers per host (as a cluster launcher does: ``LOCAL_RANK`` each) and return rank 0's
     result.
 
-    A variant named ``NAME+callbacks`` is ``NAME`` with the three measuring callbacks attached.
+    A variant named ``NAME+callbacks`` is ``NAME`` with the three measuring callbacks attached. ``worker`` is the
+    script each rank runs (``benchmarks/time_to_loss.py`` runs its own).
 
     The compute reference runs one independent process per rank at the same time (no process group, no sync):
     what the ranks compute when nothing waits, sharing the machine's memory bandwidth as the other variants do. Its
@@ -260,7 +267,7 @@ def run_variant(
         name = variant.removesuffix(CALLBACKS_SUFFIX)
         flags = ["--callbacks"] if name != variant else []
         sizes = ["--num-nodes", "1" if alone else str(len(hosts)), "--devices", str(ranks_per_host)]
-        command = [sys.executable, str(WORKER), "--variant", name, *sizes, *flags, *worker_args]
+        command = [sys.executable, str(worker), "--variant", name, *sizes, *flags, *worker_args]
         if host.namespace is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]
         processes.append(

@@ -11,7 +11,8 @@ the strategy's sync differs. The held-out loss is in nats per byte, the mean ove
 Variants: a registry hook's name (``allreduce``, ``fp16``, ``int8``, ``auto``, ``powersgd``: the default PowerSGD,
 whose rank rises while its error is above its bound, 0.6 with AdamW and 0.9 with SGD);
 ``powersgd_r<rank>[_s<start_iter>]`` (a fixed rank); ``localsgd<H>`` (parameter averaging every H steps);
-``diloco<H>[_overlap<steps>][_replica<k>]`` (``_replica<k>``: islands of k ranks, with ``--devices`` above 2).
+``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>]`` (:func:`diloco_config`;
+``_replica<k>``: islands of k ranks, with ``--devices`` above 2).
 
     .venv/bin/python benchmarks/transformer_quality.py --devices 4 --variants allreduce,diloco16,diloco16_replica2
 """
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import pydoc_data.topics
+import re
 import sys
 import tempfile
 import time
@@ -55,14 +57,36 @@ def _strategy(variant: str) -> OptimizedDDPStrategy:
         config = LocalSGDConfig.post_local_sgd(int(variant.removeprefix("localsgd")))
         return OptimizedDDPStrategy(local_sgd=config, **common)
     if variant.startswith("diloco"):
-        # diloco<H>[_overlap<steps>][_replica<k>]: DiLoCo every H steps; overlapped by <steps> (H/2 when not given);
-        # islands of k ranks (else a replica per rank: one node)
-        name, _, replica = variant.partition("_replica")
-        every, _, overlap = name.removeprefix("diloco").partition("_overlap")
-        steps = (int(overlap) if overlap else int(every) // 2) if "_overlap" in name else 0
-        config = LocalSGDConfig.diloco(int(every), overlap_steps=steps, replica=int(replica) if replica else "rank")
-        return OptimizedDDPStrategy(local_sgd=config, **common)
+        return OptimizedDDPStrategy(local_sgd=diloco_config(variant), **common)
     return OptimizedDDPStrategy(comm_hook=variant, **common)
+
+
+def diloco_config(variant: str) -> LocalSGDConfig:
+    """``diloco<H|auto>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>]`` as a LocalSGDConfig.
+
+    DiLoCo every H steps (or ``auto``); overlapped by tau steps (H/2 when not given); the parameter change in int8 or
+    fp32 (fp16 by default); a replica per rank, or islands of k ranks (else ``replica="auto"``: a replica per node
+    where there are several nodes); the outer learning rate and momentum (``diloco()``'s otherwise).
+    """
+    match = re.fullmatch(
+        r"diloco(\d+|auto)(_overlap(\d*))?(?:_(int8|fp32))?(?:(_ranks)|_replica(\d+))?(?:_lr(\d*\.?\d+))?(?:_m(\d*\.?\d+))?",
+        variant,
+    )
+    if match is None:
+        raise ValueError(
+            f"variant {variant!r} is not diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>]"
+        )
+    every, overlapped, overlap, compression, ranks, replica, lr, momentum = match.groups()
+    overrides: dict[str, Any] = {"replica": "rank" if ranks else int(replica) if replica else "auto"}
+    if overlapped:
+        overrides["overlap_steps"] = int(overlap) if overlap else (16 if every == "auto" else int(every)) // 2
+    if compression:
+        overrides["compression"] = compression
+    if lr:
+        overrides["outer_lr"] = float(lr)
+    if momentum:
+        overrides["outer_momentum"] = float(momentum)
+    return LocalSGDConfig.diloco(every if every == "auto" else int(every), **overrides)
 
 
 VARIANTS = (
@@ -94,10 +118,16 @@ class TinyGPT(pl.LightningModule):
     """A causal transformer over bytes: 2 layers, width 128, 4 heads, context 64."""
 
     def __init__(
-        self, lr: float = 3e-3, width: int = 128, layers: int = 2, heads: int = 4, optimizer: str = "adamw"
+        self,
+        lr: float = 3e-3,
+        width: int = 128,
+        layers: int = 2,
+        heads: int = 4,
+        optimizer: str = "adamw",
+        seed: int = 0,
     ) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.lr, self.optimizer = lr, optimizer
         self.embed = nn.Embedding(256, width)
         self.position = nn.Parameter(torch.zeros(CONTEXT, width))
@@ -174,13 +204,16 @@ class HeldOut(pl.Callback):
         )
 
 
-def run(variant: str, steps: int, batch_size: int, optimizer: str, lr: float, devices: int = 2) -> dict[str, Any]:
+def run(
+    variant: str, steps: int, batch_size: int, optimizer: str, lr: float, devices: int = 2, seed: int = 0
+) -> dict[str, Any]:
+    """One fit; ``seed`` draws the initial weights and the batches' order (the same on every rank)."""
     data = text_bytes()
     split = int(0.9 * data.numel())
     train, held_out = windows(data[:split], stride=CONTEXT), windows(data[split:], stride=CONTEXT)
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
-        pl.seed_everything(0, verbose=False)
+        pl.seed_everything(seed, verbose=False)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=devices,
@@ -193,8 +226,8 @@ def run(variant: str, steps: int, batch_size: int, optimizer: str, lr: float, de
             callbacks=[HeldOut(held_out, out)],
         )
         start = time.perf_counter()
-        loader = DataLoader(train, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
-        trainer.fit(TinyGPT(lr=lr, optimizer=optimizer), loader)
+        loader = DataLoader(train, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        trainer.fit(TinyGPT(lr=lr, optimizer=optimizer, seed=seed), loader)
         seconds = time.perf_counter() - start
         return {"variant": variant, **json.loads(out.read_text()), "seconds": seconds}
 
@@ -207,19 +240,23 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="CPU ranks (default 2)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: Nesterov momentum 0.9")
     parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 for adamw, 0.1 for sgd")
+    parser.add_argument("--seeds", default="0", help="comma-separated; the held-out loss is the mean over them")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "transformer_quality.md")
     args = parser.parse_args()
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     torch.set_num_threads(1)
     lr = args.lr if args.lr is not None else (3e-3 if args.optimizer == "adamw" else 0.1)
-    rows = [
-        run(variant, args.steps, args.batch_size, args.optimizer, lr, args.devices)
-        for variant in args.variants.split(",")
-    ]
+    rows = []
+    for variant in args.variants.split(","):
+        runs = [run(variant, args.steps, args.batch_size, args.optimizer, lr, args.devices, seed) for seed in seeds]
+        losses = [r["held_out"] for r in runs]
+        rows.append({**runs[0], "held_out": sum(losses) / len(losses), "held_out_seeds": losses})
     optimizer_name = "AdamW" if args.optimizer == "adamw" else "SGD with Nesterov momentum 0.9"
     baseline = next((row["held_out"] for row in rows if row["variant"] == "allreduce"), math.nan)
     lines = [
         f"TinyGPT (2 x width 128, context 64) on Python's pydoc topics, {optimizer_name} {lr:g}, {args.steps} "
-        f"steps, batch {args.batch_size} per rank, {args.devices} CPU ranks; held-out loss in nats per byte",
+        f"steps, batch {args.batch_size} per rank, {args.devices} CPU ranks; held-out loss in nats per byte"
+        + (f", the mean over seeds {args.seeds} (each seed's in the last column)" if len(seeds) > 1 else ""),
         "",
         f"Command: `{' '.join(['benchmarks/transformer_quality.py', *sys.argv[1:]])}`",
         f"Run {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores, one torch thread per rank. Compression error: "
@@ -228,8 +265,8 @@ def main() -> None:
         "per step: rank 0's mean over the last 50 steps.",
         "",
         "| variant | held-out loss | vs allreduce | compression error | error fed back | ranks (rises / falls) "
-        "| sent per step | fit s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sent per step | fit s |" + (" per seed |" if len(seeds) > 1 else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if len(seeds) > 1 else ""),
     ]
     for row in rows:
         change = (row["held_out"] / baseline - 1) * 100 if baseline == baseline else math.nan
@@ -245,6 +282,7 @@ def main() -> None:
         lines.append(
             f"| {row['variant']} | {row['held_out']:.4f} | {change:+.1f}% | {error} | {fed_back} | {rank} | "
             f"{format_bytes(row['bytes_per_step'])} | {row['seconds']:.0f} |"
+            + (f" {', '.join(f'{x:.4f}' for x in row['held_out_seeds'])} |" if len(seeds) > 1 else "")
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -185,7 +185,7 @@ def main() -> None:
             f"{sum(s.exposed_time_s for s in ledger.steps) / len(ledger.steps) * 1e3:.2f} ms exposed "
             f"(rank 0's means over all {steps} steps, warm-up included)"
             + (
-                f"; local SGD: {strategy.local_sgd.syncs} parameter syncs, every {strategy.local_sgd.config.sync_every}"
+                f"; local SGD: {strategy.local_sgd.syncs} parameter syncs, every {strategy.local_sgd.sync_every}"
                 f" steps{', then the final average' if strategy.local_sgd.averaged_at_end else ''}"
                 if strategy.local_sgd is not None
                 else ""

@@ -8,6 +8,7 @@ import difflib
 import json
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,21 @@ from lightning_ddpopt._registration import strategy_names
 from lightning_ddpopt.costmodel import (
     CODEC_BYTES_PER_S,
     DEFAULT_PLAN_HOOKS,
+    DEVICES,
+    GPU_CODEC_BYTES_PER_S,
+    GPU_COPY_PASSES,
+    GPU_MEMORY_BYTES_PER_S,
     INTRA_NODE_GBPS,
     LINKS,
     PLAN_HOOKS,
+    POWERSGD_SETTLED_RANK,
+    POWERSGD_START_RANK,
+    HookEstimate,
     Link,
+    codec_rate,
     estimate_hooks,
     parse_count,
+    recommend,
     resolve_link,
 )
 from lightning_ddpopt.units import byte_unit, format_bytes
@@ -56,10 +66,11 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="per-rank bytes, compression and allreduce time, scaling efficiency per comm hook",
+        help="per-rank bytes, compression and allreduce time, scaling efficiency per comm hook, and a recommendation",
         description=(
             "Ring-allreduce lower bound t = 2(n-1)/n x S/B + 2(n-1) x latency for each comm hook, every rank on a "
-            "link of bandwidth B; each rank sends 2(n-1)/n x the hook's payload S per step."
+            "link of bandwidth B; each rank sends 2(n-1)/n x the hook's payload S per step. Ends with a "
+            "recommendation: the comm hook, flat or in two tiers, or DiLoCo and its H, and why."
         ),
         # The required arguments first, in the order they are checked; --link or --gbps is required too.
         usage=(
@@ -93,18 +104,34 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--hook", choices=PLAN_HOOKS, action="append", help=f"repeatable (default: {', '.join(DEFAULT_PLAN_HOOKS)})"
     )
-    plan.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
+    plan.add_argument(
+        "--rank",
+        type=int,
+        help="a fixed PowerSGD rank, PowerSGDConfig(rank=R, max_error=None) (default: the default PowerSGD, whose rank "
+        f"rises under its error bound, priced at rank {POWERSGD_START_RANK}, where it starts, and "
+        f"{POWERSGD_SETTLED_RANK}, where it settled with AdamW)",
+    )
     plan.add_argument("--width", type=int, default=4096, help="typical weight-matrix width for PowerSGD (4096)")
     plan.add_argument(
-        "--step-compute-ms", type=float, help="forward+backward time of one step (needed for the efficiency)"
+        "--step-compute-ms",
+        type=float,
+        help="forward+backward time of one step (needed for the efficiency and to weigh DiLoCo)",
+    )
+    plan.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        type=str.lower,
+        help="what runs the backward pass and the compression: cpu (default: this project's 1-thread CPU rates, "
+        f"{_codec_defaults()} GB/s) or gpu (estimated, not measured: memory-bound at an H100-class "
+        f"{GPU_MEMORY_BYTES_PER_S / 1e12:g} TB/s, {_codec_defaults(rates=GPU_CODEC_BYTES_PER_S)} GB/s)",
     )
     plan.add_argument(
         "--codec-gb-per-s",
         type=float,
         metavar="GB_PER_S",
         help="GB (10^9 bytes) of fp32 gradient a hook's compression processes per second, for every hook that "
-        f"compresses (default: from this project's 1-thread CPU measurements: {_codec_defaults()}; a GPU's is far "
-        "higher)",
+        "compresses: your device's measured rate, instead of --device's",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=_plan)
@@ -159,8 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _codec_defaults(hooks: Sequence[str] = PLAN_HOOKS) -> str:
-    return ", ".join(f"{hook} {CODEC_BYTES_PER_S[hook] / 1e9:.3g}" for hook in hooks if hook in CODEC_BYTES_PER_S)
+def _codec_defaults(hooks: Sequence[str] = PLAN_HOOKS, rates: dict[str, float] = CODEC_BYTES_PER_S) -> str:
+    """Each compressing hook's rate in GB/s of fp32 gradient, as the plan prints them."""
+    return ", ".join(f"{hook} {rates[hook] / 1e9:.3g}" for hook in hooks if hook in rates)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -168,12 +196,14 @@ def _plan(args: argparse.Namespace) -> int:
         if args.params is None:
             raise ValueError("--params is required: the model's parameter count, e.g. 100M or 1.3B")
         params = parse_count(args.params)
+        if params < 1000:
+            raise ValueError(_missing_suffix(args.params, params))
         world_size, ranks = _world_size(args)
         if args.link is not None and args.gbps is not None:
             raise ValueError(f"give --link or --gbps, not both (--link {args.link}, --gbps {args.gbps:g})")
         link = resolve_link(args.link, args.gbps, args.latency_us)
-        if args.rank < 1 or args.width < 1:
-            raise ValueError("--rank and --width must be at least 1")
+        if (args.rank is not None and args.rank < 1) or args.width < 1:
+            raise ValueError(f"--rank {args.rank} and --width {args.width} must be at least 1")
         codec_gb_per_s = args.codec_gb_per_s
         if codec_gb_per_s is not None and not codec_gb_per_s > 0:
             raise ValueError(
@@ -181,31 +211,45 @@ def _plan(args: argparse.Namespace) -> int:
                 "processes per second"
             )
         compute_ms = args.step_compute_ms
+        compute_s = None if compute_ms is None else compute_ms / 1e3
+        codec_bytes_per_s = None if codec_gb_per_s is None else codec_gb_per_s * 1e9
         hooks = tuple(args.hook or DEFAULT_PLAN_HOOKS)
+        tiers = _tiers(args)
         estimates = estimate_hooks(
             params,
             world_size,
             link,
-            None if compute_ms is None else compute_ms / 1e3,
+            compute_s,
             powersgd_rank=args.rank,
             matrix_width=args.width,
-            codec_bytes_per_s=None if codec_gb_per_s is None else codec_gb_per_s * 1e9,
+            device=args.device,
+            codec_bytes_per_s=codec_bytes_per_s,
             hooks=hooks,
-            nodes=_tiers(args),
+            nodes=tiers,
+        )
+        advice = recommend(
+            params, world_size, link, compute_s, nodes=tiers, device=args.device, codec_bytes_per_s=codec_bytes_per_s
         )
     except ValueError as error:
         raise CLIError(str(error)) from None
+    codec_source = _codec_source(args.device, codec_gb_per_s)
     if args.json:
-        print(json.dumps([dataclasses.asdict(e) for e in estimates], indent=1))
+        payload = {
+            "device": args.device,
+            "codec_source": codec_source,
+            "estimates": [dataclasses.asdict(e) for e in estimates],
+            "recommendation": dataclasses.asdict(advice),
+        }
+        print(json.dumps(payload, indent=1))
         return 0
     compute = "compute unknown" if compute_ms is None else f"compute {compute_ms:g} ms/step"
     print(
         f"{params / 1e6:.1f}M fp32 parameters, {ranks}, {link.summary} "
-        f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), {compute}"
+        f"({link.bytes_per_s / 1e9:.3f} GB/s, {link.latency_s * 1e6:g} us), {compute}, on {args.device.upper()}s"
     )
     tiered = any(e.hierarchical_comm_s is not None for e in estimates)
     print(
-        f"{'hook':<10}{'payload':>10}{'sent/rank/step':>16}{'codec ms':>10}{'comm ms':>10}"
+        f"{'hook':<13}{'payload':>10}{'sent/rank/step':>16}{'codec ms':>10}{'comm ms':>10}"
         f"{'eff. no overlap':>17}{'eff. overlap':>14}" + (f"{'2-tier comm ms':>16}" if tiered else "")
     )
     for e in estimates:
@@ -214,27 +258,99 @@ def _plan(args: argparse.Namespace) -> int:
         codec = "-" if e.codec_bytes_per_s is None else f"{e.codec_s * 1e3:.1f}"
         two_tier = "-" if e.hierarchical_comm_s is None else f"{e.hierarchical_comm_s * 1e3:.1f}"
         print(
-            f"{e.hook:<10}{format_bytes(e.payload_bytes):>10}{format_bytes(e.sent_bytes_per_rank):>16}{codec:>10}"
-            f"{e.comm_s * 1e3:>10.1f}{no_overlap:>17}{overlap:>14}" + (f"{two_tier:>16}" if tiered else "")
+            f"{_row_label(e):<13}{format_bytes(e.payload_bytes):>10}{format_bytes(e.sent_bytes_per_rank):>16}"
+            f"{codec:>10}{e.comm_s * 1e3:>10.1f}{no_overlap:>17}{overlap:>14}" + (f"{two_tier:>16}" if tiered else "")
         )
-    print("sent/rank/step: what each rank sends per step, 2(n-1)/n x the payload (the hook's compressed gradient)")
+    notes = ["sent/rank/step: what each rank sends per step, 2(n-1)/n x the payload (the hook's compressed gradient)"]
     if tiered:
-        print(
+        notes.append(
             f"2-tier comm ms: hierarchical=True: fp32 inside each node at {args.intra_gbps:g} Gbit/s (--intra-gbps), "
-            "the payload\n  between nodes, 1/M of it per rank (PowerSGD: of the parameters), the node's M ranks "
-            "sharing its link"
+            "the payload between nodes, 1/M of it per rank (PowerSGD: of the parameters), the node's M ranks sharing "
+            "its link"
         )
     compressing = [hook for hook in hooks if hook in CODEC_BYTES_PER_S]
-    if compressing and codec_gb_per_s is None:
-        print(
-            "codec ms: the compression's own compute at this project's 1-thread CPU rates, in GB/s of fp32 gradient\n"
-            f"  ({_codec_defaults(compressing)}); give your device's with --codec-gb-per-s"
-        )
-    elif compressing:
-        print(f"codec ms: the compression's own compute at {codec_gb_per_s:g} GB/s of fp32 gradient (--codec-gb-per-s)")
+    if compressing:
+        notes.append(_codec_note(compressing, args.device, codec_gb_per_s, args.rank))
+    if "powersgd" in hooks:
+        notes.append(_powersgd_note(args.rank))
     if compute_ms is None:
-        print("efficiency needs --step-compute-ms: one step's forward+backward time without communication")
+        notes.append("efficiency needs --step-compute-ms: one step's forward+backward time without communication")
+    for note in notes:
+        print("\n".join(textwrap.wrap(note, width=_WIDTH, subsequent_indent="  ", break_on_hyphens=False)))
+    print(f"recommended: {advice.strategy}")
+    why = textwrap.wrap(advice.reason, width=_WIDTH, initial_indent="  why: ", subsequent_indent="    ")
+    print("\n".join(why + ([] if advice.needs is None else [f"  needs {advice.needs}"])))
     return 0
+
+
+#: The plan's notes and recommendation are wrapped to this many columns, as its table is about as wide.
+_WIDTH = 118
+
+
+def _missing_suffix(text: str, params: int) -> str:
+    """The error for a parameter count under a thousand: almost surely a missing suffix."""
+    cleaned = text.strip()
+    guess = f"did you mean {cleaned}M? " if cleaned.replace(".", "", 1).isdigit() else "too few for a model; "
+    return f"--params {cleaned} reads as {params} parameters: {guess}give the count with its suffix, e.g. 350M or 1.3B"
+
+
+def _row_label(estimate: HookEstimate) -> str:
+    return estimate.hook if estimate.powersgd_rank is None else f"{estimate.hook} r{estimate.powersgd_rank}"
+
+
+def _codec_source(device: str, codec_gb_per_s: float | None) -> str:
+    """Where the codec rates come from, in words (the JSON's ``codec_source``)."""
+    if codec_gb_per_s is not None:
+        return f"given: {codec_gb_per_s:g} GB/s of fp32 gradient for every hook that compresses (--codec-gb-per-s)"
+    if device == "gpu":
+        return (
+            f"estimated for an H100-class GPU, not measured: memory-bound, copy passes over the gradient at "
+            f"{GPU_MEMORY_BYTES_PER_S / 1e12:g} TB/s"
+        )
+    return (
+        "this project's 1-thread CPU rates: int8's and PowerSGD's measured (PowerSGD at rank 4, its products scaled "
+        "to other ranks), fp16's and bf16's memory-bound from a measured copy"
+    )
+
+
+def _codec_note(hooks: Sequence[str], device: str, codec_gb_per_s: float | None, rank: int | None) -> str:
+    if codec_gb_per_s is not None:
+        return f"codec ms: the compression's own compute at {codec_gb_per_s:g} GB/s of fp32 gradient (--codec-gb-per-s)"
+    if device == "gpu":
+        passes = ", ".join(
+            f"{hook} {GPU_COPY_PASSES[hook]:g} passes: {GPU_CODEC_BYTES_PER_S[hook] / 1e9:.3g}" for hook in hooks
+        )
+        return (
+            "codec ms: the compression's own compute, estimated for a GPU, not measured: memory-bound, each hook's "
+            f"copy passes over the fp32 gradient at an H100-class {GPU_MEMORY_BYTES_PER_S / 1e12:g} TB/s, in GB/s of "
+            f"fp32 gradient ({passes}); give a measured rate with --codec-gb-per-s"
+        )
+    rates = [f"{hook} {CODEC_BYTES_PER_S[hook] / 1e9:.3g}" for hook in hooks if hook != "powersgd"]
+    scaled = ""
+    if "powersgd" in hooks:
+        ranks = (POWERSGD_START_RANK, POWERSGD_SETTLED_RANK) if rank is None else (rank,)
+        rates.append("powersgd " + ", ".join(f"{_gb(codec_rate('powersgd', 'cpu', r))} at rank {r}" for r in ranks))
+        if ranks != (POWERSGD_START_RANK,):
+            scaled = f"; PowerSGD measured at rank {POWERSGD_START_RANK}, its products scaled with the rank"
+    return (
+        "codec ms: the compression's own compute at this project's 1-thread CPU rates, in GB/s of fp32 gradient "
+        f"({', '.join(rates)}{scaled}); give your device's with --codec-gb-per-s"
+    )
+
+
+def _gb(bytes_per_s: float | None) -> str:
+    return "-" if bytes_per_s is None else f"{bytes_per_s / 1e9:.3g}"
+
+
+def _powersgd_note(rank: int | None) -> str:
+    if rank is not None:
+        return f"powersgd r{rank}: a fixed rank (--rank {rank}: PowerSGDConfig(rank={rank}, max_error=None))"
+    return (
+        f"powersgd r{POWERSGD_START_RANK}, r{POWERSGD_SETTLED_RANK}: the default PowerSGD starts at rank "
+        f"{POWERSGD_START_RANK} and doubles a matrix's rank while its error is above its bound, up to "
+        f"{POWERSGD_SETTLED_RANK}: priced at both ends (in this project's runs the matrices settled at ranks 32-64 "
+        "with AdamW, at 8 with SGD: the comm-hooks guide); --rank R prices a fixed rank"
+    )
 
 
 def _tiers(args: argparse.Namespace) -> tuple[int, int, Link] | None:

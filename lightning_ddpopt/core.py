@@ -267,6 +267,15 @@ class StrategyCore:
         islands = self.local_sgd.islands
         return saved.inner_states(islands.leader if islands is not None else self.rank)
 
+    def fit_to_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Resolve what depends on the inner optimizers: PowerSGD's ``max_error="auto"``, local SGD's outer ``"auto"``.
+
+        Each is said on rank 0. Once the model is wrapped, and again whenever the optimizers change.
+        """
+        self.hooks.fit_to_optimizers(optimizers)
+        if self.local_sgd is not None:
+            self.local_sgd.fit_to_optimizers(optimizers)
+
     def before_micro_batch(self, model: torch.nn.Module | None, samples: int | None, first_of_epoch: bool) -> None:
         """Count a training micro-batch in the ledger; local SGD turns DDP's gradient sync off for a local one."""
         if self.ledger is not None:
@@ -300,7 +309,7 @@ class StrategyCore:
         """Close the step (``skipped``: the GradScaler skipped it): see :meth:`optimizer_step`."""
         ddp = model if isinstance(model, DistributedDataParallel) else None
         if self.local_sgd is not None and self.local_sgd.loop is not None:
-            self.local_sgd.after_optimizer_step(skipped, self.ledger if ddp else None)
+            self.local_sgd.after_optimizer_step(skipped, self.ledger if ddp else None, say)
         if ddp is None or self.ledger is None:
             return []
         records = self.ledger.close_step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 from typing import Any
@@ -54,16 +55,16 @@ NETWORK_ADVICE: dict[str, str] = {
     ),
     "int8": (
         "on a link this slow use comm_hook='powersgd' where the model has large weight matrices (its error bound keeps "
-        "the quality), or local SGD for SGD-like training (local_sgd=LocalSGDConfig.diloco(16)); accumulating more "
+        "the quality), or local SGD (local_sgd=LocalSGDConfig.diloco(16)); accumulating more "
         "micro-batches per step also syncs less"
     ),
     "powersgd": (
-        "its error bound sets PowerSGD's rank, so the bytes follow the gradients: use local SGD for SGD-like training "
+        "its error bound sets PowerSGD's rank, so the bytes follow the gradients: use local SGD "
         "(local_sgd=LocalSGDConfig.diloco(16)), or accumulate more micro-batches per optimizer step"
     ),
     "powersgd_fixed_rank": (
         "lower PowerSGD's fixed rank of {rank} (PowerSGDConfig(rank=...)) if the compression finding allows, or use "
-        "local SGD for SGD-like training (local_sgd=LocalSGDConfig.diloco(16))"
+        "local SGD (local_sgd=LocalSGDConfig.diloco(16))"
     ),
     "local_sgd": (
         "sync less often (a larger sync_every), overlap the sync with training (overlap_steps) and send it in int8 "
@@ -132,8 +133,11 @@ def summarize(trainer: pl.Trainer) -> dict[str, Any]:
         }
     local_sgd = strategy.local_sgd if isinstance(strategy, CoreViews) else None
     if local_sgd is not None:
+        choice = local_sgd.sync_every_choice
         summary["local_sgd"] = {
-            "sync_every": local_sgd.config.sync_every,
+            "sync_every": local_sgd.sync_every,  # H in use ("auto": the chosen one, or still the provisional one)
+            # sync_every="auto": H and the figures it was chosen from (the ranks' agreed sync and step seconds).
+            "sync_every_choice": None if choice is None else dataclasses.asdict(choice),
             "warmup_steps": local_sgd.config.warmup_steps,
             "syncs": local_sgd.syncs,
             "skipped_inner_steps": local_sgd.skipped_inner_steps,
@@ -424,11 +428,12 @@ def _accumulation(summary: dict[str, Any]) -> Finding:
     rounds, micro = ledger["sync_rounds_per_step"], ledger["micro_batches_per_step"]
     local_sgd = summary.get("local_sgd")
     if local_sgd is not None:  # few syncs are the point here, not a sign of anything missing
+        chosen = " (chosen by sync_every='auto')" if local_sgd.get("sync_every_choice") else ""
         return Finding(
             "accumulation",
             "ok",
             f"local SGD: {rounds:.2f} syncs per optimizer step over {micro:.2f} micro-batches (parameters every "
-            f"{local_sgd['sync_every']} steps after {local_sgd['warmup_steps']} synchronous ones, "
+            f"{local_sgd['sync_every']} steps{chosen} after {local_sgd['warmup_steps']} synchronous ones, "
             f"{local_sgd['syncs']} parameter syncs)",
         )
     evidence = f"{rounds:.2f} gradient syncs per optimizer step over {micro:.2f} micro-batches"

@@ -432,8 +432,10 @@ class CommLedger:
         start: Mark,
         transfer_hidden: bool = False,
         drift: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
+    ) -> Mark:
         """Record a sync of parameters (local SGD's averaging) as one round of one bucket, from ``start`` until now.
+
+        Returns the mark of its end (``sync_every="auto"`` times the sync between the two).
 
         Args:
             num_elements: parameters synchronised.
@@ -449,9 +451,10 @@ class CommLedger:
         entry.hidden = transfer_hidden
         if drift is not None:
             entry.drift = DeferredRead(torch.stack(drift).detach().double())
-        entry.end = self.timeline.mark()
+        entry.end = end = self.timeline.mark()
         with self._lock:
             self._rounds.append([entry])
+        return end
 
     def add_micro_batch(self, samples: int | None, first_of_epoch: bool = False) -> None:
         """Count one training batch of the current step; ``samples=None`` when its size is unknown.

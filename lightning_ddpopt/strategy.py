@@ -285,7 +285,7 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             )
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:  # the optimizers are set up by now, after the hook was registered
-            self._core.hooks.fit_to_optimizers(self.optimizers)
+            self._core.fit_to_optimizers(self.optimizers)
         self._name_run()
         if self._core.local_sgd is not None:
             self._core.local_sgd.setup(trainer, self.world_size, self.root_device)

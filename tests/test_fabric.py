@@ -7,7 +7,7 @@ import math
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,10 @@ from torch import nn
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, StragglerDetector
 from lightning_ddpopt.checkpoint import read_saved_run
+from lightning_ddpopt.costmodel import choose_sync_every
 from lightning_ddpopt.fabric import Monitor, OptimizedDDPStrategy, fp16_mixed_precision
 from lightning_ddpopt.hooks import PowerSGDConfig
+from lightning_ddpopt.localsgd.config import OUTER_DEFAULTS
 
 WIDTH = 64
 BATCH = 16
@@ -134,6 +136,8 @@ def _work(fabric: Fabric, run: Run) -> None:
     ledger = strategy.ledger
     assert ledger is not None
     scaler = getattr(strategy.precision, "scaler", None)
+    loop = strategy.local_sgd
+    choice = loop.sync_every_choice if loop is not None else None
     torch.save(
         {
             "params": [p.detach().clone() for p in model.parameters()],
@@ -156,6 +160,9 @@ def _work(fabric: Fabric, run: Run) -> None:
             "state": type(strategy.comm_state).__name__,
             "intra": [s.intra_node_bytes for s in ledger.steps],
             "rank": (fabric.global_rank, fabric.node_rank, fabric.local_rank, fabric.world_size),
+            "local_sgd": None
+            if loop is None
+            else {"config": asdict(loop.config), "choice": None if choice is None else asdict(choice)},
         },
         Path(run.out) / f"rank{rank}.pt",
     )
@@ -295,6 +302,19 @@ def test_local_sgd_with_the_monitor_meets_only_at_syncs_and_ends_averaged(tmp_pa
     assert accumulation["evidence"].startswith("local SGD: ")
     assert "ddpopt/comm/local_drift" in ranks[0]["metrics"]
     assert report["summary"]["stragglers"]["last"] is not None
+
+
+@pytest.mark.quick
+def test_sync_every_auto_and_the_outer_auto_settings_in_a_fabric_loop(tmp_path):
+    # The first window's 16 steps measured, their sync the chosen H's first; AdamW: the adaptive row.
+    ranks = launch(Run(str(tmp_path), local_sgd=LocalSGDConfig.diloco("auto"), steps=20, accumulate=1, callbacks=[]))
+    choice = ranks[0]["local_sgd"]["choice"]
+    assert choice is not None and choice == ranks[1]["local_sgd"]["choice"] and choice["since"] == 16
+    assert choice["sync_every"] == choose_sync_every(choice["sync_s"], choice["compute_s"], choice["exposed_share"])
+    assert choice["exposed_share"] == 1.0  # a blocking sync
+    config = ranks[0]["local_sgd"]["config"]
+    assert (config["outer_lr"], config["outer_momentum"]) == OUTER_DEFAULTS["adaptive"]
+    assert_ranks_identical(ranks)
 
 
 @pytest.mark.quick

@@ -524,6 +524,8 @@ def test_the_strategies_refuse_what_fault_tolerance_cannot_do_and_say_what_to_in
         strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, overlap_steps=4))
     with pytest.raises(ValueError, match="local_sgd replica='node' is not supported with fault_tolerance yet"):
         strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco(8, replica="node"))
+    with pytest.raises(ValueError, match="local_sgd sync_every='auto' is not supported with fault_tolerance yet"):
+        strategy(fault_tolerance=ft, local_sgd=LocalSGDConfig.diloco("auto"))
     with pytest.raises(ValueError, match="FaultTolerance compression='bf16' is for the per-step average across"):
         strategy(
             fault_tolerance=FaultTolerance(lighthouse="h:1", islands=2, island=0, compression="bf16"),

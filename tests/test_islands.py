@@ -15,6 +15,7 @@ import torch
 from lightning_ddpopt import LocalSGDConfig
 from lightning_ddpopt.checkpoint import read_saved_run
 from lightning_ddpopt.hooks.int8_codec import packed_size
+from lightning_ddpopt.localsgd.config import OUTER_DEFAULTS
 from lightning_ddpopt.localsgd.islands import plan_islands
 from lightning_ddpopt.topology import Topology
 from tests.helpers import StackModel
@@ -29,10 +30,12 @@ def _islands(nodes: int, per_node: int) -> list[list[int]]:
 
 
 def _outer_step(anchor: torch.Tensor, before: list[torch.Tensor], momentum: torch.Tensor) -> torch.Tensor:
-    """DiLoCo's outer step on the islands' mean change: Nesterov SGD, lr 0.7, momentum 0.9 (``momentum`` in place)."""
+    """DiLoCo's outer step on the islands' mean change: Nesterov SGD at ``diloco()``'s outer settings for an SGD inner
+    optimizer (``momentum`` in place)."""
+    lr, beta = OUTER_DEFAULTS["other"]
     mean = sum(anchor - p for p in before) / len(before)
-    momentum.mul_(0.9).add_(mean)
-    return anchor - 0.7 * (mean + 0.9 * momentum)
+    momentum.mul_(beta).add_(mean)
+    return anchor - lr * (mean + beta * momentum)
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,10 @@ from lightning_ddpopt import (
     fp16_mixed_precision,
 )
 from lightning_ddpopt.checkpoint import read_saved_run
+from lightning_ddpopt.costmodel import SYNC_EVERY_CHOICES, choose_sync_every
 from lightning_ddpopt.diagnosis import diagnose, summarize
 from lightning_ddpopt.localsgd import LocalSGD
+from lightning_ddpopt.localsgd.config import OUTER_DEFAULTS, PROVISIONAL_SYNC_EVERY
 from lightning_ddpopt.units import format_bytes
 from tests.helpers import (
     ManualStackModel,
@@ -44,6 +46,8 @@ from tests.helpers import (
 )
 
 PARAMETERS = 6 * (256 * 256 + 256)
+#: ``diloco()``'s outer step without a strategy to tell it the inner optimizer: the non-adaptive row.
+OUTER_LR, OUTER_MOMENTUM = OUTER_DEFAULTS["other"]
 
 
 class ParamsPerStep(pl.Callback):
@@ -162,8 +166,8 @@ def test_outer_step_is_nesterov_sgd_on_the_mean_change(gloo_group):
             report = local.after_optimizer_step()
         assert report is not None and report.num_elements == 8 and report.wire_bytes == 32
         delta = anchor - params  # one rank: the mean change is its own
-        momentum = 0.9 * momentum + delta
-        anchor = anchor - 0.7 * (delta + 0.9 * momentum)
+        momentum = OUTER_MOMENTUM * momentum + delta
+        anchor = anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
         torch.testing.assert_close(torch.cat([p.detach().flatten() for p in module.parameters()]), anchor)
     assert local.syncs == 3
 
@@ -349,6 +353,18 @@ def test_manual_optimization_with_accumulation(tmp_path):
         ({"buffers": "sum"}, r"buffers='sum' is not valid"),
         ({"warmup_steps": -1}, r"LocalSGDConfig warmup_steps=-1 must be"),
         ({"outer_momentum": 0.9, "nesterov": "yes"}, r"LocalSGDConfig nesterov='yes' must be True or False"),
+        (
+            {"sync_every": "fast"},
+            r"LocalSGDConfig sync_every='fast' must be an int >= 1 \(optimizer steps between parameter syncs\) or "
+            r"'auto' \(chosen from the first window's step and sync\)",
+        ),
+        ({"sync_every": 4.0}, r"LocalSGDConfig sync_every=4.0 must be an int >= 1 .* or 'auto'"),
+        ({"outer_lr": "fast"}, r"LocalSGDConfig outer_lr='fast' must be a positive, finite number or 'auto'"),
+        ({"outer_momentum": "high"}, r"LocalSGDConfig outer_momentum='high' must be in \[0, 1\) or 'auto'"),
+        (
+            {"sync_every": "auto", "overlap_steps": 16},
+            r"LocalSGDConfig overlap_steps=16 must be below sync_every='auto' \(its first window of 16 steps\)",
+        ),
     ],
 )
 def test_bad_config_is_refused(kwargs, message):
@@ -373,8 +389,13 @@ def test_combinations_that_cannot_apply_are_refused():
 @pytest.mark.quick
 def test_presets():
     assert LocalSGDConfig.diloco(32) == LocalSGDConfig(
-        sync_every=32, outer_lr=0.7, outer_momentum=0.9, nesterov=True, compression="fp16"
+        sync_every=32, outer_lr="auto", outer_momentum="auto", nesterov=True, compression="fp16"
     )
+    lr, momentum = OUTER_DEFAULTS["adaptive"]
+    assert LocalSGDConfig.diloco(32).fit_outer(adaptive=True) == LocalSGDConfig(
+        sync_every=32, outer_lr=lr, outer_momentum=momentum, nesterov=True, compression="fp16"
+    )
+    assert LocalSGDConfig.diloco("auto").sync_every == "auto"
     assert LocalSGDConfig.post_local_sgd(8, warmup_steps=100) == LocalSGDConfig(sync_every=8, warmup_steps=100)
 
 
@@ -551,8 +572,8 @@ def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_lea
         if step in (6, 10):
             started = params[step - 2]
             delta = carried(anchor - started)  # one rank: the mean change is its own
-            momentum = 0.9 * momentum + delta
-            anchor = anchor - 0.7 * (delta + 0.9 * momentum)
+            momentum = OUTER_MOMENTUM * momentum + delta
+            anchor = anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
             torch.testing.assert_close(local.anchor, anchor)
             # Half the rank's own parameters (with what it learned while the change travelled), half the anchor.
             torch.testing.assert_close(_flat(module), 0.5 * params[step] + 0.5 * anchor)
@@ -567,8 +588,8 @@ def test_an_overlapped_sync_is_applied_tau_steps_later_keeping_what_the_rank_lea
     params[13], _ = _local_step(module), local.after_optimizer_step()
     assert local.finish() is not None and local.syncs == 3 and local.averaged_at_end
     delta = carried(anchor - params[12])
-    momentum = 0.9 * momentum + delta
-    anchor = anchor - 0.7 * (delta + 0.9 * momentum)
+    momentum = OUTER_MOMENTUM * momentum + delta
+    anchor = anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
     # Step 12's sync applied (mixed with step 13's parameters), then the average: the rank's own parameters as the
     # final average carries them (for int8, quantised relative to the anchor).
     mixed = 0.5 * params[13] + 0.5 * anchor
@@ -976,3 +997,146 @@ def test_the_schedule_says_where_the_ranks_meet_whatever_the_steps_per_batch(glo
     assert [step for step, meets in enumerate(meets_before, start=1) if meets] == meeting_steps
     batches_meeting = sorted({(step - 1) // steps_per_batch for step in meeting_steps})
     assert [batch for batch, met in enumerate(met_after) if met] == batches_meeting
+
+
+# --- sync_every="auto" and the outer step's "auto" settings -------------------------------------------------------
+
+
+def _chosen(sync_s: float, compute_s: float, overlap_steps: int = 0) -> tuple[int, float]:
+    """The rule's H and exposed share for agreed figures: an overlap of tau steps hides tau steps' compute."""
+    share = max(0.0, sync_s - overlap_steps * compute_s) / sync_s
+    every = choose_sync_every(sync_s, compute_s, share)
+    return (every if every > overlap_steps else min(c for c in SYNC_EVERY_CHOICES if c > overlap_steps)), share
+
+
+def _steps(loop: LocalSGD, module: nn.Module, calls: int) -> list[int]:
+    """``calls`` local steps of ``loop``; the step counts at which a sync was taken or applied."""
+    synced = []
+    for _ in range(calls):
+        loop.before_batch()
+        _local_step(module)
+        if loop.after_optimizer_step() is not None:
+            synced.append(loop.steps)
+    return synced
+
+
+@pytest.mark.quick
+def test_sync_every_auto_trains_a_provisional_window_then_the_agreed_h_and_a_resume_keeps_it(gloo_group):
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    config = LocalSGDConfig.diloco("auto", warmup_steps=2, compression="fp32")
+    loop = LocalSGD(config, module)
+    # The warm-up, then a provisional window: its sync (after step 18) is the one measured.
+    assert _steps(loop, module, 18) == [2 + PROVISIONAL_SYNC_EVERY] and loop.choosing
+    assert loop.sync_every == PROVISIONAL_SYNC_EVERY
+    assert loop.agree_sync_every(0.0, 0.01) is None and loop.choosing  # nothing measured: the next sync is
+    choice = loop.agree_sync_every(0.02, 0.001)
+    every, share = _chosen(0.02, 0.001)
+    assert choice is not None and choice == loop.sync_every_choice and not loop.choosing
+    assert (choice.sync_every, choice.exposed_share, choice.since) == (every, share, 18) and loop.sync_every == every
+    assert "chose H = " in choice.describe(0) and "it took 20 ms" in choice.describe(0)
+    assert _steps(loop, module, 2 * every) == [18 + every, 18 + 2 * every]
+    # A resume keeps the choice and its schedule, bit for bit (the checkpoint's entry).
+    _steps(loop, module, 1)
+    resumed = LocalSGD(config, nn.Linear(3, 2))
+    assert resumed.load_state_dict(loop.state_dict()) is None
+    assert resumed.sync_every_choice == choice and resumed.local_steps_since_sync == 1
+    other = nn.Linear(3, 2)
+    for _ in range(every):
+        assert resumed.next_step_meets == loop.next_step_meets
+        assert _steps(resumed, other, 1) == _steps(loop, module, 1)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("sync_s", [0.05, 2.0], ids=["hidden", "exposed"])
+def test_sync_every_auto_with_overlap_counts_what_tau_steps_hide_and_stays_above_tau(gloo_group, sync_s):
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    loop = LocalSGD(LocalSGDConfig.diloco("auto", overlap_steps=8, compression="fp32"), module)
+    # Started after step 16, applied 8 steps later: chosen there, the windows counted from its start.
+    assert _steps(loop, module, 24) == [24] and loop.choosing
+    choice = loop.agree_sync_every(sync_s, 0.01)
+    every, share = _chosen(sync_s, 0.01, overlap_steps=8)
+    assert choice is not None and (choice.sync_every, choice.exposed_share, choice.since) == (every, share, 16)
+    assert every > 8 and (share == 0.0) == (sync_s < 8 * 0.01)
+    assert _steps(loop, module, every) == [16 + every + 8]  # the next sync started at 16 + H, applied 8 later
+
+
+@pytest.mark.quick
+def test_the_outer_auto_settings_follow_the_inner_optimizer_and_a_checkpoint_keeps_them(gloo_group, monkeypatch):
+    # Rows of their own here, whatever the table holds.
+    monkeypatch.setitem(OUTER_DEFAULTS, "adaptive", (0.5, 0.8))
+    monkeypatch.setitem(OUTER_DEFAULTS, "other", (0.9, 0.0))
+    module = nn.Linear(3, 2)
+    adamw, sgd = torch.optim.AdamW(module.parameters()), torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+
+    def outer(loop: LocalSGD) -> tuple[object, object, bool]:
+        return loop.config.outer_lr, loop.config.outer_momentum, loop.config.nesterov
+
+    loop = LocalSGD(LocalSGDConfig.diloco(4), module)
+    assert loop.fit_outer_to([sgd]) and outer(loop) == (0.9, 0.0, False)  # no momentum, so no Nesterov
+    assert loop.fit_outer_to([sgd, adamw]) and outer(loop) == (0.5, 0.8, True)  # any adaptive one
+    partly = LocalSGD(LocalSGDConfig.diloco(4, outer_lr=0.3), module)
+    assert partly.fit_outer_to([adamw]) and outer(partly) == (0.3, 0.8, True)
+    plain = LocalSGD(LocalSGDConfig(outer_lr=0.5), module)  # numbers stay numbers
+    assert not plain.fit_outer_to([adamw]) and plain.config == LocalSGDConfig(outer_lr=0.5)
+    # The checkpoint holds the resolved values; a run resumed with "auto" keeps them, whatever its optimizer.
+    loop.before_batch()
+    saved = loop.state_dict()
+    assert (saved["config"]["outer_lr"], saved["config"]["outer_momentum"]) == (0.5, 0.8)
+    resumed = LocalSGD(LocalSGDConfig.diloco(4), nn.Linear(3, 2))
+    assert resumed.load_state_dict(saved) is None and resumed.fit_outer_to([sgd])
+    assert outer(resumed) == (0.5, 0.8, True) and resumed.outer_from_checkpoint and resumed.momentum is not None
+    # So does one of an earlier release, whose diloco() saved DiLoCo's numbers.
+    earlier = {**saved, "config": {**saved["config"], "outer_lr": 0.7, "outer_momentum": 0.9}}
+    resumed = LocalSGD(LocalSGDConfig.diloco(4), nn.Linear(3, 2))
+    assert resumed.load_state_dict(earlier) is None and outer(resumed) == (0.7, 0.9, True)
+    # Numbers given now and saved otherwise are a changed config, as before.
+    assert "outer_lr 0.5 -> 0.7" in LocalSGD(LocalSGDConfig.diloco(4, outer_lr=0.7), module).load_state_dict(saved)
+
+
+def test_sync_every_auto_in_a_lightning_run_one_h_on_every_rank_and_a_resume_goes_on_bit_for_bit(tmp_path):
+    # 16 steps an epoch: the first epoch's checkpoint lies on the measured sync, after the choice. Adam: the ranks'
+    # own inner states and the adaptive row of the outer settings.
+    config = LocalSGDConfig.diloco("auto")
+    run = {"samples": 256, "max_epochs": 2}
+    full = _fit(tmp_path / "full", config, model=StackModel(optimizer="adam"), save_epochs_to=tmp_path, **run)
+    choices = [rank["local"]["sync_every_choice"] for rank in full]
+    assert choices[0] is not None and choices[0] == choices[1]
+    choice = choices[0]
+    every, share = _chosen(choice["sync_s"], choice["compute_s"])
+    assert (choice["sync_every"], choice["exposed_share"], choice["since"]) == (every, share, 16)
+    assert full[0]["local"]["config"]["outer_lr"] == OUTER_DEFAULTS["adaptive"][0]
+    # The ranks hold one model after each sync: the measured one and those at the chosen H.
+    for step in range(16, 33, every):
+        assert torch.equal(full[0]["params"][step - 1], full[1]["params"][step - 1]), step
+    saved = read_saved_run(tmp_path / "epoch=0.ckpt")
+    assert saved is not None and saved.local_sgd is not None and saved.local_sgd["sync_every_choice"] == choice
+    resumed = _fit(
+        tmp_path / "resumed",
+        config,
+        model=StackModel(optimizer="adam"),
+        ckpt_path=str(tmp_path / "epoch=0.ckpt"),
+        **run,
+    )
+    for uninterrupted, again in zip(full, resumed, strict=True):
+        assert again["local"]["sync_every_choice"] == choice
+        for mine, theirs in zip(again["params"], uninterrupted["params"][16:], strict=True):
+            assert torch.equal(mine, theirs)
+        assert torch.equal(again["final"], uninterrupted["final"])
+
+
+def test_sync_every_auto_after_a_warm_up_with_an_overlapped_sync(tmp_path):
+    # Warm-up 2, then the provisional window: its sync starts after step 18 and is applied after step 20, where the
+    # ranks choose; 12 steps an epoch, 24 in all.
+    config = LocalSGDConfig.diloco("auto", warmup_steps=2, overlap_steps=2)
+    ranks = _fit(tmp_path, config, samples=192, max_epochs=2)
+    choice = ranks[0]["local"]["sync_every_choice"]
+    assert choice is not None and choice == ranks[1]["local"]["sync_every_choice"]
+    every, share = _chosen(choice["sync_s"], choice["compute_s"], overlap_steps=2)
+    assert (choice["sync_every"], choice["exposed_share"], choice["since"]) == (every, share, 18)
+    # The anchor the applied sync moved to is the same on both ranks (their parameters mix it with their own).
+    anchors = [rank["anchors"][19] for rank in ranks]
+    assert anchors[0] is not None and torch.equal(anchors[0], anchors[1])
+    assert not torch.equal(anchors[0], ranks[0]["anchors"][18])
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])

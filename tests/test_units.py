@@ -59,10 +59,10 @@ def test_layout_line_writes_bytes_in_mb_and_the_cap_in_mib():
 
 def test_plan_table_scales_each_row(capsys):
     assert ddpopt(["plan", "--params", "1M", "--world-size", "2", "--gbps", "1"]) == 0
-    rows = {line.split()[0]: line.split()[1:5] for line in capsys.readouterr().out.splitlines()[2:6]}
+    rows = {line[:13].strip(): line[13:].split()[:4] for line in capsys.readouterr().out.splitlines()[2:7]}
     # Payload and sent/rank/step (the same at 2 ranks): 4 MB of fp32 gradients; PowerSGD's rank-4 factors of
     # 4096-wide matrices are 7.81 kB, not "0.0 MB".
     assert rows["allreduce"] == ["4", "MB", "4", "MB"] and rows["fp16"] == ["2", "MB", "2", "MB"]
-    assert rows["powersgd"] == ["7.81", "kB", "7.81", "kB"]
+    assert rows["powersgd r4"] == ["7.81", "kB", "7.81", "kB"] and rows["powersgd r64"] == ["125", "kB", "125", "kB"]
     assert ddpopt(["plan", "--params", "1M", "--world-size", "2", "--gbps", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["payload_bytes"] == 4e6  # JSON stays in bytes
+    assert json.loads(capsys.readouterr().out)["estimates"][0]["payload_bytes"] == 4e6  # JSON stays in bytes

@@ -264,15 +264,15 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         model = self._wrap(module)
         self._install_hook(model)
         if self.optimizers:
-            self._core.hooks.fit_to_optimizers(self.optimizers)
+            self._core.fit_to_optimizers(self.optimizers)
         return model
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
-        if self.model is not None:  # PowerSGD's max_error="auto" bound follows the optimizers
-            self._core.hooks.fit_to_optimizers(self.optimizers)
+        if self.model is not None:  # PowerSGD's max_error="auto" and local SGD's outer "auto" follow the optimizers
+            self._core.fit_to_optimizers(self.optimizers)
         return super().setup_optimizer(optimizer)
 
     @override

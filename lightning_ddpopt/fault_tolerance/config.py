@@ -220,6 +220,11 @@ def check_fault_tolerance(config: object, local_sgd: LocalSGDConfig | None) -> N
                     f"local_sgd {name}={value!r} is not supported with fault_tolerance yet (use {allowed!r}): each "
                     "fault-tolerant island is one job, and the islands sync every sync_every steps, blocking"
                 )
+        if local_sgd.sync_every == "auto":
+            raise ValueError(
+                "local_sgd sync_every='auto' is not supported with fault_tolerance yet (give a number of steps): the "
+                "islands join and leave the quorum, and a returning island could not agree with the others on H"
+            )
         if local_sgd.compression == "int8":
             raise ValueError(
                 "local_sgd compression='int8' is not supported with fault_tolerance: torchft's fault-tolerant "

@@ -84,7 +84,7 @@ class FaultTolerantSteps:
             load_state_dict: loads a peer's state into this island when it heals.
             broadcast: sends an object from the island's first rank to its others (the strategy's ``broadcast``).
         """
-        sync_every = self._local_sgd.config.sync_every if self._local_sgd is not None else 1
+        sync_every = self._local_sgd.config.first_sync_every if self._local_sgd is not None else 1
 
         def join() -> Replica:
             return Replica(

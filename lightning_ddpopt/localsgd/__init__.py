@@ -13,6 +13,10 @@ The schedule counts optimizer step *calls*, the same on every rank: under fp16 A
 an inner step (in the local phase each rank's scaler sees only its own gradients) still counts it, so every rank
 reaches each sync together; skipped inner steps are counted per sync window.
 
+``sync_every="auto"`` trains the first window after the warm-up with a provisional H, measures its steps and its
+sync, and every rank takes the same H from the ranks' figures after that sync; ``diloco()``'s outer learning
+rate and momentum follow the inner optimizer (``"auto"``). See :class:`LocalSGDConfig`.
+
 Inner optimizer state (momentum, Adam moments) stays local to each rank, as in DiLoCo; the strategy saves every
 rank's in the checkpoint, with the anchor and the outer momentum, so a resume at a sync boundary continues
 exactly. A resume between syncs continues from rank 0's parameters on every rank (the checkpoint holds one copy
@@ -21,6 +25,6 @@ of the weights): the ranks' local progress since the last sync is replaced by ra
 
 from lightning_ddpopt.localsgd.config import LocalSGDConfig
 from lightning_ddpopt.localsgd.driver import LocalSGDDriver
-from lightning_ddpopt.localsgd.outer import LocalSGD, ParameterSync
+from lightning_ddpopt.localsgd.outer import LocalSGD, ParameterSync, SyncEveryChoice
 
-__all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDDriver", "ParameterSync"]
+__all__ = ["LocalSGD", "LocalSGDConfig", "LocalSGDDriver", "ParameterSync", "SyncEveryChoice"]

@@ -7,11 +7,18 @@ ranks meet (read through :mod:`lightning_ddpopt.meetings`), so that the measurin
 collectives until then. It also counts the steps a GradScaler skipped, records each sync in the ledger, averages the
 ranks at the end of fit, and carries each rank's inner optimizer state in checkpoints.
 
+It measures what ``sync_every="auto"`` chooses from, in the ledger: this rank's median step time over the local
+steps of the first window after the warm-up (the ledger's records of them), and the first sync's seconds on the
+ledger's timeline (a blocking sync's own; an overlapped one's from its start to its application). The loop agrees on
+them with the other ranks and chooses (:meth:`~lightning_ddpopt.localsgd.outer.LocalSGD.agree_sync_every`); rank 0
+says the choice. ``outer_lr`` and ``outer_momentum`` ``"auto"`` are resolved here for the strategy's optimizers.
+
 The terms used here (round, verdict, meeting, in flight, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
 
+import statistics
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +36,9 @@ from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.localsgd.config import LocalSGDConfig
 from lightning_ddpopt.localsgd.islands import IslandGroups, Islands, plan_islands
-from lightning_ddpopt.localsgd.outer import LocalSGD
+from lightning_ddpopt.localsgd.outer import LocalSGD, ParameterSync
 from lightning_ddpopt.localsgd.sigterm import SigtermAtSyncs
+from lightning_ddpopt.timing import Mark
 from lightning_ddpopt.topology import Topology
 
 __all__ = ["LocalSGDDriver"]
@@ -53,6 +61,12 @@ class LocalSGDDriver:
         self._sigterm: SigtermAtSyncs | None = None
         #: Fault-tolerant islands: the job is one island, whatever ``replica`` says (the islands are jobs).
         self.one_island = False
+        # sync_every="auto": the ledger's closed steps when the measured window began, and an overlapped measured
+        # sync's start mark with the window's step time.
+        self._window_opened: int | None = None
+        self._started: tuple[Mark, float] | None = None
+        # The outer step's "auto" settings last said on rank 0.
+        self._said_outer: tuple[object, ...] | None = None
 
     def setup(self, trainer: pl.Trainer, world_size: int, device: torch.device) -> None:
         """Average the ranks first thing at the end of fit; check for SIGTERM once a window, not every batch."""
@@ -107,6 +121,7 @@ class LocalSGDDriver:
 
     def start(self, model: DistributedDataParallel, own_group: Callable[[], dist.ProcessGroup]) -> None:
         """Build the outer loop over ``model``'s parameters once DDP has wrapped them."""
+        self._window_opened = self._started = self._said_outer = None  # an earlier fit's, on its own ledger
         if self.groups is not None:  # the replicas' exchange and the island's gather: groups of their own
             assert self.islands is not None
             if model.find_unused_parameters or getattr(model, "static_graph", False):
@@ -158,13 +173,23 @@ class LocalSGDDriver:
         inside = self.groups is not None or (self.one_island and self.islands is not None and self.islands.size > 1)
         set_ddp_sync(model, gradients=sync or inside, buffers=None if sync else False)
 
-    def after_optimizer_step(self, skipped: bool, ledger: CommLedger | None) -> None:
-        """Count the optimizer step (``skipped``: the GradScaler skipped it) and record its sync in the ledger."""
-        assert self.loop is not None
+    def after_optimizer_step(self, skipped: bool, ledger: CommLedger | None, say: Callable[[str], None]) -> None:
+        """Count the optimizer step (``skipped``: the GradScaler skipped it) and record its sync in the ledger.
+
+        With ``sync_every="auto"``, until the ranks have chosen H: measure the window and its sync, and choose after
+        it (``say`` tells the choice on rank 0).
+        """
+        loop = self.loop
+        assert loop is not None
         start = ledger.timeline.mark() if ledger is not None else None
-        sync = self.loop.after_optimizer_step(skipped)
+        # A local step of a window whose sync chooses H (the same on every rank).
+        measured = loop.choosing and loop.local and loop.anchor is not None
+        if measured and self._window_opened is None and ledger is not None:
+            self._window_opened = ledger.closed_steps  # this step closes as the next one
+        sync = loop.after_optimizer_step(skipped)
+        end = None
         if sync is not None and ledger is not None and start is not None:
-            ledger.add_parameter_sync(
+            end = ledger.add_parameter_sync(
                 sync.num_elements,
                 sync.logical_bytes,
                 sync.wire_bytes,
@@ -172,6 +197,73 @@ class LocalSGDDriver:
                 transfer_hidden=sync.overlapped,
                 drift=sync.drift,
             )
+        if measured:
+            self._measure(sync, start, end, ledger, say)
+
+    def _measure(
+        self,
+        sync: ParameterSync | None,
+        start: Mark | None,
+        end: Mark | None,
+        ledger: CommLedger | None,
+        say: Callable[[str], None],
+    ) -> None:
+        """``sync_every="auto"``: note an overlapped sync's start; after a sync (or its application) choose H.
+
+        ``start`` and ``end``: the step's marks before and after its sync. Waiting for them is a host sync on a GPU,
+        once per run. A sync whose start this rank did not see (a resume meanwhile) is not measured.
+        """
+        loop = self.loop
+        assert loop is not None
+        if sync is None:
+            if loop.sync_started and ledger is not None:
+                self._started = (start, self._step_seconds(ledger))
+            return
+        sync_s = compute_s = 0.0
+        if ledger is not None and end is not None:
+            if not sync.overlapped:
+                sync_s = ledger.timeline.wait(end) - ledger.timeline.wait(start)
+                compute_s = self._step_seconds(ledger)
+            elif self._started is not None:
+                began, compute_s = self._started
+                sync_s = ledger.timeline.wait(end) - ledger.timeline.wait(began)
+        self._window_opened = self._started = None  # measured afresh if the ranks cannot choose yet
+        choice = loop.agree_sync_every(sync_s, compute_s)
+        if choice is not None:
+            say(choice.describe(loop.config.overlap_steps))
+
+    def _step_seconds(self, ledger: CommLedger) -> float:
+        """The median seconds of this rank's steps closed since the measured window began (0: none resolved yet)."""
+        opened = self._window_opened
+        times = [
+            record.step_time_s
+            for record in ledger.steps
+            if opened is not None and record.step > opened and record.step_time_s is not None
+        ]
+        return statistics.median(times) if times else 0.0
+
+    def fit_to_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Resolve the outer step's ``"auto"`` settings for the inner optimizers (said on rank 0 when they change)."""
+        loop = self.loop
+        if loop is None or not loop.fit_outer_to(optimizers):
+            return
+        names = ", ".join(type(optimizer).__name__ for optimizer in optimizers) or "no optimizer"
+        self._say_outer("as the checkpoint saved them" if loop.outer_from_checkpoint else f"for {names}")
+
+    def _say_outer(self, source: str) -> None:
+        assert self.loop is not None
+        config = self.loop.config
+        values = (config.outer_lr, config.outer_momentum, config.nesterov)
+        if values == self._said_outer:
+            return
+        self._said_outer = values
+        asked = (("outer_lr", self.config.outer_lr), ("outer_momentum", self.config.outer_momentum))
+        auto = " and ".join(f"{name}='auto'" for name, value in asked if value == "auto")
+        nesterov = ", Nesterov" if config.nesterov else ""
+        rank_zero_info(
+            f"ddpopt: local SGD's outer step {source}: learning rate {config.outer_lr:g}, momentum "
+            f"{config.outer_momentum:g}{nesterov} ({auto})"
+        )
 
     def finish(self, say: Callable[[str], None]) -> None:
         """Ranks that trained alone since the last sync end with their average: one model on every rank.
@@ -196,6 +288,8 @@ class LocalSGDDriver:
         problem = self.loop.load_state_dict(saved)
         if problem is not None:
             rank_zero_warn(f"ddpopt: {problem}")
+        elif self.loop.outer_from_checkpoint:
+            self._say_outer("as the checkpoint saved them")
 
     def rank_state(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
         """This rank's inner optimizer states, on the CPU: local, as in DiLoCo (each replica's saved).

@@ -7,6 +7,7 @@ glossary.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -15,14 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt.costmodel import SYNC_EVERY_CHOICES, SYNC_SHARE, choose_sync_every
 from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import config_mismatch, squared_norm
+from lightning_ddpopt.hooks.powersgd_rank import is_adaptive
 from lightning_ddpopt.hooks.streams import SideStreams
-from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
+from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig, _is_number
 from lightning_ddpopt.localsgd.int8_mean import Int8Mean
 from lightning_ddpopt.localsgd.shard import Shard
 
-__all__ = ["InFlight", "LocalSGD", "ParameterSync"]
+__all__ = ["InFlight", "LocalSGD", "ParameterSync", "SyncEveryChoice"]
 
 #: A fault-tolerant replica's ``sync_mean``: a change (fp32) averaged over the quorum in place, sent in the wire
 #: buffer given (``None``: as it is); whether the sync commits.
@@ -45,6 +48,50 @@ class ParameterSync:
     end_s: float
     overlapped: bool = False
     drift: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class SyncEveryChoice:
+    """What ``sync_every="auto"`` chose, and from what: the same on every rank, saved in checkpoints.
+
+    Attributes:
+        sync_every: H from then on: :func:`~lightning_ddpopt.costmodel.choose_sync_every` of the three figures
+            below, raised to the smallest of its choices above ``overlap_steps`` if it was not.
+        sync_s: the measured sync's seconds, the least over the ranks (the others also waited for the last to
+            arrive): a blocking sync's own; an overlapped one's from its start to its application ``overlap_steps``
+            steps later.
+        compute_s: the slowest rank's median seconds per local optimizer step in the window before that sync.
+        exposed_share: the share of ``sync_s`` the ranks wait for: 1 for a blocking sync; for an overlapped one,
+            what is left of it beyond the ``overlap_steps`` steps of compute it runs beside (0 if they hide it).
+        since: the optimizer step count at that sync's start, from which the windows of H steps count.
+    """
+
+    sync_every: int
+    sync_s: float
+    compute_s: float
+    exposed_share: float
+    since: int
+
+    def describe(self, overlap_steps: int) -> str:
+        """The choice in words, for the log (``overlap_steps``: the config's)."""
+        exposed_s = self.sync_s * self.exposed_share
+        took = f"it took {_ms(self.sync_s)} (the least over the ranks)"
+        if overlap_steps:
+            later = f"{overlap_steps} steps later"
+            took += f" from its start to its application {later}, {_ms(exposed_s)} beyond their compute"
+        above = f" above overlap_steps={overlap_steps}" if overlap_steps else ""
+        share = exposed_s / (self.sync_every * self.compute_s)
+        return (
+            f"ddpopt: local SGD's sync_every='auto' chose H = {self.sync_every} at the sync after step {self.since}: "
+            f"{took}, and a local optimizer step {_ms(self.compute_s)} (the slowest rank's); at H = "
+            f"{self.sync_every} the sync adds {share:.1%} to a window's compute (the rule: the smallest H of "
+            f"{', '.join(map(str, SYNC_EVERY_CHOICES))}{above} at which it adds at most {SYNC_SHARE:.0%}, else the "
+            "largest)"
+        )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
 @dataclass
@@ -107,6 +154,13 @@ class LocalSGD:
     island also the outer step and the island's gather of the next anchor, into a second momentum buffer (1/M of the
     model) and the gather's buffers, so that the step that applies it only commits them and mixes the parameters.
     Until then the anchor, the momentum and the mean stay as they were (a checkpoint saved meanwhile holds them).
+
+    ``sync_every="auto"``: the windows are :data:`~lightning_ddpopt.localsgd.config.PROVISIONAL_SYNC_EVERY` steps long
+    until the driver, right after a sync (overlapped: its application), hands this rank's measurements to
+    :meth:`agree_sync_every`, which agrees on them with every rank and sets :attr:`sync_every` from that sync on
+    (:attr:`sync_every_choice`). ``outer_lr`` or ``outer_momentum`` ``"auto"`` are resolved for no adaptive optimizer
+    at construction, and again by :meth:`fit_outer_to` once the strategy knows the inner optimizers; :attr:`config`
+    holds the values in use.
     """
 
     def __init__(
@@ -117,7 +171,14 @@ class LocalSGD:
         island: dist.ProcessGroup | None = None,
         place: int | None = None,
     ) -> None:
-        self.config = config
+        #: The config in use: the one given, with ``outer_lr`` and ``outer_momentum`` ``"auto"`` resolved.
+        self.config = config.fit_outer(adaptive=False)
+        self._asked = config
+        #: Whether the outer settings ``"auto"`` resolved to came from a checkpoint (then the optimizers do not change
+        #: them).
+        self.outer_from_checkpoint = False
+        #: What ``sync_every="auto"`` chose (``None``: a number was given, or the ranks have not chosen yet).
+        self.sync_every_choice: SyncEveryChoice | None = None
         self.module = module
         self.process_group = process_group
         self.island = island
@@ -189,12 +250,29 @@ class LocalSGD:
         return self.steps >= self.config.warmup_steps
 
     @property
+    def sync_every(self) -> int:
+        """H in use: ``config.sync_every``; with ``"auto"`` the chosen one, until then the provisional one."""
+        if self.sync_every_choice is not None:
+            return self.sync_every_choice.sync_every
+        return self.config.first_sync_every
+
+    @property
+    def choosing(self) -> bool:
+        """Whether ``sync_every="auto"`` has not chosen H yet: the next sync is measured (the same on every rank)."""
+        return self.config.sync_every == "auto" and self.sync_every_choice is None
+
+    def _into_window(self, steps: int) -> int:
+        """Optimizer step calls into the current sync window after ``steps`` of them (0: a sync is due at it)."""
+        since = self.config.warmup_steps if self.sync_every_choice is None else self.sync_every_choice.since
+        return (steps - since) % self.sync_every
+
+    @property
     def window_starts(self) -> bool:
         """Whether the next batch is in the warm-up or in a sync window's first optimizer step (every rank alike).
 
         With gradient accumulation: each micro-batch of that step.
         """
-        return not self.local or (self.steps - self.config.warmup_steps) % self.config.sync_every == 0
+        return not self.local or self._into_window(self.steps) == 0
 
     @property
     def next_step_meets(self) -> bool:
@@ -203,7 +281,7 @@ class LocalSGD:
         It does when it syncs gradients (the warm-up) or takes part in a parameter sync: the sync itself, or the start
         of an overlapped one while the ranks train on (applying it later waits for the slower rank's start anyway).
         """
-        return not self.local or (self.steps + 1 - self.config.warmup_steps) % self.config.sync_every == 0
+        return not self.local or self._into_window(self.steps + 1) == 0
 
     @property
     def meets_in_passing(self) -> bool:
@@ -245,19 +323,24 @@ class LocalSGD:
         self._work_buffer()
         if self._int8 is None and not self._in_place:
             self._wire_buffer()
-        if self.config.outer_momentum and self.momentum is None:
-            # The same first outer step as no momentum yet: 0.9 x 0 + change is the change, bit for bit.
-            self.momentum = torch.zeros_like(self.anchor)
+        self._allocate_momentum()
         if self.island is not None:
             self.layout.buffers(self.anchor.device)
         if self._int8 is not None:
             assert self._work is not None
             self._int8.prepare(self._work)
-        if self.config.overlap_steps and self.island is not None and self.momentum is not None:
-            self._next_momentum = torch.zeros_like(self.momentum)
         ahead = self._int8 is not None or self.island is not None
         if self.config.overlap_steps and ahead and self._worker is None and self.anchor.device.type == "cpu":
             self._worker = Worker("ddpopt-local-sgd")
+
+    def _allocate_momentum(self) -> None:
+        """The outer momentum, if the config has one (and with an overlapped island's sync the next one's buffer)."""
+        assert self.anchor is not None
+        if self.config.outer_momentum and self.momentum is None:
+            # The same first outer step as no momentum yet: 0.9 x 0 + change is the change, bit for bit.
+            self.momentum = torch.zeros_like(self.anchor)
+        if self.config.overlap_steps and self.island is not None and self.momentum is not None:
+            self._next_momentum = torch.zeros_like(self.momentum)
 
     def after_optimizer_step(self, skipped: bool = False) -> ParameterSync | None:
         """Count one optimizer step call (``skipped``: the GradScaler skipped it); sync if one is due."""
@@ -272,13 +355,77 @@ class LocalSGD:
         if self.sync_next:  # a sync asked for out of schedule (a fault-tolerant island joining)
             self.sync_next, self.met_in_batch = False, True
             return self.sync()
-        if (self.steps - self.config.warmup_steps) % self.config.sync_every:
+        if self._into_window(self.steps):
             return None
         self.met_in_batch = True
         if self.config.overlap_steps:
             self._start_sync()
             return None
         return self.sync()
+
+    @property
+    def sync_started(self) -> bool:
+        """Whether the last optimizer step call started an overlapped sync (applied ``overlap_steps`` calls later)."""
+        in_flight = self._in_flight
+        return in_flight is not None and in_flight.apply_at - self.config.overlap_steps == self.steps
+
+    def agree_sync_every(self, sync_s: float, compute_s: float) -> SyncEveryChoice | None:
+        """``sync_every="auto"``: agree on the ranks' measurements of a sync and choose H from that sync on.
+
+        Every rank calls it right after the same sync (an overlapped one: at its application, before the next
+        starts) while :attr:`choosing`. The ranks agree, in one all-reduce of two numbers on the groups the sync used,
+        on the slowest rank's step time (it paces every window) and the least sync time over the ranks: a rank that
+        reached the sync earlier also waited there for the others, which the slowest rank's steps already count. The
+        sync's exposed share is what is left of it beyond the ``overlap_steps`` steps of compute it runs beside.
+        Returns the choice, also :attr:`sync_every_choice`; or ``None`` when a rank did not see the sync start or no
+        rank measured a step (a resume just before, or with, that sync): the next sync is measured instead.
+
+        Args:
+            sync_s: this rank's seconds of the sync (see :class:`SyncEveryChoice`); 0 when not measured.
+            compute_s: this rank's seconds per local optimizer step in the window before it; 0 when not measured.
+        """
+        assert self.choosing, "sync_every is a number, or H was chosen already"
+        # The least sync time is the most of the step time, negated: both in one all-reduce (max).
+        measured = torch.tensor([-sync_s, compute_s], dtype=torch.float64, device=self.params[0].device)
+        for group in [self.process_group] if self.island is None else [self.island, self.process_group]:
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+        least_sync_s, compute_s = measured.tolist()
+        sync_s = -least_sync_s
+        if not (sync_s > 0 and compute_s > 0):
+            return None
+        overlap = self.config.overlap_steps
+        exposed_share = max(0.0, sync_s - overlap * compute_s) / sync_s
+        every = choose_sync_every(sync_s, compute_s, exposed_share)
+        if every <= overlap:  # a sync is applied before the next one starts
+            every = min(choice for choice in SYNC_EVERY_CHOICES if choice > overlap)
+        self.sync_every_choice = SyncEveryChoice(every, sync_s, compute_s, exposed_share, self.steps - overlap)
+        return self.sync_every_choice
+
+    def fit_outer_to(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        """Resolve ``outer_lr`` and ``outer_momentum`` ``"auto"`` for the inner optimizers; whether either was.
+
+        :data:`~lightning_ddpopt.localsgd.config.OUTER_DEFAULTS`' adaptive row if any optimizer is adaptive, else its
+        other. A checkpoint's values, once loaded, stay: a resumed run keeps the outer step it saved.
+
+        Args:
+            optimizers: the run's inner optimizers.
+        """
+        if not self._asked.outer_auto:
+            return False
+        if not self.outer_from_checkpoint:
+            self._set_outer(self._asked.fit_outer(any(map(is_adaptive, optimizers))))
+        return True
+
+    def _set_outer(self, config: LocalSGDConfig) -> None:
+        """Use ``config`` (the outer settings resolved otherwise), its momentum buffers allocated if training began."""
+        assert not config.outer_auto
+        self.config = config
+        if self.anchor is None:
+            return
+        if not config.outer_momentum:
+            self.momentum = self._next_momentum = None
+        else:
+            self._allocate_momentum()
 
     def sync(self) -> ParameterSync:
         """Average the parameter change over the replicas, take the outer step, and load the new anchor."""
@@ -456,7 +603,7 @@ class LocalSGD:
         # mixing 0 are they the anchor itself.
         started = in_flight.apply_at - self.config.overlap_steps
         mixing = self.config.overlap_mixing
-        self._steps_off_anchor = self.config.sync_every + self.steps - started if mixing else 0
+        self._steps_off_anchor = self.sync_every + self.steps - started if mixing else 0
         return ParameterSync(
             num_elements=self.anchor.numel(),
             logical_bytes=self.anchor.numel() * 4 + buffer_bytes,
@@ -494,14 +641,16 @@ class LocalSGD:
         assert anchor is not None
         anchor_out, momentum_out = into if into is not None else (anchor, self.momentum)
         if outer_step:
-            lr = config.outer_lr
-            if config.outer_momentum:
+            outer_lr, momentum = config.outer_lr, config.outer_momentum
+            assert outer_lr != "auto" and momentum != "auto"  # resolved at construction
+            lr = outer_lr
+            if momentum:
                 assert self.momentum is not None and momentum_out is not None  # allocated with the anchor
-                torch.add(mean_delta, self.momentum, alpha=config.outer_momentum, out=momentum_out)
+                torch.add(mean_delta, self.momentum, alpha=momentum, out=momentum_out)
                 step = momentum_out
                 if config.nesterov:
                     out = anchor_out if into is not None else mean_delta
-                    step = torch.add(mean_delta, momentum_out, alpha=config.outer_momentum, out=out)
+                    step = torch.add(mean_delta, momentum_out, alpha=momentum, out=out)
         torch.sub(anchor, step, alpha=lr, out=anchor_out)
 
     def _wire_buffer(self) -> torch.Tensor:
@@ -617,10 +766,12 @@ class LocalSGD:
             values["anchor"] = self.anchor
         if self.momentum is not None:
             values["momentum"] = self.momentum
+        choice = self.sync_every_choice
         state = {
             "config": asdict(self.config),
             "steps": self.steps,
             "syncs": self.syncs,
+            "sync_every_choice": None if choice is None else asdict(choice),
             "anchor": None,
             "momentum": None,
             "in_flight": saved_in_flight,
@@ -647,13 +798,20 @@ class LocalSGD:
 
         The saved state covers the whole model: each rank takes its shard, whatever the layout it was saved on.
         """
-        reason = config_mismatch("local SGD", state, _saved_config(self.config))
+        expected = _saved_config(self._asked, state.get("config"))
+        reason = config_mismatch("local SGD", state, expected)
         if reason is not None:
             return f"{reason}; the outer loop starts afresh from the weights"
         anchor, momentum = state["anchor"], state["momentum"]
         if anchor is not None and anchor.numel() != self.layout.numel:
             numel = self.layout.numel
             return f"the saved anchor has {anchor.numel()} values and the model {numel}; the outer loop starts afresh"
+        if self._asked.outer_auto:  # what "auto" resolved to when saved
+            outer = {name: expected[name] for name in ("outer_lr", "outer_momentum", "nesterov")}
+            self._set_outer(dataclasses.replace(self._asked, **outer))
+            self.outer_from_checkpoint = True
+        choice = state.get("sync_every_choice")
+        self.sync_every_choice = None if choice is None else SyncEveryChoice(**choice)
         device = self.params[0].device
         start, stop = self.layout.bounds
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
@@ -667,9 +825,8 @@ class LocalSGD:
             wire = saved["mean"][start:stop].to(device).clone()
             self._in_flight = InFlight(wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
         # Every rank resumes from the saved weights (rank 0's): off the anchor by rank 0's steps since the sync.
-        window = self.config.sync_every
-        since = (self.steps - self.config.warmup_steps) % window if self.local and self.anchor is not None else 0
-        self._steps_off_anchor = since + (window if self._in_flight is not None else 0)
+        since = self._into_window(self.steps) if self.local and self.anchor is not None else 0
+        self._steps_off_anchor = since + (self.sync_every if self._in_flight is not None else 0)
         return None
 
     def heal_state(self) -> dict[str, Any]:
@@ -693,8 +850,20 @@ class LocalSGD:
                 mine.copy_(theirs)
 
 
-def _saved_config(config: LocalSGDConfig) -> dict[str, Any]:
-    """The config fields a saved outer loop must match: the replica layout may change (the state is the model's)."""
-    fields = asdict(config)
+def _saved_config(asked: LocalSGDConfig, saved: object) -> dict[str, Any]:
+    """The config fields a saved outer loop must match, for the config ``asked`` and the ``saved`` one.
+
+    The replica layout may change (the state is the model's). ``outer_lr`` and ``outer_momentum`` ``"auto"`` match
+    what they resolved to when saved (its ``nesterov`` then on only with a momentum above 0).
+    """
+    fields = asdict(asked)
     fields.pop("replica")
+    if not isinstance(saved, dict):
+        return fields
+    lr, momentum = saved.get("outer_lr"), saved.get("outer_momentum")
+    if asked.outer_lr == "auto" and _is_number(lr):
+        fields["outer_lr"] = lr
+    if asked.outer_momentum == "auto" and _is_number(momentum):
+        fields["outer_momentum"] = momentum
+        fields["nesterov"] = asked.nesterov and momentum > 0
     return fields
