@@ -22,12 +22,13 @@ ratio to the same round's stock.
     .venv/bin/python benchmarks/time_to_loss.py --ranks-per-host 2         # 2 x 2
     .venv/bin/python benchmarks/time_to_loss.py --model mlp --rate 200mbit
     .venv/bin/python benchmarks/time_to_loss.py --variants stock,diloco16,diloco16_lr1.0 --name sweep
+    .venv/bin/python benchmarks/time_to_loss.py --suite                    # the README's 2-host figures (SUITE)
 
 Variants: ``stock``, ``ours`` (``OptimizedDDPStrategy()``), a hook's name (``fp16``, ``bf16``, ``int8``,
 ``powersgd``) flat, ``<hook>_hier`` in two tiers, ``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks]
 [_lr<outer lr>][_m<outer momentum>]`` (``transformer_quality.diloco_config``: islands of a host's ranks unless
-``_ranks``; ``diloco()``'s outer settings otherwise); ``dilocoauto`` (``sync_every="auto"``) is measured every 16 steps,
-its provisional H, whatever H it chooses (the choice and its figures are in the results).
+``_ranks``; ``diloco()``'s outer settings otherwise); ``dilocoauto`` (``sync_every="auto"``) is measured after each
+sync, of the provisional H first, then of the H it chose (the choice and its figures are in the results).
 Writes ``benchmarks/results/<name>.{md,json}``.
 """
 
@@ -59,6 +60,12 @@ GPT_VARIANTS = (
     "diloco16",
     "diloco16_int8",
     "diloco16_overlap8",
+)
+#: ``--suite``: the README table's 2-host columns, each a layout of its own (about 30 minutes on 2 cores): the options
+#: the README recommends, on the GPT at a rate where stock's sync is most of its step and on the MLP at 200 Mbit.
+SUITE: tuple[dict[str, Any], ...] = (
+    {"model": "gpt", "rate": "50mbit", "variants": "stock,ours,fp16,int8,powersgd,diloco16,diloco16_overlap8"},
+    {"model": "mlp", "rate": "200mbit", "eval_every": 4, "variants": "stock,int8,powersgd,diloco16,diloco16_overlap8"},
 )
 #: At --ranks-per-host above 1 the two-tier hooks and the replica per rank join (DiLoCo's islands are the default).
 TIERED_VARIANTS = ("int8_hier", "diloco16_ranks")
@@ -178,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
                 return
             self.seen = step
             last = step >= args.steps
-            if step % period != offset and not last:
+            if not (last or _measuring(trainer, step)):
                 return
             begun = time.perf_counter()
             elapsed = begun - self.start - self.excluded
@@ -194,6 +201,14 @@ def worker(args: argparse.Namespace) -> None:
             if trainer.strategy.broadcast(stop, src=0):
                 trainer.should_stop = True
             self.excluded += time.perf_counter() - begun
+
+    def _measuring(trainer: pl.Trainer, step: int) -> bool:
+        # sync_every="auto": after the choice, right after each sync of the chosen H (counted from the choice's sync)
+        local_sgd = getattr(trainer.strategy, "local_sgd", None)
+        choice = getattr(local_sgd, "sync_every_choice", None)
+        if choice is not None and step > choice.since:
+            return (step - choice.since - local_sgd.config.overlap_steps) % choice.sync_every == 0
+        return step % period == offset
 
     clock = LossClock()
     pl.seed_everything(0, verbose=False)
@@ -313,16 +328,36 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--cap-steps", type=int, default=2000, help=argparse.SUPPRESS)
     parser.add_argument("--render", type=Path, help="write RESULTS.md again from RESULTS.json (a results stem)")
+    parser.add_argument(
+        "--suite",
+        action="store_true",
+        help="the README's figures in one go: each layout of SUITE in turn, each file named with its rate",
+    )
     args = parser.parse_args()
     if args.render is not None:
         render(args.render)
         return 0
-    if args.steps is None:
-        args.steps = 80 if args.model == "gpt" else 100
     if args.variant is not None:
+        args.steps = args.steps or (80 if args.model == "gpt" else 100)
         worker(args)
         return 0
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds} must be at least 1")
+    if not args.suite:
+        measure(parser, args)
+        return 0
+    started = time.monotonic()
+    for layout in SUITE:
+        chosen = argparse.Namespace(**{**vars(args), **layout})
+        chosen.name = f"time_to_loss_{chosen.model}_{chosen.hosts}x{chosen.ranks_per_host}_{chosen.rate}"
+        measure(parser, chosen)
+    print(f"the suite took {(time.monotonic() - started) / 60:.0f} min")
+    return 0
 
+
+def measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Run ``args``' layout in interleaved rounds and write its report."""
+    args.steps = args.steps or (80 if args.model == "gpt" else 100)
     variants = (
         args.variants.split(",")
         if args.variants
@@ -330,8 +365,6 @@ def main() -> int:
     )
     if variants[0] != "stock":
         variants = ["stock", *[v for v in variants if v != "stock"]]
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds} must be at least 1")
     for variant in variants:  # a bad name fails before any run
         try:
             make_strategy(variant)
@@ -384,12 +417,17 @@ def main() -> int:
         "batch_size": args.batch_size,
         "date": datetime.date.today().isoformat(),
         "cpu_cores": os.cpu_count(),
-        "command": " ".join(["benchmarks/time_to_loss.py", *sys.argv[1:]]),
+        "command": " ".join(["benchmarks/time_to_loss.py", *sys.argv[1:]])
+        + (
+            f" (this file's layout: --model {args.model} --rate {args.rate} --eval-every {args.eval_every} "
+            f"--variants {args.variants})"
+            if args.suite
+            else ""
+        ),
         "minutes": (time.monotonic() - started) / 60,
     }
     name = args.name or f"time_to_loss_{args.model}_{args.hosts}x{args.ranks_per_host}"
     write_report(rows, rounds, meta, args.out, name)
-    return 0
 
 
 def render(stem: Path) -> None:

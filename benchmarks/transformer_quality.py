@@ -11,7 +11,8 @@ the strategy's sync differs. The held-out loss is in nats per byte, the mean ove
 Variants: a registry hook's name (``allreduce``, ``fp16``, ``int8``, ``auto``, ``powersgd``: the default PowerSGD,
 whose rank rises while its error is above its bound, 0.6 with AdamW and 0.9 with SGD);
 ``powersgd_r<rank>[_s<start_iter>]`` (a fixed rank); ``localsgd<H>`` (parameter averaging every H steps);
-``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>]`` (:func:`diloco_config`;
+``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>][_a<alpha>][_w<steps>]``
+(:func:`diloco_config`;
 ``_replica<k>``: islands of k ranks, with ``--devices`` above 2).
 
     .venv/bin/python benchmarks/transformer_quality.py --devices 4 --variants allreduce,diloco16,diloco16_replica2
@@ -62,21 +63,24 @@ def _strategy(variant: str) -> OptimizedDDPStrategy:
 
 
 def diloco_config(variant: str) -> LocalSGDConfig:
-    """``diloco<H|auto>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>]`` as a LocalSGDConfig.
+    """``diloco<H|auto>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>][_a<x>][_w<n>]`` as a config.
 
     DiLoCo every H steps (or ``auto``); overlapped by tau steps (H/2 when not given); the parameter change in int8 or
     fp32 (fp16 by default); a replica per rank, or islands of k ranks (else ``replica="auto"``: a replica per node
-    where there are several nodes); the outer learning rate and momentum (``diloco()``'s otherwise).
+    where there are several nodes); the outer learning rate and momentum (``diloco()``'s otherwise); the overlap's
+    mixing ``alpha`` (0.5 otherwise); ``n`` synchronous warm-up steps first.
     """
     match = re.fullmatch(
-        r"diloco(\d+|auto)(_overlap(\d*))?(?:_(int8|fp32))?(?:(_ranks)|_replica(\d+))?(?:_lr(\d*\.?\d+))?(?:_m(\d*\.?\d+))?",
+        r"diloco(\d+|auto)(_overlap(\d*))?(?:_(int8|fp32))?(?:(_ranks)|_replica(\d+))?(?:_lr(\d*\.?\d+))?(?:_m(\d*\.?\d+))?"
+        r"(?:_a(\d*\.?\d+))?(?:_w(\d+))?",
         variant,
     )
     if match is None:
         raise ValueError(
-            f"variant {variant!r} is not diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>]"
+            f"variant {variant!r} is not "
+            "diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>][_a<alpha>][_w<warm-up>]"
         )
-    every, overlapped, overlap, compression, ranks, replica, lr, momentum = match.groups()
+    every, overlapped, overlap, compression, ranks, replica, lr, momentum, mixing, warmup = match.groups()
     overrides: dict[str, Any] = {"replica": "rank" if ranks else int(replica) if replica else "auto"}
     if overlapped:
         overrides["overlap_steps"] = int(overlap) if overlap else (16 if every == "auto" else int(every)) // 2
@@ -86,6 +90,10 @@ def diloco_config(variant: str) -> LocalSGDConfig:
         overrides["outer_lr"] = float(lr)
     if momentum:
         overrides["outer_momentum"] = float(momentum)
+    if mixing:
+        overrides["overlap_mixing"] = float(mixing)
+    if warmup:
+        overrides["warmup_steps"] = int(warmup)
     return LocalSGDConfig.diloco(every if every == "auto" else int(every), **overrides)
 
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["require_int", "require_number"]
+from typing import TypeGuard
+
+__all__ = ["is_real_number", "require_int", "require_number"]
+
+
+def is_real_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is an int or a float, and not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def require_int(name: str, value: object, minimum: int, hint: str = "") -> int:
@@ -14,11 +21,7 @@ def require_int(name: str, value: object, minimum: int, hint: str = "") -> int:
 
 def require_number(name: str, value: object, minimum: float = 0.0, *, strict: bool = True) -> float:
     """Return ``value`` if it is a real number above ``minimum`` (or at least it, with ``strict=False``)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or (value <= minimum if strict else value < minimum)
-    ):
+    if not is_real_number(value) or (value <= minimum if strict else value < minimum):
         relation = "a positive number" if strict and minimum == 0 else f"a number {'>' if strict else '>='} {minimum:g}"
         raise ValueError(f"{name}={value!r} must be {relation}")
     return float(value)

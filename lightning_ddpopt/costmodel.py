@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from lightning_ddpopt.units import format_seconds as _s
+
 __all__ = [
     "CODEC_BYTES_PER_S",
     "DEFAULT_PLAN_HOOKS",
@@ -479,11 +481,11 @@ def recommend(
         )
 
     if step_compute_s is None:
-        versus = "" if choice == flat_allreduce else f" against {_ms(flat_allreduce.sync_s)} for flat allreduce"
+        versus = "" if choice == flat_allreduce else f" against {_s(flat_allreduce.sync_s)} for flat allreduce"
         return per_step(
             None,
             None,
-            f"{choice.label}: {_ms(choice.sync_s)} of codec and sync a step{versus}, compared on the syncs alone; "
+            f"{choice.label}: {_s(choice.sync_s)} of codec and sync a step{versus}, compared on the syncs alone; "
             "whether that matters, and whether DiLoCo would pay, depends on the step's compute.",
         )
     step, allreduce_step = choice.step_s(compute), flat_allreduce.step_s(compute)
@@ -499,24 +501,24 @@ def recommend(
                 sync_s=outer,
                 step_s=diloco_step,
                 allreduce_step_s=allreduce_step,
-                reason=f"even the cheapest per-step sync ({cheapest.label}, {_ms(cheapest.sync_s)}) is longer than "
-                f"the {_ms(compute)} of compute; DiLoCo's fp16 sync {where} ({_ms(outer)}) every {every} steps makes "
-                f"a step of {_ms(diloco_step)}, against {_ms(step)} for {choice.label}. It needs more steps to a given "
+                reason=f"even the cheapest per-step sync ({cheapest.label}, {_s(cheapest.sync_s)}) is longer than "
+                f"the {_s(compute)} of compute; DiLoCo's fp16 sync {where} ({_s(outer)}) every {every} steps makes "
+                f"a step of {_s(diloco_step)}, against {_s(step)} for {choice.label}. It needs more steps to a given "
                 "loss, fewer seconds (the local SGD guide).",
             )
     if choice == flat_allreduce:
         versus = "nothing makes it 1.1x faster"
     else:
-        versus = f"{allreduce_step / step:.2f}x faster than flat allreduce ({_ms(allreduce_step)})"
+        versus = f"{allreduce_step / step:.2f}x faster than flat allreduce ({_s(allreduce_step)})"
     if cheapest.sync_s <= compute:
         keeps_up = "a sync shorter than the compute needs no DiLoCo"
     else:
         keeps_up = "every per-step sync is longer than the compute, but DiLoCo would not be 1.1x faster"
-    codec = "" if choice.hook == "allreduce" else f"{_ms(choice.codec_s)} of codec, "
+    codec = "" if choice.hook == "allreduce" else f"{_s(choice.codec_s)} of codec, "
     return per_step(
         step,
         allreduce_step,
-        f"{choice.label}: a step of {_ms(step)} ({codec}{_ms(choice.exposed_s(compute))} of its {_ms(choice.comm_s)} "
+        f"{choice.label}: a step of {_s(step)} ({codec}{_s(choice.exposed_s(compute))} of its {_s(choice.comm_s)} "
         f"sync left after the backward pass), {versus}; {keeps_up}.",
     )
 
@@ -567,8 +569,3 @@ def _diloco(
         return None
     every = choose_sync_every(outer, compute_s)
     return every, outer, compute_s + inner + outer / every, where
-
-
-def _ms(seconds: float) -> str:
-    """A duration as the plan prints it: whole ms below a second, else s to the hundredth."""
-    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"

@@ -1,14 +1,15 @@
-"""How the package writes sizes: bytes in decimal units, bucket caps in MiB.
+"""How the package writes sizes and durations: bytes in decimal units, bucket caps in MiB, times in ms or s.
 
 Every size the package prints (gradients, bytes sent, report plots, ``ddpopt plan``, the benchmarks) is in decimal
 units, B, kB, MB and GB of 10^3, 10^6 and 10^9 bytes, as Lightning's model summary and bandwidths in GB/s count them.
 The one exception is arguments named ``*_mb`` (``bucket_cap_mb``, ``probe_mb``): they count MiB (2^20 bytes), as DDP's
-``bucket_cap_mb`` does, and are written "MiB".
+``bucket_cap_mb`` does, and are written "MiB". Durations in sentences (the plan's, local SGD's choice of H) are
+whole ms below a second, else seconds to the hundredth.
 """
 
 from __future__ import annotations
 
-__all__ = ["MIB", "byte_unit", "format_bytes"]
+__all__ = ["MIB", "byte_unit", "format_bytes", "format_seconds"]
 
 #: One MiB, the unit of DDP's ``bucket_cap_mb``.
 MIB = 1024 * 1024
@@ -35,6 +36,11 @@ def format_bytes(nbytes: float) -> str:
         scale, unit = next((s, u) for s, u in reversed(_UNITS) if s > scale)
         text = _three_digits(nbytes / scale)
     return f"{text} {unit}" if scale > 1 else f"{nbytes:.0f} B"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in words: ``format_seconds(0.0204) == '20 ms'``, ``format_seconds(1.234) == '1.23 s'``."""
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def _three_digits(value: float) -> str:

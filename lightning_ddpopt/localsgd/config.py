@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal
 
 import torch
 
-from lightning_ddpopt._validate import require_int
+from lightning_ddpopt._validate import is_real_number, require_int
 
 __all__ = ["INT8_BLOCK", "OUTER_DEFAULTS", "PROVISIONAL_SYNC_EVERY", "REPLICA_LAYOUTS", "WIRE_DTYPES", "LocalSGDConfig"]
 
@@ -91,10 +91,10 @@ class LocalSGDConfig:
             )
         require_int("LocalSGDConfig warmup_steps", self.warmup_steps, 0, " (synchronous steps first)")
         lr = self.outer_lr
-        if lr != "auto" and (not _is_number(lr) or not math.isfinite(lr) or lr <= 0):
+        if lr != "auto" and (not is_real_number(lr) or not math.isfinite(lr) or lr <= 0):
             raise ValueError(f"LocalSGDConfig outer_lr={lr!r} must be a positive, finite number or 'auto'")
         momentum = self.outer_momentum
-        if momentum != "auto" and (not _is_number(momentum) or not 0 <= momentum < 1):
+        if momentum != "auto" and (not is_real_number(momentum) or not 0 <= momentum < 1):
             raise ValueError(f"LocalSGDConfig outer_momentum={momentum!r} must be in [0, 1) or 'auto'")
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"LocalSGDConfig nesterov={self.nesterov!r} must be True or False")
@@ -115,7 +115,7 @@ class LocalSGDConfig:
                 f"LocalSGDConfig overlap_steps={self.overlap_steps} must be below sync_every={self.sync_every!r}"
                 f"{window}: a sync is applied before the next one starts"
             )
-        if not _is_number(self.overlap_mixing) or not 0 <= self.overlap_mixing <= 1:
+        if not is_real_number(self.overlap_mixing) or not 0 <= self.overlap_mixing <= 1:
             raise ValueError(f"LocalSGDConfig overlap_mixing={self.overlap_mixing!r} must be in [0, 1]")
         if isinstance(self.replica, bool) or not (
             self.replica in REPLICA_LAYOUTS or (isinstance(self.replica, int) and self.replica >= 1)
@@ -183,7 +183,3 @@ class LocalSGDConfig:
             **overrides: any other field of the config, e.g. ``warmup_steps=500``.
         """
         return cls(sync_every=sync_every, **overrides)
-
-
-def _is_number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)

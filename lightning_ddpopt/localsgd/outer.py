@@ -16,14 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ddpopt._validate import is_real_number
 from lightning_ddpopt.costmodel import SYNC_EVERY_CHOICES, SYNC_SHARE, choose_sync_every
 from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import config_mismatch, squared_norm
 from lightning_ddpopt.hooks.powersgd_rank import is_adaptive
 from lightning_ddpopt.hooks.streams import SideStreams
-from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig, _is_number
+from lightning_ddpopt.localsgd.config import INT8_BLOCK, WIRE_DTYPES, LocalSGDConfig
 from lightning_ddpopt.localsgd.int8_mean import Int8Mean
 from lightning_ddpopt.localsgd.shard import Shard
+from lightning_ddpopt.units import format_seconds
 
 __all__ = ["InFlight", "LocalSGD", "ParameterSync", "SyncEveryChoice"]
 
@@ -75,23 +77,19 @@ class SyncEveryChoice:
     def describe(self, overlap_steps: int) -> str:
         """The choice in words, for the log (``overlap_steps``: the config's)."""
         exposed_s = self.sync_s * self.exposed_share
-        took = f"it took {_ms(self.sync_s)} (the least over the ranks)"
+        took = f"it took {format_seconds(self.sync_s)} (the least over the ranks)"
         if overlap_steps:
             later = f"{overlap_steps} steps later"
-            took += f" from its start to its application {later}, {_ms(exposed_s)} beyond their compute"
+            took += f" from its start to its application {later}, {format_seconds(exposed_s)} beyond their compute"
         above = f" above overlap_steps={overlap_steps}" if overlap_steps else ""
         share = exposed_s / (self.sync_every * self.compute_s)
         return (
             f"ddpopt: local SGD's sync_every='auto' chose H = {self.sync_every} at the sync after step {self.since}: "
-            f"{took}, and a local optimizer step {_ms(self.compute_s)} (the slowest rank's); at H = "
+            f"{took}, and a local optimizer step {format_seconds(self.compute_s)} (the slowest rank's); at H = "
             f"{self.sync_every} the sync adds {share:.1%} to a window's compute (the rule: the smallest H of "
             f"{', '.join(map(str, SYNC_EVERY_CHOICES))}{above} at which it adds at most {SYNC_SHARE:.0%}, else the "
             "largest)"
         )
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
 
 
 @dataclass
@@ -861,9 +859,9 @@ def _saved_config(asked: LocalSGDConfig, saved: object) -> dict[str, Any]:
     if not isinstance(saved, dict):
         return fields
     lr, momentum = saved.get("outer_lr"), saved.get("outer_momentum")
-    if asked.outer_lr == "auto" and _is_number(lr):
+    if asked.outer_lr == "auto" and is_real_number(lr):
         fields["outer_lr"] = lr
-    if asked.outer_momentum == "auto" and _is_number(momentum):
+    if asked.outer_momentum == "auto" and is_real_number(momentum):
         fields["outer_momentum"] = momentum
         fields["nesterov"] = asked.nesterov and momentum > 0
     return fields

@@ -1,0 +1,72 @@
+"""The time-to-loss benchmark's arithmetic: when a curve reaches the target, the loss at stock's time, the medians
+over rounds, the measuring steps of local SGD, and the variant grammar its DiLoCo options share with the quality
+benchmark. The benchmark itself (emulated hosts, minutes a run) publishes its figures; these checks keep its
+reading of a run honest."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ddpopt import LocalSGDConfig
+from tests.helpers import load_script
+
+bench = load_script("benchmarks/time_to_loss.py")
+quality = load_script("benchmarks/transformer_quality.py")
+
+
+def test_time_to_target_is_linear_between_measurements() -> None:
+    curve = [[1.0, 8, 3.0], [2.0, 16, 2.0], [4.0, 24, 1.0]]
+    assert bench.time_to(curve, 1.5) == pytest.approx(3.0)  # halfway from 2.0 (at 2 s) to 1.0 (at 4 s)
+    assert bench.time_to(curve, 3.0) == 1.0  # the first measurement reaches it: its own time
+    assert bench.time_to(curve, 0.5) is None
+    assert bench.steps_to(curve, 1.5) == 24
+    assert bench.loss_at(curve, 2.0) == 2.0
+    assert bench.loss_at(curve, 0.5) is None
+
+
+def test_summary_takes_each_rounds_ratio_to_its_own_stock() -> None:
+    def round_(stock_s: float, other_s: float) -> dict:
+        return {
+            "stock": {"curve": [[stock_s / 2, 40, 2.0], [stock_s, 80, 1.0]]},
+            "other": {"curve": [[other_s, 60, 1.0], [stock_s, 90, 0.9]], "bytes_per_step": 100.0},
+        }
+
+    rows = {row["variant"]: row for row in bench.summarize([round_(30, 10), round_(40, 10), round_(20, 40)])}
+    assert rows["other"]["rounds_sooner"] == [3.0, 4.0, 0.5]
+    assert rows["other"]["sooner"] == 3.0  # the median of the rounds' ratios, not of the times
+    assert rows["other"]["reached"] == "3/3" and rows["other"]["steps_to_target"] == 60
+    assert rows["stock"]["sooner"] == 1.0
+    missed = bench.summarize([{"stock": round_(30, 10)["stock"], "other": {"curve": [[30, 80, 1.5]]}}])
+    assert missed[1]["sooner"] is None and missed[1]["reached"] == "0/1" and missed[1]["loss_at_budget"] == 1.5
+
+
+def test_local_sgd_is_measured_right_after_each_applied_sync() -> None:
+    assert bench._eval_steps("int8", 8) == (8, 0)
+    assert bench._eval_steps("diloco16", 8) == (16, 0)
+    assert bench._eval_steps("diloco16_overlap8", 8) == (16, 8)
+    assert bench._eval_steps("diloco16_overlap4_w40", 8) == (16, (40 + 4) % 16)
+    assert bench._eval_steps("dilocoauto", 8) == (16, 0)  # the provisional H until the choice
+
+
+def test_diloco_variant_grammar() -> None:
+    config = quality.diloco_config("diloco8_overlap2_int8_replica2_lr0.5_m0.7_a0.25_w32")
+    expected = LocalSGDConfig.diloco(
+        8,
+        overlap_steps=2,
+        compression="int8",
+        replica=2,
+        outer_lr=0.5,
+        outer_momentum=0.7,
+        overlap_mixing=0.25,
+        warmup_steps=32,
+    )
+    assert config == expected
+    assert quality.diloco_config("dilocoauto_overlap").overlap_steps == 8
+    with pytest.raises(ValueError, match=r"'diloco16_w' is not diloco<H>"):
+        quality.diloco_config("diloco16_w")
+
+
+def test_the_suite_names_only_options_the_benchmark_knows() -> None:
+    for layout in bench.SUITE:
+        for variant in layout["variants"].split(","):
+            bench.make_strategy(variant)  # a typo raises here instead of after half an hour of runs
