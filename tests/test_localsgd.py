@@ -1093,6 +1093,26 @@ def test_the_outer_auto_settings_follow_the_inner_optimizer_and_a_checkpoint_kee
     assert resumed.load_state_dict(earlier) is None and outer(resumed) == (0.7, 0.9, True)
     # Numbers given now and saved otherwise are a changed config, as before.
     assert "outer_lr 0.5 -> 0.7" in LocalSGD(LocalSGDConfig.diloco(4, outer_lr=0.7), module).load_state_dict(saved)
+    # A returning fault-tolerant island takes the live islands' outer step with their anchor and momentum (theirs
+    # came from that earlier checkpoint; its own "auto" resolved for SGD), and keeps it.
+    live = LocalSGD(LocalSGDConfig.diloco(4), nn.Linear(3, 2))
+    assert live.load_state_dict(earlier) is None
+    returning = LocalSGD(LocalSGDConfig.diloco(4), nn.Linear(3, 2))
+    assert returning.fit_outer_to([sgd]) and outer(returning) == (0.9, 0.0, False)
+    returning.before_batch()
+    assert returning.momentum is None  # no outer momentum at 0.0
+    returning.load_heal_state(live.heal_state())
+    assert (
+        outer(returning) == (0.7, 0.9, True) and returning.fit_outer_to([sgd]) and outer(returning) == (0.7, 0.9, True)
+    )
+    assert returning.momentum is not None and torch.equal(returning.momentum, live.momentum)
+    assert returning.anchor is not None and torch.equal(returning.anchor, live.anchor)
+    heal = live.heal_state()
+    del heal["outer"]  # a live island of an earlier release: the returning one keeps its own
+    fresh = LocalSGD(LocalSGDConfig.diloco(4), nn.Linear(3, 2))
+    fresh.fit_outer_to([sgd])
+    fresh.load_heal_state(heal)
+    assert outer(fresh) == (0.9, 0.0, False)
 
 
 def test_sync_every_auto_in_a_lightning_run_one_h_on_every_rank_and_a_resume_goes_on_bit_for_bit(tmp_path):

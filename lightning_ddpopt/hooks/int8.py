@@ -134,8 +134,8 @@ class Int8State(ErrorFeedbackState):
     #: A group that only this hook uses, for point-to-point stages driven by worker threads (CPU buckets only);
     #: ``None``: both stages as collectives on ``process_group``, driven by the hook calls.
     exchange_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    _in_flight: "_BucketSync | None" = field(default=None, repr=False)
-    _workers: "tuple[Worker, Worker] | None" = field(default=None, repr=False)
+    _in_flight: "_BucketSync | None" = field(default=None, init=False, repr=False)
+    _workers: "tuple[Worker, Worker] | None" = field(default=None, init=False, repr=False)
 
     def run_beside_backward(
         self, make_group: Callable[[], dist.ProcessGroup], model_group: dist.ProcessGroup | None

@@ -828,18 +828,27 @@ class LocalSGD:
         return None
 
     def heal_state(self) -> dict[str, Any]:
-        """This rank's outer loop, for the same rank of a returning fault-tolerant island (tensors by reference)."""
+        """This rank's outer loop, for the same rank of a returning fault-tolerant island (tensors by reference).
+
+        ``outer``: the outer step in use, which a returning island takes where it asked ``"auto"`` (the live islands'
+        may come from a checkpoint the returning one never read).
+        """
         return {
             "steps": self.steps,
             "syncs": self.syncs,
             "steps_off_anchor": self._steps_off_anchor,
             "anchor": self.anchor,
             "momentum": self.momentum,
+            "outer": {name: getattr(self.config, name) for name in ("outer_lr", "outer_momentum", "nesterov")},
         }
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
         """Take a live island's :meth:`heal_state` (in a sync, as it was taken: the sync then goes on as theirs)."""
         self.steps, self.syncs, self._steps_off_anchor = state["steps"], state["syncs"], state["steps_off_anchor"]
+        outer = state.get("outer")  # absent from a live island of an earlier release
+        if self._asked.outer_auto and outer is not None:
+            self._set_outer(dataclasses.replace(self._asked, **outer))
+            self.outer_from_checkpoint = True  # a later fit_outer_to keeps them
         for name in ("anchor", "momentum"):
             mine, theirs = getattr(self, name), state[name]
             if theirs is None or mine is None or mine.shape != theirs.shape:
