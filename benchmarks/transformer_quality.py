@@ -90,6 +90,7 @@ def diloco_config(variant: str) -> LocalSGDConfig:
         overrides["outer_lr"] = float(lr)
     if momentum:
         overrides["outer_momentum"] = float(momentum)
+        overrides["nesterov"] = float(momentum) > 0  # _m0: no momentum, so no Nesterov
     if mixing:
         overrides["overlap_mixing"] = float(mixing)
     if warmup:

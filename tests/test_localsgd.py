@@ -1146,6 +1146,33 @@ def test_sync_every_auto_in_a_lightning_run_one_h_on_every_rank_and_a_resume_goe
         assert torch.equal(again["final"], uninterrupted["final"])
 
 
+@pytest.mark.slow
+def test_sync_every_auto_on_3_ranks_with_an_overflow_in_the_measured_window_and_the_callbacks_attached(tmp_path):
+    # 3 ranks, fp16 AMP; rank 0 overflows at the second step of each 11-step epoch (steps 2 and 13 lie in the
+    # provisional window of 16); CommProfiler, StragglerDetector and AMPMonitor gather at the syncs. Every rank takes
+    # one H, the rule's for the agreed figures, and the ranks hold one model after each sync.
+    monitor = AMPMonitor()
+    ranks = _fit(
+        tmp_path,
+        LocalSGDConfig.diloco("auto"),
+        devices=3,
+        model=OverflowModel(overflow_at=(2,), ranks=(0,)),
+        samples=264,
+        max_epochs=4,
+        plugins=[fp16_mixed_precision("cpu")],
+        callbacks=[CommProfiler(every_n_steps=4), StragglerDetector(), monitor],
+    )
+    choices = [rank["local"]["sync_every_choice"] for rank in ranks]
+    assert choices[0] is not None and choices[1:] == [choices[0]] * 2
+    choice = choices[0]
+    every, share = _chosen(choice["sync_s"], choice["compute_s"])
+    assert (choice["sync_every"], choice["exposed_share"], choice["since"]) == (every, share, 16)
+    assert [record["skipped_inner"] for record in ranks] == [4, 0, 0]  # one overflow an epoch, on rank 0 only
+    for step in range(16, 45, every):
+        assert all(torch.equal(ranks[0]["params"][step - 1], other["params"][step - 1]) for other in ranks[1:]), step
+    assert all(bool(record["final"].isfinite().all()) for record in ranks)
+
+
 def test_sync_every_auto_after_a_warm_up_with_an_overlapped_sync(tmp_path):
     # Warm-up 2, then the provisional window: its sync starts after step 18 and is applied after step 20, where the
     # ranks choose; 12 steps an epoch, 24 in all.
