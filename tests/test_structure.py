@@ -272,7 +272,6 @@ class Strategy:
     )
 
 
-
 def test_type_hints_resolve_on_what_a_config_file_builds():
     """``typing.get_type_hints`` (what LightningCLI's parser reads) works on the strategies, configs and callbacks.
 
