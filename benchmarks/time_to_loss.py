@@ -22,13 +22,14 @@ ratio to the same round's stock.
     .venv/bin/python benchmarks/time_to_loss.py --ranks-per-host 2         # 2 x 2
     .venv/bin/python benchmarks/time_to_loss.py --model mlp --rate 200mbit
     .venv/bin/python benchmarks/time_to_loss.py --variants stock,diloco16,diloco16_lr1.0 --name sweep
-    .venv/bin/python benchmarks/time_to_loss.py --suite                    # the README's 2-host figures (SUITE)
+    .venv/bin/python benchmarks/time_to_loss.py --suite                    # the README's 2 x 1 columns (SUITE)
 
 Variants: ``stock``, ``ours`` (``OptimizedDDPStrategy()``), a hook's name (``fp16``, ``bf16``, ``int8``,
-``powersgd``) flat, ``<hook>_hier`` in two tiers, ``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks]
-[_lr<outer lr>][_m<outer momentum>]`` (``transformer_quality.diloco_config``: islands of a host's ranks unless
-``_ranks``; ``diloco()``'s outer settings otherwise); ``dilocoauto`` (``sync_every="auto"``) is measured after each
-sync, of the provisional H first, then of the H it chose (the choice and its figures are in the results).
+``powersgd``) flat, ``<hook>_hier`` in two tiers, ``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>]
+[_lr<outer lr>][_m<outer momentum>][_a<overlap mixing>][_w<warm-up steps>]`` (``transformer_quality.diloco_config``:
+islands of a host's ranks unless ``_ranks``; ``diloco()``'s settings otherwise); ``dilocoauto``
+(``sync_every="auto"``) is measured after each sync, of the provisional H first, then of the H it chose (the choice
+and its figures are in the results).
 Writes ``benchmarks/results/<name>.{md,json}``.
 """
 
@@ -61,8 +62,9 @@ GPT_VARIANTS = (
     "diloco16_int8",
     "diloco16_overlap8",
 )
-#: ``--suite``: the README table's 2-host columns, each a layout of its own (about 30 minutes on 2 cores): the options
-#: the README recommends, on the GPT at a rate where stock's sync is most of its step and on the MLP at 200 Mbit.
+#: ``--suite``: the README table's columns of 2 hosts x 1 rank, each a layout of its own (about 30 minutes for the
+#: two on 2 cores): the options the README recommends, on the GPT at a rate where stock's sync is most of its step
+#: and on the MLP at 200 Mbit. It sets each layout's ``--model``, ``--rate``, ``--variants`` and ``--name``.
 SUITE: tuple[dict[str, Any], ...] = (
     {"model": "gpt", "rate": "50mbit", "variants": "stock,ours,fp16,int8,powersgd,diloco16,diloco16_overlap8"},
     {"model": "mlp", "rate": "200mbit", "eval_every": 4, "variants": "stock,int8,powersgd,diloco16,diloco16_overlap8"},
@@ -156,6 +158,17 @@ def _eval_steps(variant: str, every: int) -> tuple[int, int]:
     return every, (config.warmup_steps + config.overlap_steps) % every
 
 
+def measuring(local_sgd: Any, step: int, period: int, offset: int) -> bool:
+    """Whether the loss is measured after optimizer step ``step``: ``step % period == offset`` from the first period
+    on (local SGD: not before its first sync is applied), but with ``sync_every="auto"``, once the ranks chose, right
+    after each sync of the chosen H (its windows count from the choice's sync; an overlapped sync is applied
+    ``overlap_steps`` later). The same on every rank."""
+    choice = getattr(local_sgd, "sync_every_choice", None)
+    if choice is not None and step > choice.since:
+        return (step - choice.since - local_sgd.config.overlap_steps) % choice.sync_every == 0
+    return step >= period and step % period == offset
+
+
 def worker(args: argparse.Namespace) -> None:
     threads = os.environ.get("DDPOPT_BENCH_THREADS", "1")
     os.environ["OMP_NUM_THREADS"] = threads
@@ -185,7 +198,7 @@ def worker(args: argparse.Namespace) -> None:
                 return
             self.seen = step
             last = step >= args.steps
-            if not (last or _measuring(trainer, step)):
+            if not (last or measuring(getattr(trainer.strategy, "local_sgd", None), step, period, offset)):
                 return
             begun = time.perf_counter()
             elapsed = begun - self.start - self.excluded
@@ -201,14 +214,6 @@ def worker(args: argparse.Namespace) -> None:
             if trainer.strategy.broadcast(stop, src=0):
                 trainer.should_stop = True
             self.excluded += time.perf_counter() - begun
-
-    def _measuring(trainer: pl.Trainer, step: int) -> bool:
-        # sync_every="auto": after the choice, right after each sync of the chosen H (counted from the choice's sync)
-        local_sgd = getattr(trainer.strategy, "local_sgd", None)
-        choice = getattr(local_sgd, "sync_every_choice", None)
-        if choice is not None and step > choice.since:
-            return (step - choice.since - local_sgd.config.overlap_steps) % choice.sync_every == 0
-        return step % period == offset
 
     clock = LossClock()
     pl.seed_everything(0, verbose=False)
@@ -338,26 +343,30 @@ def main() -> int:
         render(args.render)
         return 0
     if args.variant is not None:
-        args.steps = args.steps or (80 if args.model == "gpt" else 100)
         worker(args)
         return 0
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} must be at least 1")
-    if not args.suite:
-        measure(parser, args)
-        return 0
+    layouts = [args] if not args.suite else [argparse.Namespace(**{**vars(args), **layout}) for layout in SUITE]
+    for layout in layouts:  # a bad name fails before any run
+        layout.steps = layout.steps if layout.steps is not None else 80 if layout.model == "gpt" else 100
+        if layout.suite:
+            layout.name = f"time_to_loss_{layout.model}_{layout.hosts}x{layout.ranks_per_host}_{layout.rate}"
+        for variant in (layout.variants or "stock").split(","):
+            try:
+                make_strategy(variant)
+            except (ValueError, TypeError) as error:
+                parser.error(f"--variants: {variant!r} is not an option here ({error})")
     started = time.monotonic()
-    for layout in SUITE:
-        chosen = argparse.Namespace(**{**vars(args), **layout})
-        chosen.name = f"time_to_loss_{chosen.model}_{chosen.hosts}x{chosen.ranks_per_host}_{chosen.rate}"
-        measure(parser, chosen)
-    print(f"the suite took {(time.monotonic() - started) / 60:.0f} min")
+    for layout in layouts:
+        measure(layout)
+    if args.suite:
+        print(f"the suite took {(time.monotonic() - started) / 60:.0f} min")
     return 0
 
 
-def measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def measure(args: argparse.Namespace) -> None:
     """Run ``args``' layout in interleaved rounds and write its report."""
-    args.steps = args.steps or (80 if args.model == "gpt" else 100)
     variants = (
         args.variants.split(",")
         if args.variants
@@ -365,11 +374,6 @@ def measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     )
     if variants[0] != "stock":
         variants = ["stock", *[v for v in variants if v != "stock"]]
-    for variant in variants:  # a bad name fails before any run
-        try:
-            make_strategy(variant)
-        except (ValueError, TypeError) as error:
-            parser.error(f"--variants: {variant!r} is not an option here ({error})")
     why_not = None if args.loopback else can_emulate()
     if why_not:
         print(f"network namespaces unavailable ({why_not}): every host on loopback, unshaped", file=sys.stderr)

@@ -12,8 +12,7 @@ Variants: a registry hook's name (``allreduce``, ``fp16``, ``int8``, ``auto``, `
 whose rank rises while its error is above its bound, 0.6 with AdamW and 0.9 with SGD);
 ``powersgd_r<rank>[_s<start_iter>]`` (a fixed rank); ``localsgd<H>`` (parameter averaging every H steps);
 ``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>][_lr<x>][_m<x>][_a<alpha>][_w<steps>]``
-(:func:`diloco_config`;
-``_replica<k>``: islands of k ranks, with ``--devices`` above 2).
+(:func:`diloco_config`; ``_replica<k>``: islands of k ranks, with ``--devices`` above 2).
 
     .venv/bin/python benchmarks/transformer_quality.py --devices 4 --variants allreduce,diloco16,diloco16_replica2
 """

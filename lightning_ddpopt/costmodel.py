@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from lightning_ddpopt.units import format_seconds as _s
+from lightning_ddpopt.units import format_seconds
 
 __all__ = [
     "CODEC_BYTES_PER_S",
@@ -481,12 +481,14 @@ def recommend(
         )
 
     if step_compute_s is None:
-        versus = "" if choice == flat_allreduce else f" against {_s(flat_allreduce.sync_s)} for flat allreduce"
+        versus = (
+            "" if choice == flat_allreduce else f" against {format_seconds(flat_allreduce.sync_s)} for flat allreduce"
+        )
         return per_step(
             None,
             None,
-            f"{choice.label}: {_s(choice.sync_s)} of codec and sync a step{versus}, compared on the syncs alone; "
-            "whether that matters, and whether DiLoCo would pay, depends on the step's compute.",
+            f"{choice.label}: {format_seconds(choice.sync_s)} of codec and sync a step{versus}, compared on the syncs "
+            "alone; whether that matters, and whether DiLoCo would pay, depends on the step's compute.",
         )
     step, allreduce_step = choice.step_s(compute), flat_allreduce.step_s(compute)
     if cheapest.sync_s > compute:
@@ -501,25 +503,26 @@ def recommend(
                 sync_s=outer,
                 step_s=diloco_step,
                 allreduce_step_s=allreduce_step,
-                reason=f"even the cheapest per-step sync ({cheapest.label}, {_s(cheapest.sync_s)}) is longer than "
-                f"the {_s(compute)} of compute; DiLoCo's fp16 sync {where} ({_s(outer)}) every {every} steps makes "
-                f"a step of {_s(diloco_step)}, against {_s(step)} for {choice.label}. It needs more steps to a given "
-                "loss, fewer seconds (the local SGD guide).",
+                reason=f"even the cheapest per-step sync ({cheapest.label}, {format_seconds(cheapest.sync_s)}) is "
+                f"longer than the {format_seconds(compute)} of compute; DiLoCo's fp16 sync {where} "
+                f"({format_seconds(outer)}) every {every} steps makes a step of {format_seconds(diloco_step)}, against "
+                f"{format_seconds(step)} for {choice.label}. It needs more steps to a given loss, fewer seconds (the "
+                "local SGD guide).",
             )
     if choice == flat_allreduce:
         versus = "nothing makes it 1.1x faster"
     else:
-        versus = f"{allreduce_step / step:.2f}x faster than flat allreduce ({_s(allreduce_step)})"
+        versus = f"{allreduce_step / step:.2f}x faster than flat allreduce ({format_seconds(allreduce_step)})"
     if cheapest.sync_s <= compute:
         keeps_up = "a sync shorter than the compute needs no DiLoCo"
     else:
         keeps_up = "every per-step sync is longer than the compute, but DiLoCo would not be 1.1x faster"
-    codec = "" if choice.hook == "allreduce" else f"{_s(choice.codec_s)} of codec, "
+    codec = "" if choice.hook == "allreduce" else f"{format_seconds(choice.codec_s)} of codec, "
     return per_step(
         step,
         allreduce_step,
-        f"{choice.label}: a step of {_s(step)} ({codec}{_s(choice.exposed_s(compute))} of its {_s(choice.comm_s)} "
-        f"sync left after the backward pass), {versus}; {keeps_up}.",
+        f"{choice.label}: a step of {format_seconds(step)} ({codec}{format_seconds(choice.exposed_s(compute))} of its "
+        f"{format_seconds(choice.comm_s)} sync left after the backward pass), {versus}; {keeps_up}.",
     )
 
 

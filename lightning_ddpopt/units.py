@@ -4,7 +4,7 @@ Every size the package prints (gradients, bytes sent, report plots, ``ddpopt pla
 units, B, kB, MB and GB of 10^3, 10^6 and 10^9 bytes, as Lightning's model summary and bandwidths in GB/s count them.
 The one exception is arguments named ``*_mb`` (``bucket_cap_mb``, ``probe_mb``): they count MiB (2^20 bytes), as DDP's
 ``bucket_cap_mb`` does, and are written "MiB". Durations in sentences (the plan's, local SGD's choice of H) are
-whole ms below a second, else seconds to the hundredth.
+in ms below a second, else seconds to the hundredth.
 """
 
 from __future__ import annotations
@@ -39,8 +39,14 @@ def format_bytes(nbytes: float) -> str:
 
 
 def format_seconds(seconds: float) -> str:
-    """A duration in words: ``format_seconds(0.0204) == '20 ms'``, ``format_seconds(1.234) == '1.23 s'``."""
-    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+    """A duration in words, 3 significant digits below 10 ms, whole ms below a second, else seconds to the hundredth.
+
+    ``format_seconds(0.00042) == '0.42 ms'``, ``format_seconds(0.0204) == '20 ms'``, ``format_seconds(1.234) ==
+    '1.23 s'``.
+    """
+    if seconds < 0.01:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e3:.0f} ms" if seconds < 0.9995 else f"{seconds:.2f} s"
 
 
 def _three_digits(value: float) -> str:

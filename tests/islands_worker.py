@@ -27,7 +27,8 @@ from tests.helpers import OverflowModel, regression_data
 
 RANKS_PER_NODE = int(os.environ.get("DDPOPT_TEST_RANKS_PER_NODE", "2"))
 NUM_NODES = int(os.environ.get("DDPOPT_TEST_NODES", "2"))
-#: The fits: name -> the local SGD config. Every fit runs 8 optimizer steps (the resumed ones two epochs of 4).
+#: The fits: name -> the local SGD config. Every fit runs 8 optimizer steps (the resumed ones two epochs of 4), but
+#: "auto" 24.
 FITS: dict[str, LocalSGDConfig] = {
     # Node islands by "auto"; syncs at 3 and 6, the final average at 8; fp16 AMP with one rank's overflow at step 2
     # and the measuring callbacks attached.
@@ -50,6 +51,9 @@ FITS: dict[str, LocalSGDConfig] = {
     # uninterrupted run's next anchor is computed and gathered ahead on the worker, the resumed run's at the apply.
     "overlap_full": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0),
     "overlap_half": LocalSGDConfig.diloco(sync_every=4, overlap_steps=2, overlap_mixing=0.0),
+    # H chosen by the islands (24 steps): the provisional sync starts at 16, is applied at 18 and measured; its
+    # agreement runs across the islands' groups, and every rank takes the same H from then on.
+    "auto": LocalSGDConfig.diloco("auto", overlap_steps=2, overlap_mixing=0.0),
 }
 CHOSEN = os.environ.get("DDPOPT_TEST_FITS", ",".join(FITS)).split(",")
 #: In the "diloco" fit, this rank's loss overflows at its second step: its island skips that step, the others not.
@@ -134,6 +138,7 @@ class Probe(pl.Callback):
             "anchor": loop.anchor.clone() if loop.anchor is not None else None,  # whole again after fit
             "syncs": loop.syncs,
             "skipped_inner": loop.skipped_inner_steps,
+            "sync_every_choice": loop.sync_every_choice,
             "steps": [(s.sync_rounds, s.logical_bytes, s.wire_bytes, s.intra_node_bytes) for s in ledger.steps],
         }
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -176,7 +181,7 @@ def fit(out: Path, name: str) -> pl.Trainer:
         strategy=OptimizedDDPStrategy(
             local_sgd=FITS[name], bucket_cap_mb=0.5, comm_hook="int8" if name == "warmup" else "allreduce"
         ),
-        max_epochs=2,  # 8 steps
+        max_epochs=6 if name == "auto" else 2,  # 24 steps, else 8
         logger=False,
         enable_checkpointing=resume == "full",
         enable_progress_bar=False,

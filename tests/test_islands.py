@@ -204,6 +204,23 @@ def test_islands_train_as_replicas_of_a_node(tmp_path, nodes, per_node):
             assert torch.equal(resumed["params"][1], uninterrupted["params"][5])
 
 
+@pytest.mark.slow
+def test_sync_every_auto_across_islands_of_2_nodes_x_2_ranks(tmp_path):
+    # The islands measure their first overlapped sync (started at 16, applied at 18) and agree on one H across the
+    # islands' groups: the same choice on every rank, and the islands identical at each later sync's application.
+    _run_nodes(tmp_path, 2, 2, ["auto"], worker="tests.islands_worker", timeout=600)
+    ranks = _records(tmp_path, "auto", 4)
+    choices = [r["sync_every_choice"] for r in ranks]
+    assert choices[0] is not None and all(choice == choices[0] for choice in choices)
+    choice = choices[0]
+    assert choice.since == 16 and choice.sync_every > 2 and choice.sync_s > 0 and choice.compute_s > 0
+    for step in range(18, 25):
+        applied = step == 18 or (step - 18) % choice.sync_every == 0
+        assert torch.equal(ranks[0]["params"][step - 1], ranks[2]["params"][step - 1]) == applied, step
+        assert torch.equal(ranks[0]["params"][step - 1], ranks[1]["params"][step - 1]), step  # one island
+    assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
+
+
 @pytest.mark.quick
 def test_replica_layouts_and_their_errors():
     nodes = Topology(rank=3, nodes=((0, 1), (2, 3)))

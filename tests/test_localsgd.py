@@ -1096,7 +1096,8 @@ def test_the_outer_auto_settings_follow_the_inner_optimizer_and_a_checkpoint_kee
     # A returning fault-tolerant island takes the live islands' outer step with their anchor and momentum (theirs
     # came from that earlier checkpoint; its own "auto" resolved for SGD), and keeps it.
     live = LocalSGD(LocalSGDConfig.diloco(4), nn.Linear(3, 2))
-    assert live.load_state_dict(earlier) is None
+    assert live.load_state_dict(earlier) is None and live.momentum is not None
+    live.momentum.fill_(0.25)  # what the live islands' syncs made of it
     returning = LocalSGD(LocalSGDConfig.diloco(4), nn.Linear(3, 2))
     assert returning.fit_outer_to([sgd]) and outer(returning) == (0.9, 0.0, False)
     returning.before_batch()
@@ -1113,6 +1114,11 @@ def test_the_outer_auto_settings_follow_the_inner_optimizer_and_a_checkpoint_kee
     fresh.fit_outer_to([sgd])
     fresh.load_heal_state(heal)
     assert outer(fresh) == (0.9, 0.0, False)
+    # Only what was asked "auto" follows the live islands: a number given stays.
+    given = LocalSGD(LocalSGDConfig.diloco(4, outer_lr=0.3), nn.Linear(3, 2))
+    given.fit_outer_to([sgd])
+    given.load_heal_state(live.heal_state())
+    assert outer(given) == (0.3, 0.9, True)
 
 
 def test_sync_every_auto_in_a_lightning_run_one_h_on_every_rank_and_a_resume_goes_on_bit_for_bit(tmp_path):
@@ -1151,7 +1157,6 @@ def test_sync_every_auto_on_3_ranks_with_an_overflow_in_the_measured_window_and_
     # 3 ranks, fp16 AMP; rank 0 overflows at the second step of each 11-step epoch (steps 2 and 13 lie in the
     # provisional window of 16); CommProfiler, StragglerDetector and AMPMonitor gather at the syncs. Every rank takes
     # one H, the rule's for the agreed figures, and the ranks hold one model after each sync.
-    monitor = AMPMonitor()
     ranks = _fit(
         tmp_path,
         LocalSGDConfig.diloco("auto"),
@@ -1160,7 +1165,7 @@ def test_sync_every_auto_on_3_ranks_with_an_overflow_in_the_measured_window_and_
         samples=264,
         max_epochs=4,
         plugins=[fp16_mixed_precision("cpu")],
-        callbacks=[CommProfiler(every_n_steps=4), StragglerDetector(), monitor],
+        callbacks=[CommProfiler(every_n_steps=4), StragglerDetector(), AMPMonitor()],
     )
     choices = [rank["local"]["sync_every_choice"] for rank in ranks]
     assert choices[0] is not None and choices[1:] == [choices[0]] * 2
@@ -1168,8 +1173,11 @@ def test_sync_every_auto_on_3_ranks_with_an_overflow_in_the_measured_window_and_
     every, share = _chosen(choice["sync_s"], choice["compute_s"])
     assert (choice["sync_every"], choice["exposed_share"], choice["since"]) == (every, share, 16)
     assert [record["skipped_inner"] for record in ranks] == [4, 0, 0]  # one overflow an epoch, on rank 0 only
-    for step in range(16, 45, every):
-        assert all(torch.equal(ranks[0]["params"][step - 1], other["params"][step - 1]) for other in ranks[1:]), step
+    syncs = set(range(16, 45, every))
+    for step in range(1, 45):  # one model right after each sync, their own in between
+        same = all(torch.equal(ranks[0]["params"][step - 1], other["params"][step - 1]) for other in ranks[1:])
+        assert same == (step in syncs), step
+    assert all(record["local"]["syncs"] == len(syncs) for record in ranks)
     assert all(bool(record["final"].isfinite().all()) for record in ranks)
 
 

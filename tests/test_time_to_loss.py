@@ -5,10 +5,15 @@ reading of a run honest."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from lightning_ddpopt import LocalSGDConfig
+from lightning_ddpopt.localsgd.outer import SyncEveryChoice
 from tests.helpers import load_script
+
+pytestmark = pytest.mark.quick
 
 bench = load_script("benchmarks/time_to_loss.py")
 quality = load_script("benchmarks/transformer_quality.py")
@@ -46,6 +51,19 @@ def test_local_sgd_is_measured_right_after_each_applied_sync() -> None:
     assert bench._eval_steps("diloco16_overlap8", 8) == (16, 8)
     assert bench._eval_steps("diloco16_overlap4_w40", 8) == (16, (40 + 4) % 16)
     assert bench._eval_steps("dilocoauto", 8) == (16, 0)  # the provisional H until the choice
+
+
+@pytest.mark.parametrize("overlap", [0, 4])
+def test_sync_every_auto_is_measured_after_each_sync_of_the_h_it_chose(overlap: int) -> None:
+    period, offset = bench._eval_steps(f"dilocoauto{f'_overlap{overlap}' if overlap else ''}", 8)
+    loop = SimpleNamespace(config=SimpleNamespace(overlap_steps=overlap), sync_every_choice=None)
+    before = [step for step in range(1, 60) if bench.measuring(loop, step, period, offset)]
+    assert before == [16 + overlap, 32 + overlap, 48 + overlap]  # the provisional H = 16
+    # Chosen at the application of the sync started at 16: windows of 8 from there.
+    loop.sync_every_choice = SyncEveryChoice(8, 0.1, 0.05, 1.0, since=16)
+    after = [step for step in range(1, 60) if bench.measuring(loop, step, period, offset)]
+    assert after == list(range(16 + overlap, 60, 8))
+    assert bench.measuring(None, 16, period, offset) == (overlap == 0)  # stock: no local SGD
 
 
 def test_diloco_variant_grammar() -> None:

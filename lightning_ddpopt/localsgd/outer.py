@@ -172,8 +172,8 @@ class LocalSGD:
         #: The config in use: the one given, with ``outer_lr`` and ``outer_momentum`` ``"auto"`` resolved.
         self.config = config.fit_outer(adaptive=False)
         self._asked = config
-        #: Whether the outer settings ``"auto"`` resolved to came from a checkpoint (then the optimizers do not change
-        #: them).
+        #: Whether the outer settings ``"auto"`` resolved to came from a checkpoint or, for a returning fault-tolerant
+        #: island, from the live islands (then the optimizers do not change them).
         self.outer_from_checkpoint = False
         #: What ``sync_every="auto"`` chose (``None``: a number was given, or the ranks have not chosen yet).
         self.sync_every_choice: SyncEveryChoice | None = None
@@ -846,9 +846,10 @@ class LocalSGD:
         """Take a live island's :meth:`heal_state` (in a sync, as it was taken: the sync then goes on as theirs)."""
         self.steps, self.syncs, self._steps_off_anchor = state["steps"], state["syncs"], state["steps_off_anchor"]
         outer = state.get("outer")  # absent from a live island of an earlier release
-        if self._asked.outer_auto and outer is not None:
-            self._set_outer(dataclasses.replace(self._asked, **outer))
-            self.outer_from_checkpoint = True  # a later fit_outer_to keeps them
+        if self._asked.outer_auto and outer is not None:  # the fields asked "auto" take theirs, as from a checkpoint
+            taken = _saved_config(self._asked, outer)
+            self._set_outer(dataclasses.replace(self._asked, **{name: taken[name] for name in outer}))
+            self.outer_from_checkpoint = True
         for name in ("anchor", "momentum"):
             mine, theirs = getattr(self, name), state[name]
             if theirs is None or mine is None or mine.shape != theirs.shape:
