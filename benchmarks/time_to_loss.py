@@ -24,8 +24,10 @@ ratio to the same round's stock.
     .venv/bin/python benchmarks/time_to_loss.py --variants stock,diloco16,diloco16_lr1.0 --name sweep
     .venv/bin/python benchmarks/time_to_loss.py --suite                    # the README's 2 x 1 columns (SUITE)
 
-Variants: ``stock``, ``ours`` (``OptimizedDDPStrategy()``), a hook's name (``fp16``, ``bf16``, ``int8``,
-``powersgd``) flat, ``<hook>_hier`` in two tiers, ``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>]
+Variants: ``stock``, ``compute`` (the compute-only limit: stock's steps on every rank alone, no process group, all at
+once; its time over an option's time to the target is the option's "of the limit"), ``ours``
+(``OptimizedDDPStrategy()``), a hook's name (``fp16``, ``bf16``, ``int8``, ``powersgd``) flat, ``<hook>_hier`` in
+two tiers, ``diloco<H>[_overlap[<tau>]][_int8|_fp32][_ranks|_replica<k>]
 [_lr<outer lr>][_m<outer momentum>][_a<overlap mixing>][_w<warm-up steps>]`` (``transformer_quality.diloco_config``:
 islands of a host's ranks unless ``_ranks``; ``diloco()``'s settings otherwise); ``dilocoauto``
 (``sync_every="auto"``) is measured after each sync, of the provisional H first, then of the H it chose (the choice
@@ -53,6 +55,7 @@ from cluster import Cluster, can_emulate, parse_rate, run_variant  # noqa: E402
 
 GPT_VARIANTS = (
     "stock",
+    "compute",
     "ours",
     "fp16",
     "bf16",
@@ -63,11 +66,17 @@ GPT_VARIANTS = (
     "diloco16_overlap8",
 )
 #: ``--suite``: the README table's columns of 2 hosts x 1 rank, each a layout of its own (about 30 minutes for the
-#: two on 2 cores): the options the README recommends, on the GPT at a rate where stock's sync is most of its step
-#: and on the MLP at 200 Mbit. It sets each layout's ``--model``, ``--rate``, ``--variants`` and ``--name``.
+#: two on 2 cores): the compute-only limit and the options the README recommends, on the GPT at a rate where stock's
+#: sync is most of its step and on the MLP at 200 Mbit. It sets each layout's ``--model``, ``--rate``, ``--variants``
+#: and ``--name``.
 SUITE: tuple[dict[str, Any], ...] = (
-    {"model": "gpt", "rate": "50mbit", "variants": "stock,ours,fp16,int8,powersgd,diloco16,diloco16_overlap8"},
-    {"model": "mlp", "rate": "200mbit", "eval_every": 4, "variants": "stock,int8,powersgd,diloco16,diloco16_overlap8"},
+    {"model": "gpt", "rate": "50mbit", "variants": "stock,compute,ours,fp16,int8,powersgd,diloco16,diloco16_overlap8"},
+    {
+        "model": "mlp",
+        "rate": "200mbit",
+        "eval_every": 4,
+        "variants": "stock,compute,int8,powersgd,diloco16,diloco16_overlap8",
+    },
 )
 #: At --ranks-per-host above 1 the two-tier hooks and the replica per rank join (DiLoCo's islands are the default).
 TIERED_VARIANTS = ("int8_hier", "diloco16_ranks")
@@ -87,6 +96,8 @@ def make_strategy(variant: str) -> Any:
 
     if variant == "stock":
         return DDPStrategy()
+    if variant == "compute":  # every rank alone: no process group, no sync
+        return "auto"
     if variant == "ours":
         return OptimizedDDPStrategy()
     if variant.startswith("diloco"):
@@ -217,10 +228,11 @@ def worker(args: argparse.Namespace) -> None:
 
     clock = LossClock()
     pl.seed_everything(0, verbose=False)
+    alone = args.variant == "compute"
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=args.devices,
-        num_nodes=args.num_nodes,
+        devices=1 if alone else args.devices,
+        num_nodes=1 if alone else args.num_nodes,
         strategy=make_strategy(args.variant),
         max_steps=args.steps,
         max_epochs=-1,
@@ -242,6 +254,7 @@ def worker(args: argparse.Namespace) -> None:
             "curve": clock.curve,
             "parameters": sum(p.numel() for p in model.parameters()),
             "bytes_per_step": statistics.fmean(sent) if sent else None,
+            "step_times_s": [],  # the compute reference's processes report theirs (the clock's curve holds it)
             "sync_every": getattr(getattr(trainer.strategy, "local_sgd", None), "sync_every", None),
             # sync_every="auto": what it chose from (H, sync_s, compute_s, exposed_share, since)
             "sync_every_choice": list(vars(choice).values())
@@ -281,8 +294,8 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per variant: the medians over the rounds of its time to stock's loss, that time's ratio to stock's, the loss at
     stock's budget, and the steps it took."""
     rows = []
-    for variant in rounds[0]:
-        sooner, seconds, losses, steps, reached = [], [], [], [], 0
+    for variant in [name for name in rounds[0] if name != "compute"]:
+        sooner, seconds, losses, steps, of_limit, reached = [], [], [], [], [], 0
         for results in rounds:
             stock = results["stock"]
             target, budget = stock["curve"][-1][2], stock["curve"][-1][0]
@@ -294,6 +307,8 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
                 seconds.append(when)
                 sooner.append(budget / when)
                 steps.append(steps_to(curve, target))
+                if "compute" in results:  # stock's steps with no sync, at the same time as the others
+                    of_limit.append(results["compute"]["curve"][-1][0] / when)
         first = rounds[0][variant]
         rows.append(
             {
@@ -305,6 +320,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
                 "loss_at_budget": statistics.median([x for x in losses if x is not None]) if any(losses) else None,
                 "steps_to_target": statistics.median([s for s in steps if s is not None]) if steps else None,
                 "bytes_per_step": first.get("bytes_per_step"),
+                "of_limit": statistics.median(of_limit) if len(of_limit) == len(rounds) else None,
             }
         )
     return rows
@@ -384,7 +400,7 @@ def measure(args: argparse.Namespace) -> None:
         for index in range(args.rounds):
             results: dict[str, dict[str, Any]] = {}
             for number, variant in enumerate(variants):
-                if variant == "stock":
+                if variant in ("stock", "compute"):
                     extra = ["--steps", str(args.steps)]
                 else:
                     stock = results["stock"]["curve"][-1]
@@ -463,9 +479,19 @@ def write_report(
         f"{'network namespaces with tc-shaped links' if meta['emulated'] else 'loopback, unshaped'}; "
         f"{meta['rounds']} interleaved rounds, medians; {meta['minutes']:.0f} min in all.",
         "",
-        "| option | reaches stock's loss | time to it | steps to it | loss at stock's time | sent per step | "
-        "rounds (x sooner) |",
-        "|---|---|---|---|---|---|---|",
+    ]
+    limits = [r["compute"]["curve"][-1][0] for r in rounds if "compute" in r]
+    if limits:  # the compute-only limit: every rank alone, no sync, stock's steps
+        lines += [
+            f"The compute-only limit: stock's {meta['stock_steps']} steps with no sync (every rank alone, all at "
+            f'once) took {", ".join(f"{t:.1f} s" for t in limits)}; "of the limit" is that time over an option\'s '
+            "time to stock's loss (1 for stock on a link that cost nothing).",
+            "",
+        ]
+    lines += [
+        "| option | reaches stock's loss | time to it | of the limit | steps to it | loss at stock's time | "
+        "sent per step | rounds (x sooner) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["sooner"] is None:
@@ -480,8 +506,11 @@ def write_report(
         steps = "-" if row["steps_to_target"] is None else f"{row['steps_to_target']:.0f}"
         loss = "-" if row["loss_at_budget"] is None else f"{row['loss_at_budget']:.4f}"
         sent = "-" if row["bytes_per_step"] is None else f"{row['bytes_per_step'] / 1e6:.2f} MB"
+        of_limit = "-" if row.get("of_limit") is None else f"{row['of_limit']:.2f}"
         per_round = ", ".join(f"{s:.2f}" for s in row["rounds_sooner"]) + f" ({row['reached']} reached)"
-        lines.append(f"| {row['variant']} | {sooner} | {seconds} | {steps} | {loss} | {sent} | {per_round} |")
+        lines.append(
+            f"| {row['variant']} | {sooner} | {seconds} | {of_limit} | {steps} | {loss} | {sent} | {per_round} |"
+        )
     text = "\n".join(lines) + "\n"
     (out / f"{name}.md").write_text(text)
     print(text)

@@ -41,6 +41,11 @@ def test_summary_takes_each_rounds_ratio_to_its_own_stock() -> None:
     assert rows["other"]["sooner"] == 3.0  # the median of the rounds' ratios, not of the times
     assert rows["other"]["reached"] == "3/3" and rows["other"]["steps_to_target"] == 60
     assert rows["stock"]["sooner"] == 1.0
+    limited = [{**round_(30, 10), "compute": {"curve": [[5.0, 80, 2.5]]}} for _ in range(3)]
+    rows = {row["variant"]: row for row in bench.summarize(limited)}
+    assert "compute" not in rows  # the limit is a reference, not an option
+    assert rows["other"]["of_limit"] == 0.5 and rows["stock"]["of_limit"] == pytest.approx(5 / 30)
+    assert rows["other"]["sooner"] == 3.0
     missed = bench.summarize([{"stock": round_(30, 10)["stock"], "other": {"curve": [[30, 80, 1.5]]}}])
     assert missed[1]["sooner"] is None and missed[1]["reached"] == "0/1" and missed[1]["loss_at_budget"] == 1.5
 
