@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # The package beside this script first (a snapshot of the tree can be benchmarked while the tree changes).
@@ -160,24 +160,34 @@ def _mlp_data() -> tuple[Any, Any, Any, Any]:
     return Classifier(), TensorDataset(x[:cut], y[:cut]), x[cut:], y[cut:]
 
 
-def _eval_steps(variant: str, every: int) -> tuple[int, int]:
-    """``(period, offset)``: the steps at which the loss is measured, ``step % period == offset``."""
+class Schedule(NamedTuple):
+    """The steps at which the loss is measured: ``step % period == offset``, in the warm-up or from ``first`` on."""
+
+    period: int
+    offset: int
+    warmup: int
+    first: int
+
+
+def _eval_steps(variant: str, every: int) -> Schedule:
+    """Every ``every`` steps; local SGD right after each sync is applied (and in its synchronous warm-up)."""
     if not variant.startswith("diloco"):
-        return every, 0
+        return Schedule(every, 0, 0, every)
     config = _diloco(variant)
     every = config.first_sync_every  # "auto": measured at the provisional H's syncs (the H chosen is reported)
-    return every, (config.warmup_steps + config.overlap_steps) % every
+    warmup, overlap = config.warmup_steps, config.overlap_steps
+    return Schedule(every, (warmup + overlap) % every, warmup, warmup + every + overlap)
 
 
-def measuring(local_sgd: Any, step: int, period: int, offset: int) -> bool:
-    """Whether the loss is measured after optimizer step ``step``: ``step % period == offset`` from the first period
-    on (local SGD: not before its first sync is applied), but with ``sync_every="auto"``, once the ranks chose, right
-    after each sync of the chosen H (its windows count from the choice's sync; an overlapped sync is applied
-    ``overlap_steps`` later). The same on every rank."""
+def measuring(local_sgd: Any, step: int, schedule: Schedule) -> bool:
+    """Whether the loss is measured after optimizer step ``step`` (see :class:`Schedule`), but with
+    ``sync_every="auto"``, once the ranks chose, right after each sync of the chosen H (its windows count from the
+    choice's sync; an overlapped sync is applied ``overlap_steps`` later). The same on every rank."""
     choice = getattr(local_sgd, "sync_every_choice", None)
     if choice is not None and step > choice.since:
         return (step - choice.since - local_sgd.config.overlap_steps) % choice.sync_every == 0
-    return step >= period and step % period == offset
+    period, offset, warmup, first = schedule
+    return (step <= warmup or step >= first) and step % period == offset
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -189,7 +199,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(int(threads))
     model, train, held_x, held_y = _gpt_data() if args.model == "gpt" else _mlp_data()
-    period, offset = _eval_steps(args.variant, args.eval_every)
+    schedule = _eval_steps(args.variant, args.eval_every)
 
     class LossClock(pl.Callback):
         """The validation loss at the measuring steps against the training wall time (evaluations left out)."""
@@ -209,7 +219,7 @@ def worker(args: argparse.Namespace) -> None:
                 return
             self.seen = step
             last = step >= args.steps
-            if not (last or measuring(getattr(trainer.strategy, "local_sgd", None), step, period, offset)):
+            if not (last or measuring(getattr(trainer.strategy, "local_sgd", None), step, schedule)):
                 return
             begun = time.perf_counter()
             elapsed = begun - self.start - self.excluded
@@ -254,7 +264,7 @@ def worker(args: argparse.Namespace) -> None:
             "curve": clock.curve,
             "parameters": sum(p.numel() for p in model.parameters()),
             "bytes_per_step": statistics.fmean(sent) if sent else None,
-            "step_times_s": [],  # the compute reference's processes report theirs (the clock's curve holds it)
+            "step_times_s": [],  # cluster.run_variant reads this key of every compute process; the curve has the times
             "sync_every": getattr(getattr(trainer.strategy, "local_sgd", None), "sync_every", None),
             # sync_every="auto": what it chose from (H, sync_s, compute_s, exposed_share, since)
             "sync_every_choice": list(vars(choice).values())
@@ -484,8 +494,8 @@ def write_report(
     if limits:  # the compute-only limit: every rank alone, no sync, stock's steps
         lines += [
             f"The compute-only limit: stock's {meta['stock_steps']} steps with no sync (every rank alone, all at "
-            f'once) took {", ".join(f"{t:.1f} s" for t in limits)}; "of the limit" is that time over an option\'s '
-            "time to stock's loss (1 for stock on a link that cost nothing).",
+            f'once; rank 0\'s clock) took {", ".join(f"{t:.1f} s" for t in limits)}; "of the limit" is that time '
+            "over an option's time to stock's loss (about 1 for stock on a link that cost nothing).",
             "",
         ]
     lines += [

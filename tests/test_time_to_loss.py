@@ -51,24 +51,29 @@ def test_summary_takes_each_rounds_ratio_to_its_own_stock() -> None:
 
 
 def test_local_sgd_is_measured_right_after_each_applied_sync() -> None:
-    assert bench._eval_steps("int8", 8) == (8, 0)
-    assert bench._eval_steps("diloco16", 8) == (16, 0)
-    assert bench._eval_steps("diloco16_overlap8", 8) == (16, 8)
-    assert bench._eval_steps("diloco16_overlap4_w40", 8) == (16, (40 + 4) % 16)
-    assert bench._eval_steps("dilocoauto", 8) == (16, 0)  # the provisional H until the choice
+    def steps(variant: str) -> list[int]:
+        schedule = bench._eval_steps(variant, 8)
+        return [step for step in range(1, 100) if bench.measuring(None, step, schedule)]
+
+    assert steps("int8") == list(range(8, 100, 8))
+    assert steps("diloco16") == list(range(16, 100, 16))
+    assert steps("diloco16_overlap8") == list(range(24, 100, 16))  # started at 16, applied at 24
+    # Synchronous for 40 steps (measured there too), then the first sync starts at 56 and is applied at 60.
+    assert steps("diloco16_overlap4_w40") == [12, 28, 60, 76, 92]
+    assert steps("dilocoauto") == list(range(16, 100, 16))  # the provisional H until the choice
 
 
 @pytest.mark.parametrize("overlap", [0, 4])
 def test_sync_every_auto_is_measured_after_each_sync_of_the_h_it_chose(overlap: int) -> None:
-    period, offset = bench._eval_steps(f"dilocoauto{f'_overlap{overlap}' if overlap else ''}", 8)
+    schedule = bench._eval_steps(f"dilocoauto{f'_overlap{overlap}' if overlap else ''}", 8)
     loop = SimpleNamespace(config=SimpleNamespace(overlap_steps=overlap), sync_every_choice=None)
-    before = [step for step in range(1, 60) if bench.measuring(loop, step, period, offset)]
+    before = [step for step in range(1, 60) if bench.measuring(loop, step, schedule)]
     assert before == [16 + overlap, 32 + overlap, 48 + overlap]  # the provisional H = 16
     # Chosen at the application of the sync started at 16: windows of 8 from there.
     loop.sync_every_choice = SyncEveryChoice(8, 0.1, 0.05, 1.0, since=16)
-    after = [step for step in range(1, 60) if bench.measuring(loop, step, period, offset)]
+    after = [step for step in range(1, 60) if bench.measuring(loop, step, schedule)]
     assert after == list(range(16 + overlap, 60, 8))
-    assert bench.measuring(None, 16, period, offset) == (overlap == 0)  # stock: no local SGD
+    assert bench.measuring(None, 16, schedule) == (overlap == 0)  # stock: no local SGD
 
 
 def test_diloco_variant_grammar() -> None:
@@ -93,3 +98,41 @@ def test_the_suite_names_only_options_the_benchmark_knows() -> None:
     for layout in bench.SUITE:
         for variant in layout["variants"].split(","):
             bench.make_strategy(variant)  # a typo raises here instead of after half an hour of runs
+    assert bench.make_strategy("compute") == "auto"  # every rank alone: Lightning's single-device strategy
+
+
+def test_the_report_states_the_limit_and_each_options_share_of_it(tmp_path) -> None:
+    rounds = [
+        {
+            "stock": {"curve": [[15.0, 40, 2.0], [stock, 80, 1.0]]},
+            "compute": {"curve": [[6.0, 80, 1.5]]},
+            "int8": {"curve": [[stock / 2, 96, 1.0]], "bytes_per_step": 490_000.0},
+        }
+        for stock in (30.0, 32.0, 28.0)
+    ]
+    meta = {
+        "model": "gpt",
+        "hosts": 2,
+        "ranks_per_host": 1,
+        "rate": "50mbit",
+        "stock_steps": 80,
+        "batch_size": 32,
+        "command": "benchmarks/time_to_loss.py",
+        "date": "2026-12-07",
+        "cpu_cores": 2,
+        "emulated": True,
+        "rounds": 3,
+        "minutes": 5.0,
+    }
+    bench.write_report(bench.summarize(rounds), rounds, meta, tmp_path, "report")
+    text = (tmp_path / "report.md").read_text()
+    assert (
+        "stock's 80 steps with no sync (every rank alone, all at once; rank 0's clock) took 6.0 s, 6.0 s, 6.0 s" in text
+    )
+    # int8 took half stock's time in every round: 2x sooner, 6 / 15 = 0.40 of the limit at the median.
+    assert (
+        "| int8 | **2.00x sooner** | 15.0 s | 0.40 | 96 | 1.0000 | 0.49 MB | 2.00, 2.00, 2.00 (3/3 reached) |" in text
+    )
+    assert "| stock | 1.00x (the target) | 30.0 s | 0.20 | 80 |" in text
+    bench.render(tmp_path / "report")  # written again from its JSON, the same
+    assert (tmp_path / "report.md").read_text() == text

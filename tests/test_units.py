@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_ddpopt.buckets import BucketController, plan_buckets
 from lightning_ddpopt.cli import main as ddpopt
-from lightning_ddpopt.units import MIB, byte_unit, format_bytes
+from lightning_ddpopt.units import MIB, byte_unit, format_bytes, format_seconds
 from tests.helpers import StackModel
 
 pytestmark = pytest.mark.quick
@@ -35,6 +35,21 @@ pytestmark = pytest.mark.quick
 )
 def test_format_bytes_scales_the_unit(nbytes, text):
     assert format_bytes(nbytes) == text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.00042, "0.42 ms"),  # 3 significant digits below 10 ms, not "0 ms"
+        (0.0099, "9.9 ms"),
+        (0.0204, "20 ms"),
+        (0.9994, "999 ms"),
+        (0.9996, "1.00 s"),  # not "1000 ms"
+        (1.234, "1.23 s"),
+    ],
+)
+def test_format_seconds(seconds, text):
+    assert format_seconds(seconds) == text
 
 
 def test_byte_unit():
