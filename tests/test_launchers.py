@@ -202,8 +202,9 @@ def test_every_launcher(tmp_path, launcher):
         {"comm_hook": Int8Config()},
         {"comm_hook": "auto"},
         {"local_sgd": LocalSGDConfig.diloco(8, overlap_steps=2, compression="int8"), "cpu_affinity": True},
+        {"local_sgd": LocalSGDConfig.diloco("auto", overlap_steps=4, replica="node")},
     ],
-    ids=["allreduce", "powersgd", "int8", "auto", "localsgd"],
+    ids=["allreduce", "powersgd", "int8", "auto", "localsgd", "localsgd_auto"],
 )
 def test_no_tensor_exists_before_the_ranks_start(options):
     """What a launcher pickles into the ranks holds no tensor of ours: per-rank state is born in the ranks."""
