@@ -35,11 +35,11 @@ from lightning_ddpopt._compat import say_during_training, set_ddp_sync
 from lightning_ddpopt._groups import destroy_owned_group
 from lightning_ddpopt.ledger import CommLedger
 from lightning_ddpopt.localsgd.config import LocalSGDConfig
-from lightning_ddpopt.localsgd.islands import IslandGroups, Islands, plan_islands
+from lightning_ddpopt.localsgd.islands import Islands, plan_islands
 from lightning_ddpopt.localsgd.outer import LocalSGD, ParameterSync
 from lightning_ddpopt.localsgd.sigterm import SigtermAtSyncs
 from lightning_ddpopt.timing import Mark
-from lightning_ddpopt.topology import Topology
+from lightning_ddpopt.topology import TierGroups, Topology
 
 __all__ = ["LocalSGDDriver"]
 
@@ -56,7 +56,8 @@ class LocalSGDDriver:
         self.loop: LocalSGD | None = None
         #: The replicas' ranks, from :meth:`plan` on.
         self.islands: Islands | None = None
-        self.groups: IslandGroups | None = None
+        #: Islands of several ranks: their groups (an island is a node to them: ``intra``, ``intra_gather``, ``cross``).
+        self.groups: TierGroups | None = None
         self._group: dist.ProcessGroup | None = None
         self._sigterm: SigtermAtSyncs | None = None
         #: Fault-tolerant islands: the job is one island, whatever ``replica`` says (the islands are jobs).
@@ -116,8 +117,8 @@ class LocalSGDDriver:
                 f"({self.islands.describe()} on {topology.describe()}): its gradients cross the nodes every step; "
                 "replica='node' keeps each replica inside a node"
             )
-        groups = self.groups = IslandGroups(self.islands, new_group)
-        return (lambda: groups.gradients), (lambda: self.loop is not None and self.loop.local)
+        groups = self.groups = TierGroups(Topology(rank=rank, nodes=self.islands.members), new_group)
+        return (lambda: groups.intra), (lambda: self.loop is not None and self.loop.local)
 
     def start(self, model: DistributedDataParallel, own_group: Callable[[], dist.ProcessGroup]) -> None:
         """Build the outer loop over ``model``'s parameters once DDP has wrapped them."""
@@ -130,7 +131,7 @@ class LocalSGDDriver:
                     "parameters were used over every rank at every step: the islands then meet every step"
                 )
             self.loop = LocalSGD(
-                self.config, model.module, self.groups.across, island=self.groups.gather, place=self.islands.place
+                self.config, model.module, self.groups.cross, island=self.groups.intra_gather, place=self.islands.place
             )
             layout = self.loop.layout
             if self.loop.params[0].device.type == "cpu":  # the island's gather buffers, mapped by its ranks together

@@ -3,23 +3,20 @@
 DiLoCo runs across islands: the ranks of a replica (a node, usually) all-reduce their gradients every step over the
 fast link inside it, and the replicas sync their parameters every ``H`` steps over the slow link between them.
 :func:`plan_islands` turns ``LocalSGDConfig.replica`` and the run's nodes into the islands' ranks, with the reason
-for the setup log line; :class:`IslandGroups` makes their process groups, the same way on every rank, through
-:class:`~lightning_ddpopt.topology.TierGroups` (an island is a node to them): the island's gradient group, its
-gather group (the outer step's shards), and the group across the islands of this rank's island rank.
+for the setup log line. Their process groups are :class:`~lightning_ddpopt.topology.TierGroups` over the islands (an
+island is a node to them): the island's gradient group (``intra``), its gather group (``intra_gather``: the outer
+step's shards), and the group across the islands of this rank's island rank (``cross``).
 
 The terms used here (round, verdict, meeting, in flight, island, ...) are defined in the design page's glossary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from lightning_ddpopt.topology import Topology
 
-from lightning_ddpopt.topology import TierGroups, Topology
-
-__all__ = ["IslandGroups", "Islands", "plan_islands"]
+__all__ = ["Islands", "plan_islands"]
 
 
 @dataclass(frozen=True)
@@ -116,34 +113,3 @@ def plan_islands(replica: str | int, topology: Topology | None, world_size: int,
         )
     members = tuple(tuple(range(start, start + size)) for start in range(0, world_size, size))
     return Islands(rank, members, f"replica={replica!r}")
-
-
-class IslandGroups:
-    """The process groups of islands of several ranks each, made by every rank together (see the module doc).
-
-    Each group is ``None`` once :meth:`close` destroyed it.
-    """
-
-    def __init__(self, islands: Islands, new_group: Callable[[list[int]], dist.ProcessGroup]) -> None:
-        assert islands.size > 1 and islands.count > 1, "island groups need several islands of several ranks"
-        self.islands = islands
-        self._tiers = TierGroups(Topology(rank=islands.rank, nodes=islands.members), new_group)
-
-    @property
-    def gradients(self) -> dist.ProcessGroup | None:
-        """This rank's island: its gradients' all-reduce every local step."""
-        return self._tiers.intra
-
-    @property
-    def gather(self) -> dist.ProcessGroup | None:
-        """This rank's island again: the outer step's shards gathered into the model, the buffers' sums."""
-        return self._tiers.intra_gather
-
-    @property
-    def across(self) -> dist.ProcessGroup | None:
-        """The ranks of this rank's island rank in every island: the outer sync's exchange."""
-        return self._tiers.cross
-
-    def close(self) -> None:
-        """Destroy the groups (every rank, at teardown; nothing else may hold them): the attributes become ``None``."""
-        self._tiers.close()
