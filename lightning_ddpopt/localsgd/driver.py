@@ -308,8 +308,6 @@ class LocalSGDDriver:
         if sigterm is not None:
             sigterm.remove()  # Lightning's own again, should the trainer fit once more
         if self.loop is not None:
-            self.loop.abandon_in_flight()  # only after a failure: fit's end applies it
-            self.loop.drop_shards()  # only after a failure: fit's end gathers them
             if not self.loop.close():
                 rank_zero_warn("ddpopt: local SGD's overlapped sync is still busy after a minute; its groups are kept")
                 return

@@ -139,7 +139,7 @@ class LocalSGD:
 
     A sync is one sequence: the shard's change ``anchor - params``, its mean over the replicas, the outer step on the
     anchor, the island's gather of the new anchor into the parameters, the buffers' sync. Only the mean differs by
-    mode, chosen once (:meth:`_send` and :meth:`_receive`, :meth:`_average`):
+    mode (:meth:`_average`: :meth:`_send` and :meth:`_receive`, chosen once, or :attr:`across_islands`):
 
     * fp32, fp16, bf16: one all-reduce of ``change / replicas``, fp32 in place, else in the wire buffer (half
       precision, or fp32 when overlapped);
@@ -211,31 +211,21 @@ class LocalSGD:
         self._receive = self._receive_all_reduce if self._int8 is None else self._receive_int8
         # fp32 all-reduced in place, unless overlapped (then in the wire buffer, as half precision always is).
         self._in_place = self.config.compression == "fp32" and not self.config.overlap_steps
-        self._quorum: QuorumMean | None = None
-        self._average = self._average_over_replicas
+        #: Fault-tolerant islands (:mod:`lightning_ddpopt.fault_tolerance`): the replica's ``sync_mean``, which
+        #: averages a change sent as it is, in place, over the islands of the quorum and returns whether the sync
+        #: commits; ``None``: the replicas are :attr:`process_group`'s. It chooses the sync's mean.
+        self.across_islands: QuorumMean | None = None
         # Where an overlapped sync is carried on beside the training thread (see the class doc).
         self._worker: Worker | None = None
         self._side = SideStreams()
         # The outer momentum of the next anchor, computed ahead in an island (the current one stays until the apply).
         self._next_momentum: torch.Tensor | None = None
-        # Local steps whose progress the parameters hold apart from the anchor (see local_steps_since_sync).
-        self._steps_off_anchor = 0
+        #: Local optimizer steps whose progress the anchor does not hold: 0 right after a sync without overlap and
+        #: in the warm-up; with ``overlap_steps`` and ``overlap_mixing > 0`` the window the last sync carried plus the
+        #: steps since it started (part of their progress is mixed in).
+        self.local_steps_since_sync = 0
         #: Sync after the next local optimizer step, whatever the schedule (every rank alike), then as scheduled.
         self.sync_next = False
-
-    @property
-    def across_islands(self) -> QuorumMean | None:
-        """Fault-tolerant islands (:mod:`lightning_ddpopt.fault_tolerance`): the replica's ``sync_mean``.
-
-        It averages a change sent as it is, in place, over the islands of the quorum and returns whether the sync
-        commits; ``None``: the replicas are :attr:`process_group`'s. Setting it chooses the sync's mean.
-        """
-        return self._quorum
-
-    @across_islands.setter
-    def across_islands(self, sync_mean: QuorumMean | None) -> None:
-        self._quorum = sync_mean
-        self._average = self._average_over_replicas if sync_mean is None else self._average_over_quorum
 
     @property
     def sharded(self) -> bool:
@@ -289,15 +279,6 @@ class LocalSGD:
         """
         return self.local and bool(self.config.overlap_steps)
 
-    @property
-    def local_steps_since_sync(self) -> int:
-        """Local optimizer steps whose progress the anchor does not hold.
-
-        0 right after a sync without overlap and in the warm-up; with ``overlap_steps`` and ``overlap_mixing > 0``
-        the window the last sync carried plus the steps since it started (part of their progress is mixed in).
-        """
-        return self._steps_off_anchor
-
     # The schedule: which batches sync gradients, which steps sync parameters.
 
     def before_batch(self) -> bool:
@@ -347,7 +328,7 @@ class LocalSGD:
         if not was_local:
             return None
         self.skipped_inner_steps += int(skipped)
-        self._steps_off_anchor += 1
+        self.local_steps_since_sync += 1
         if self._in_flight is not None and self.steps == self._in_flight.apply_at:
             return self._apply_in_flight()
         if self.sync_next:  # a sync asked for out of schedule (a fault-tolerant island joining)
@@ -441,7 +422,7 @@ class LocalSGD:
         """
         if self._in_flight is not None:  # a sync still in flight: apply it first
             self._apply_in_flight()
-        if self.anchor is None or not self.local or self._steps_off_anchor == 0:
+        if self.anchor is None or not self.local or self.local_steps_since_sync == 0:
             return None
         report = self._exchange(outer_step=False)
         self.averaged_at_end = True
@@ -455,7 +436,6 @@ class LocalSGD:
         ``outer_step``: through the outer optimizer (a sync); otherwise plainly (the final average).
         """
         assert self.anchor is not None
-        anchor = self.anchor
         start = time.perf_counter()
         delta = self.layout.change(self.anchor, self._work_buffer())
         own_sq = squared_norm(delta)
@@ -463,33 +443,23 @@ class LocalSGD:
         drift = self._drift(own_sq, delta)
         if committed:  # a dropped sync (an island lost meanwhile) leaves the anchor: every island goes back to it
             self._outer_step(delta, outer_step)
-        self.layout.load(self.layout.gather(self.anchor))
-        self.layout.release()
-        buffer_bytes = self._sync_buffers()
-        self._steps_off_anchor = 0
-        return ParameterSync(
-            num_elements=anchor.numel(),
-            logical_bytes=anchor.numel() * 4 + buffer_bytes,
-            wire_bytes=wire_bytes + buffer_bytes,
-            start_s=start,
-            end_s=time.perf_counter(),
-            drift=drift,
-        )
+        self.local_steps_since_sync = 0
+        return self._load(self.layout.gather(self.anchor), 1.0, start, wire_bytes, drift)
 
     # The mean, by mode (see the class doc): each leaves the mean change in the work buffer, ``delta``.
 
-    def _average_over_replicas(self, delta: torch.Tensor) -> tuple[int, bool]:
-        """The mean of ``delta`` (the work buffer) over :attr:`process_group`, into it; the bytes sent, True."""
-        handle, wire, sent = self._send(delta)
-        self._receive(handle, wire)
-        return sent, True
+    def _average(self, delta: torch.Tensor) -> tuple[int, bool]:
+        """The mean of ``delta`` (the work buffer) into it; the bytes sent, whether the sync commits.
 
-    def _average_over_quorum(self, delta: torch.Tensor) -> tuple[int, bool]:
-        """The mean of ``delta`` over the fault-tolerant quorum, into it; the bytes sent, whether the sync commits."""
-        assert self._quorum is not None
-        wire = None if self.config.compression == "fp32" else self._wire_buffer()
-        committed = self._quorum(delta, wire)  # fp16/bf16: divided by the islands, then cast
-        return delta.numel() * (wire if wire is not None else delta).element_size(), committed
+        Over :attr:`process_group` by mode (always committed), or over the fault-tolerant quorum.
+        """
+        if self.across_islands is None:
+            handle, wire, sent = self._send(delta)
+            self._receive(handle, wire)
+            return sent, True
+        half = None if self.config.compression == "fp32" else self._wire_buffer()
+        committed = self.across_islands(delta, half)  # fp16/bf16: divided by the islands, then cast
+        return delta.numel() * (half if half is not None else delta).element_size(), committed
 
     def _send_all_reduce(self, delta: torch.Tensor) -> tuple[dist.Work, torch.Tensor, int]:
         """Start all-reducing ``delta`` / replicas; the work, the tensor it arrives in, the bytes sent."""
@@ -592,25 +562,14 @@ class LocalSGD:
             self.anchor.copy_(model[self.layout.bounds[0] : self.layout.bounds[1]])
             if self._next_momentum is not None:
                 self.momentum, self._next_momentum = self._next_momentum, self.momentum
-        # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
-        self.layout.load(model, weight=1 - self.config.overlap_mixing)
-        self.layout.release()
-        buffer_bytes = self._sync_buffers()
         self.syncs += 1
         # The parameters hold part of the window the sync carried and the steps since it started; only with
         # mixing 0 are they the anchor itself.
         started = in_flight.apply_at - self.config.overlap_steps
         mixing = self.config.overlap_mixing
-        self._steps_off_anchor = self.sync_every + self.steps - started if mixing else 0
-        return ParameterSync(
-            num_elements=self.anchor.numel(),
-            logical_bytes=self.anchor.numel() * 4 + buffer_bytes,
-            wire_bytes=in_flight.wire_bytes + buffer_bytes,
-            start_s=start,
-            end_s=time.perf_counter(),
-            overlapped=True,
-            drift=drift,
-        )
+        self.local_steps_since_sync = self.sync_every + self.steps - started if mixing else 0
+        # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
+        return self._load(model, 1 - mixing, start, in_flight.wire_bytes, drift, overlapped=True)
 
     # The steps every sync shares.
 
@@ -669,11 +628,23 @@ class LocalSGD:
             self._work = torch.zeros(self.layout.size, device=self.anchor.device)
         return self._work[: self.anchor.numel()]
 
-    def _sync_buffers(self) -> int:
-        """Average floating-point buffers (or broadcast them) over every rank, broadcast the others; the bytes sent.
+    def _load(
+        self,
+        model: torch.Tensor,
+        weight: float,
+        start: float,
+        wire_bytes: int,
+        drift: tuple[torch.Tensor, torch.Tensor] | None,
+        overlapped: bool = False,
+    ) -> ParameterSync:
+        """End a sync: move the parameters ``weight`` of the way to ``model`` (the whole new anchor), sync the buffers.
 
-        In an island: summed (or taken from its first rank) inside it, then across the replicas.
+        Floating-point buffers are averaged (or broadcast) over every rank, the others broadcast; in an island summed
+        (or taken from its first rank) inside it, then across the replicas. Returns the sync's report.
         """
+        assert self.anchor is not None
+        self.layout.load(model, weight=weight)
+        self.layout.release()
         sent = 0
         groups = [self.process_group] if self.island is None else [self.island, self.process_group]
         for buffer in self.module.buffers():
@@ -685,7 +656,8 @@ class LocalSGD:
                 for group in groups:
                     dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0)
             sent += buffer.numel() * buffer.element_size()
-        return sent
+        numel = self.anchor.numel()
+        return ParameterSync(numel, numel * 4 + sent, wire_bytes + sent, start, time.perf_counter(), overlapped, drift)
 
     # The end of training, and teardown.
 
@@ -707,23 +679,18 @@ class LocalSGD:
         if self._int8 is not None:
             self._int8.release()
 
-    def abandon_in_flight(self) -> None:
-        """Forget a sync still in flight (training failed before applying it); nothing waits for it any more."""
-        self._in_flight = None
-
     def close(self) -> bool:
-        """Stop the worker thread of overlapped syncs (at teardown); False if it is still busy."""
-        worker, self._worker = self._worker, None
-        return worker is None or worker.stop()
+        """At teardown: stop the worker thread of overlapped syncs; False if it is still busy.
 
-    def drop_shards(self) -> None:
-        """Forget a sharded outer state that training ended without gathering (a failure): it covers 1/M of the model.
-
-        A checkpoint saved afterwards holds no anchor (a resume anchors afresh at the weights), not a shard.
+        Only after a failure is there a sync still in flight (fit's end applies it) or a sharded outer state (fit's
+        end gathers it): both are forgotten; nothing waits for the sync any more, and a checkpoint saved afterwards
+        holds no anchor (a resume anchors afresh at the weights), not a shard covering 1/M of the model.
         """
+        self._in_flight = None
         if self.island is not None:
             self.anchor = self.momentum = None
-            self._in_flight = None
+        worker, self._worker = self._worker, None
+        return worker is None or worker.stop()
 
     # Saved state: checkpoints (whole, or as this rank's slices) and a returning fault-tolerant island's heal.
 
@@ -824,7 +791,7 @@ class LocalSGD:
             self._in_flight = InFlight(wire, None, int(saved["apply_at"]), int(saved["wire_bytes"]))
         # Every rank resumes from the saved weights (rank 0's): off the anchor by rank 0's steps since the sync.
         since = self._into_window(self.steps) if self.local and self.anchor is not None else 0
-        self._steps_off_anchor = since + (self.sync_every if self._in_flight is not None else 0)
+        self.local_steps_since_sync = since + (self.sync_every if self._in_flight is not None else 0)
         return None
 
     def heal_state(self) -> dict[str, Any]:
@@ -836,7 +803,7 @@ class LocalSGD:
         return {
             "steps": self.steps,
             "syncs": self.syncs,
-            "steps_off_anchor": self._steps_off_anchor,
+            "steps_off_anchor": self.local_steps_since_sync,
             "anchor": self.anchor,
             "momentum": self.momentum,
             "outer": {name: getattr(self.config, name) for name in ("outer_lr", "outer_momentum", "nesterov")},
@@ -844,7 +811,7 @@ class LocalSGD:
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
         """Take a live island's :meth:`heal_state` (in a sync, as it was taken: the sync then goes on as theirs)."""
-        self.steps, self.syncs, self._steps_off_anchor = state["steps"], state["syncs"], state["steps_off_anchor"]
+        self.steps, self.syncs, self.local_steps_since_sync = state["steps"], state["syncs"], state["steps_off_anchor"]
         outer = state.get("outer")  # absent from a live island of an earlier release
         if self._asked.outer_auto and outer is not None:  # the fields asked "auto" take theirs, as from a checkpoint
             taken = _saved_config(self._asked, outer)
