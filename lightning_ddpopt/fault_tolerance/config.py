@@ -108,22 +108,16 @@ class FaultTolerance:
                 "index in island=K or REPLICA_GROUP_ID=K): the strategy splits the training data into one shard per "
                 "rank of all the islands, and without the count every island would train on the same samples"
             )
-        where, given = "island", self.island
-        if given is None:
-            for where, text in (
-                ("REPLICA_GROUP_ID", os.environ.get("REPLICA_GROUP_ID")),
-                ("replica_id", self.replica_id),
-            ):
-                if text is not None:
-                    if not text.isdigit():
-                        if where == "replica_id":
-                            break
-                        raise ValueError(
-                            f"REPLICA_GROUP_ID={text!r} is not an island index: set it to this island's index, 0 to "
-                            f"{self.islands - 1}, or give FaultTolerance(island=K)"
-                        )
-                    given = int(text)
-                    break
+        where, given, environ = "island", self.island, os.environ.get("REPLICA_GROUP_ID")
+        if given is None and environ is not None:
+            if not environ.isdigit():
+                raise ValueError(
+                    f"REPLICA_GROUP_ID={environ!r} is not an island index: set it to this island's index, 0 to "
+                    f"{self.islands - 1}, or give FaultTolerance(island=K)"
+                )
+            where, given = "REPLICA_GROUP_ID", int(environ)
+        elif given is None and self.replica_id is not None and self.replica_id.isdigit():
+            where, given = "replica_id", int(self.replica_id)
         if given is None:
             raise ValueError(
                 f"FaultTolerance(islands={self.islands}) needs this island's index: give island=K (0 to "

@@ -113,12 +113,8 @@ class FaultTolerantSteps:
             across.begin = replica.begin_average
             across.start()  # its thread again after a teardown (a Fabric loop's next join)
             self._across_steps = across.steps
-        self._island, self._state, self._broadcast, self._device = (
-            (island_rank, island_size),
-            (state_dict, load_state_dict),
-            broadcast,
-            device,
-        )
+        self._island, self._state = (island_rank, island_size), (state_dict, load_state_dict)
+        self._broadcast, self._device = broadcast, device
         self._aligned = island_size == 1
 
     def checkpoint_state(self) -> dict[str, int] | None:
@@ -223,9 +219,7 @@ class FaultTolerantSteps:
         already computed, so precision plugins (which unscale after the closure) and callbacks see the averaged
         gradients as usual. A dropped step zeroes the gradients.
         """
-        if self.replica is None:
-            return step(closure)
-        if not self.per_step:  # local SGD: its syncs vote, inside this step
+        if self.replica is None or not self.per_step:  # local SGD: its syncs vote, inside this step
             return step(closure)
         result = closure()
         if not self.vote(parameters):

@@ -252,23 +252,14 @@ class Replica:
         for chunk in parameter_chunks(parameters, CHUNK_VALUES):
             # In one order on every island, a missing gradient as zeros: the same shape everywhere, whichever
             # parameters this island's batch used.
-            flat = torch.cat(
-                [
-                    p.grad.reshape(-1).to(torch.float32)
-                    if p.grad is not None
-                    else p.new_zeros(p.numel(), dtype=torch.float32)
-                    for p in chunk
-                ]
-            )
+            grads = [p.grad if p.grad is not None else p.new_zeros(p.shape) for p in chunk]
+            flat = torch.cat([grad.reshape(-1).to(torch.float32) for grad in grads])
             self.average_chunk(flat, island)
-            offset = 0
-            for p in chunk:
-                averaged = flat[offset : offset + p.numel()].view_as(p)
+            for p, averaged in zip(chunk, flat.split([p.numel() for p in chunk]), strict=True):
                 if p.grad is None:
-                    p.grad = averaged.to(p.dtype).clone()
+                    p.grad = averaged.view_as(p).to(p.dtype).clone()
                 else:
-                    p.grad.copy_(averaged)
-                offset += p.numel()
+                    p.grad.copy_(averaged.view_as(p))
 
     def commit(self) -> bool:
         """Vote on the step with every island; ``True``: step the optimizer, ``False``: the step is dropped."""

@@ -151,7 +151,10 @@ def fabric_state(strategy: FabricIsland) -> dict[str, Any]:
         "optimizers": [optimizer.state_dict() for optimizer in strategy.optimizers],
         "scaler": scaler.state_dict() if scaler is not None else None,
         "optimizer_steps": strategy.optimizer_steps,
-        "heal_state": {key: _state_of(value) for key, value in strategy.heal_state.items()},
+        "heal_state": {
+            key: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+            for key, value in strategy.heal_state.items()
+        },
     }
 
 
@@ -181,10 +184,6 @@ def load_fabric_state(strategy: FabricIsland, state: dict[str, Any]) -> None:
         else:
             extra[key] = saved
     _load_ours(strategy, state)
-
-
-def _state_of(value: Any) -> Any:
-    return value.state_dict() if callable(getattr(value, "state_dict", None)) else value
 
 
 def _load_ours(strategy: CoreViews | FabricIsland, state: dict[str, Any]) -> None:
