@@ -125,11 +125,8 @@ class Replica:
             check_reachable(address, config.connect_timeout_s)
         self.stats = ReplicaStats()
         self._island_rank, self._island_size = island_rank, island_size
-        self._address, self._min_replicas, self._quorum_timeout_s = (
-            address,
-            config.min_replicas,
-            config.quorum_timeout(sync_every),
-        )
+        self._address, self._min_replicas = address, config.min_replicas
+        self._quorum_timeout_s = config.quorum_timeout(sync_every)
         self._load = load_state_dict
         self._wire = WIRE_DTYPES[config.compression]
         timeout = timedelta(seconds=config.timeout_s)
