@@ -237,10 +237,11 @@ class _Int8TierSync:
         layout = self.layout = state.layout(self.names, [g.numel() for g in self.gradients])
         self.measuring = state.measuring
         shard = layout.shard_blocks * layout.block
-        self.values: torch.Tensor | None = None
+        # (node sum + error) / world size, then the new errors: in the error buffer kept from the round before last
         if state.config.error_feedback:
-            key = "|".join(self.names)
-            self.values = state.error_buffer(round_, key, (shard,), torch.float32, self.buffer.device)
+            self.values = state.error_buffer(round_, "|".join(self.names), (shard,), torch.float32, self.buffer.device)
+        else:
+            self.values = layout.buffer("values", (shard,), torch.float32, self.buffer.device)
         self.loops = _kernels.available() and _kernels.fits(self.buffer.view(1, -1))  # fp32 on a CPU
         self.send: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
@@ -272,12 +273,8 @@ class _Int8TierSync:
         state, layout, round_ = self.state, self.layout, self.round
         block, per_node, world = layout.block, layout.per_node, state.world_size
         feedback = state.config.error_feedback
-        keep = feedback or self.measuring
-        device = node_sum.device
-        values = (
-            self.values if self.values is not None else layout.buffer("values", node_sum.shape, torch.float32, device)
-        )
-        send = layout.buffer("send", (state.num_nodes, per_node * block + 4 * per_node), torch.int8, device)
+        keep, values = feedback or self.measuring, self.values
+        send = layout.buffer("send", (state.num_nodes, per_node * block + 4 * per_node), torch.int8, node_sum.device)
         found = {}
         if feedback:
             for name, slot, blocks in layout.mine:
