@@ -44,6 +44,7 @@ __all__ = [
     "MakeTwoTierState",
     "SyncRound",
     "TwoTierForm",
+    "add_feedback",
     "config_mismatch",
     "fed_back_sq",
     "squared_norm",
@@ -587,18 +588,9 @@ class ErrorFeedbackState(CommHookState):
             names: the gradients' parameter names (:meth:`names_in`).
             gradients: the gradients, changed in place.
         """
-        added = []
-        for name, gradient in zip(names, gradients, strict=True):
-            found = self.stored_error(round_, name, gradient)
-            if found is None:
-                continue
-            added.append(found)
-            error, ratio = found
-            if ratio is None:
-                gradient.add_(error)
-            else:
-                gradient.addcmul_(error, ratio)
-        return fed_back_sq(added) if self.measuring else None
+        feedback = [self.stored_error(round_, name, gradient) for name, gradient in zip(names, gradients, strict=True)]
+        add_feedback(gradients, feedback)
+        return fed_back_sq(feedback) if self.measuring else None
 
     def stored_error(
         self, round_: SyncRound, name: str, target: torch.Tensor
@@ -629,6 +621,19 @@ class ErrorFeedbackState(CommHookState):
             stored = self.error_scales[name] = to_device(stored, target.device)
         ratio = current / (stored if stored is not None else 1.0)
         return error, ratio.to(target.dtype)
+
+
+def add_feedback(
+    targets: Iterable[torch.Tensor], feedback: Iterable[tuple[torch.Tensor, torch.Tensor | None] | None]
+) -> None:
+    """Add each stored error in ``feedback`` to its target, in place, at this round's loss scale.
+
+    ``feedback``: :meth:`ErrorFeedbackState.stored_error`'s results, one per target (``None``: nothing stored).
+    """
+    for target, found in zip(targets, feedback, strict=True):
+        if found is not None:
+            error, ratio = found
+            target.add_(error) if ratio is None else target.addcmul_(error, ratio)
 
 
 def fed_back_sq(feedback: Iterable[tuple[torch.Tensor, torch.Tensor | None] | None]) -> torch.Tensor | None:
