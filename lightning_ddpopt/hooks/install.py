@@ -194,7 +194,6 @@ class HookInstaller:
         """Whether this run's sync is hierarchical; says why on rank 0 (every rank decides alike)."""
         if self.hierarchical is False or topology is None or topology.world_size == 1:
             return False
-        name = self.spec.name if self.spec is not None else None
         why = "several nodes with several ranks each, as many on every node"
         if not topology.tiered:
             layout = "one node" if topology.num_nodes == 1 else topology.describe()
@@ -211,8 +210,9 @@ class HookInstaller:
         if form is None:
             # hierarchical=True with another hook is refused at construction; here: "auto"'s choice, or a hook
             # whose registry entry declares no two-tier form.
+            name = self.spec.name if self.spec is not None else self.comm_hook_name
             rank_zero_info(
-                flat + f"comm hook {name or self.comm_hook_name!r} has no hierarchical form (those with one: "
+                flat + f"comm hook {name!r} has no hierarchical form (those with one: "
                 f"{', '.join(hierarchical_hooks())})"
             )
             return False
@@ -225,10 +225,9 @@ class HookInstaller:
         if self.hierarchical == "auto" and form.flat_when_auto is not None:
             rank_zero_info(flat + form.flat_when_auto)
             return False
-        crossing = form.crossing
         rank_zero_info(
             f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in its own "
-            f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "
+            f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {form.crossing}, gathered "
             f"inside the node (hierarchical={self.hierarchical!r})"
         )
         return True
