@@ -394,13 +394,15 @@ class _BucketSync:
 
     def reduce_and_send(self) -> None:
         """Point-to-point: wait for the ranks' chunks, sum and re-quantise this rank's, and send it to every rank."""
-        self.exchange.wait_scattered(self.state)
+        for work in self.exchange.scattered:
+            self.state.wait(work)
         own = reduce_and_requantize(self.received, self.chunk, self.block, loops=self.loops)
         self.exchange.send_reduced(own[0])
 
     def receive_gathered(self) -> None:
         """Point-to-point: wait for every reduced chunk (and this rank's sends), and dequantise into the bucket."""
-        self.exchange.wait_gathered(self.state)
+        for work in self.exchange.reduced + self.exchange.sends:
+            self.state.wait(work)
         self._dequantize_into_bucket(None, self.exchange.gathered)
 
     def _dequantize_into_bucket(self, done: torch.futures.Future[object] | None, gathered: torch.Tensor) -> None:
@@ -447,20 +449,12 @@ class _Exchange:
         self.sends = [self._post(dist.isend, send[peer], peer, self.tags[0]) for peer in self.peers]
         self._keep = send  # alive until its sends are done
 
-    def wait_scattered(self, state: Int8State) -> None:
-        for work in self.scattered:
-            state.wait(work)
-
     def send_reduced(self, own: torch.Tensor) -> None:
         self.gathered[self.rank].copy_(own)
         self.sends += [self._post(dist.isend, self.gathered[self.rank], peer, self.tags[1]) for peer in self.peers]
 
-    def wait_gathered(self, state: Int8State) -> None:
-        for work in self.reduced + self.sends:
-            state.wait(work)
-
-    def _post(self, post: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    def _post(
+        self, post: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int
+    ) -> dist.Work | None:
         """Post ``dist.irecv`` or ``dist.isend`` of ``tensor`` from or to ``peer`` (its global rank: positional)."""
-        work = post(tensor, self.global_ranks[peer], group=self.group, tag=tag)
-        assert work is not None
-        return work
+        return post(tensor, self.global_ranks[peer], group=self.group, tag=tag)
