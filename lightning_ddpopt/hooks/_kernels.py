@@ -61,12 +61,9 @@ def add_and_project(
     """``M += ratio x error`` (``feedback``: the error and its ratio, ``None`` for none), then ``M Q`` (rows x r)."""
     assert fits(m)
     out = torch.empty(m.shape[0], q.shape[1], dtype=torch.float32)
-    if feedback is None:
-        _compiled()[0](m.numpy(), _input(q.t()), out.numpy(), m.numpy(), numpy.float32(0.0), False)
-        return out
-    error, ratio = feedback
+    error, ratio = feedback if feedback is not None else (m, None)
     factor = numpy.float32(1.0 if ratio is None else float(ratio))
-    _compiled()[0](m.numpy(), _input(q.t()), out.numpy(), _input(error), factor, True)
+    _compiled()[0](m.numpy(), _input(q.t()), out.numpy(), _input(error), factor, feedback is not None)
     return out
 
 
@@ -82,13 +79,14 @@ def error_and_decompress(
 ) -> None:
     """``error = M - P local_Q^T``, then ``M = P Q^T``, one row of ``M`` at a time (``M``, ``error``: see fits)."""
     assert fits(m, error)
-    _compiled()[2](m.numpy(), _input(p), _input(local_q.t()), _input(q.t()), error.numpy())
+    _compiled()[2](m.numpy(), _input(p), _input(q.t()), _input(local_q.t()), error.numpy(), True)
 
 
 def decompress(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
     """``M = P Q^T``, the same bits as :func:`error_and_decompress`'s (another rank's copy of a matrix it owns)."""
     assert fits(m)
-    _compiled()[4](m.numpy(), _input(p), _input(q.t()))
+    qt = _input(q.t())
+    _compiled()[2](m.numpy(), _input(p), qt, qt, m.numpy(), False)
 
 
 def orthogonalize(p: torch.Tensor, epsilon: float) -> None:
@@ -118,9 +116,8 @@ def _compiled() -> tuple[Callable[..., None], ...]:
     return (
         _compile(_add_and_project_loop, fastmath={"reassoc"}),
         _compile(_transposed_product_loop),
-        _compile(_error_and_decompress_loop),
-        _compile(_orthogonalize_loop),
         _compile(_decompress_loop),
+        _compile(_orthogonalize_loop),
     )
 
 
@@ -177,31 +174,19 @@ def _transposed_product_loop(m: Any, p: Any, out: Any) -> None:
         i += 1
 
 
-def _error_and_decompress_loop(m: Any, p: Any, local_qt: Any, qt: Any, error: Any) -> None:
-    """Per row i of M: ``error[i] = M[i] - P[i] local_Q^T``, then ``M[i] = P[i] Q^T``."""
-    rank = p.shape[1]
-    for i in range(m.shape[0]):
-        row, err = m[i], error[i]
-        for j in range(row.shape[0]):
-            err[j] = row[j]
-        for k in range(rank):
-            pk, basis = p[i, k], local_qt[k]
-            for j in range(row.shape[0]):
-                err[j] -= pk * basis[j]
-        pk, basis = p[i, 0], qt[0]
-        for j in range(row.shape[0]):
-            row[j] = pk * basis[j]
-        for k in range(1, rank):
-            pk, basis = p[i, k], qt[k]
-            for j in range(row.shape[0]):
-                row[j] += pk * basis[j]
-
-
-def _decompress_loop(m: Any, p: Any, qt: Any) -> None:
-    """Per row i of M: ``M[i] = P[i] Q^T``, in :func:`_error_and_decompress_loop`'s order."""
+def _decompress_loop(m: Any, p: Any, qt: Any, local_qt: Any, error: Any, keep_error: bool) -> None:
+    """Per row i of M: ``error[i] = M[i] - P[i] local_Q^T`` if ``keep_error``, then ``M[i] = P[i] Q^T``."""
     rank = p.shape[1]
     for i in range(m.shape[0]):
         row = m[i]
+        if keep_error:
+            err = error[i]
+            for j in range(row.shape[0]):
+                err[j] = row[j]
+            for k in range(rank):
+                pk, basis = p[i, k], local_qt[k]
+                for j in range(row.shape[0]):
+                    err[j] -= pk * basis[j]
         pk, basis = p[i, 0], qt[0]
         for j in range(row.shape[0]):
             row[j] = pk * basis[j]

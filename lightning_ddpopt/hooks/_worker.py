@@ -132,39 +132,32 @@ class TierStages:
         self.check()
         if not self._threads or not all(thread.alive() for thread in self._threads):
             self._threads = [Worker(f"{self.prefix}-{name}") for name in ("inside", "between", "gather")]
+        threads, stages = self._threads, (sync.reduce_inside, sync.reduce_between, sync.gather)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        inside, between, gather = self._threads
 
-        def then(stage: Worker, work: Callable[[], None], after: Callable[[], None] | None) -> None:
-            def job() -> None:
-                if self.failed is not None:  # issuing this bucket's collectives would put this rank out of step
-                    error = RuntimeError(f"an earlier bucket's hierarchical sync failed: {self.failed!r}")
-                    sync.abandon()
-                    future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
-                    return
-                start = time.perf_counter()
-                try:
-                    work()
-                    state.record_tier_seconds(index, time.perf_counter() - start, intra_node=stage is not between)
-                except Exception as error:  # DDP waits on the future: never leave it pending
-                    self.failed = error
-                    sync.abandon()
-                    future.set_exception(error)  # type: ignore[arg-type]
-                    return
-                finally:
-                    state.add_seconds(time.perf_counter() - start)
-                if after is None:
-                    future.set_result(sync.buffer)
-                else:
-                    after()
+        def job(stage: int) -> None:
+            if self.failed is not None:  # issuing this bucket's collectives would put this rank out of step
+                error = RuntimeError(f"an earlier bucket's hierarchical sync failed: {self.failed!r}")
+                sync.abandon()
+                future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
+                return
+            start = time.perf_counter()
+            try:
+                stages[stage]()
+                state.record_tier_seconds(index, time.perf_counter() - start, intra_node=stage != 1)
+            except Exception as error:  # DDP waits on the future: never leave it pending
+                self.failed = error
+                sync.abandon()
+                future.set_exception(error)  # type: ignore[arg-type]
+                return
+            finally:
+                state.add_seconds(time.perf_counter() - start)
+            if stage + 1 < len(stages):
+                threads[stage + 1].submit(lambda: job(stage + 1))
+            else:
+                future.set_result(sync.buffer)
 
-            stage.submit(job)
-
-        then(
-            inside,
-            sync.reduce_inside,
-            lambda: then(between, sync.reduce_between, lambda: then(gather, sync.gather, None)),
-        )
+        threads[0].submit(lambda: job(0))
         return future
 
     def drain(self) -> None:

@@ -136,9 +136,9 @@ class AcrossIslands:
                 self._take(value[0] if isinstance(value, list) else value, parameters, ids, result)
             except BaseException as error:
                 self._failed = error
-                for waiting in [*self._waiting, _Waiting(result, torch.empty(0), ids)]:
-                    if not waiting.future.done():
-                        waiting.future.set_exception(error)
+                for future in [*(waiting.future for waiting in self._waiting), result]:
+                    if not future.done():
+                        future.set_exception(error)
                 self._waiting = []
 
         self._worker.submit(job)

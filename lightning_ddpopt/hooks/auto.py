@@ -176,11 +176,9 @@ class _ProbeBucket:
     """A stand-in for DDP's ``GradBucket``: random gradients of the given shapes, views into one flat buffer."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> None:
-        self._buffer = torch.randn(sum(math.prod(shape) for shape in shapes), device=device)
-        self._gradients, offset = [], 0
-        for shape in shapes:
-            self._gradients.append(self._buffer[offset : offset + math.prod(shape)].view(shape))
-            offset += math.prod(shape)
+        sizes = [math.prod(shape) for shape in shapes]
+        self._buffer = torch.randn(sum(sizes), device=device)
+        self._gradients = [part.view(shape) for part, shape in zip(self._buffer.split(sizes), shapes, strict=True)]
         # The hooks key their state by the names of the bucket's parameters and read their shapes: parameters of the
         # gradients' shapes on the meta device, which holds no values.
         self.module = torch.nn.Module()

@@ -44,6 +44,7 @@ __all__ = [
     "MakeTwoTierState",
     "SyncRound",
     "TwoTierForm",
+    "add_feedback",
     "config_mismatch",
     "fed_back_sq",
     "squared_norm",
@@ -272,10 +273,6 @@ class SyncRound:
         assert self._finite is not None, "complete() first"
         return self._finite
 
-    def finite(self) -> bool:
-        """The completed round's verdict on the host (a host sync for a flag on a GPU)."""
-        return bool(self.verdict)
-
 
 @dataclass(kw_only=True)
 class ErrorFeedbackState(CommHookState):
@@ -344,7 +341,20 @@ class ErrorFeedbackState(CommHookState):
 
     def state_dict(self) -> dict[str, object]:
         """The config, the step counter, the skipped rounds and the errors with their loss scales (on the CPU)."""
-        return {"config": self.config_dict(), **self._errors_state_dict()}
+        # Committed where the errors live (the hook's side stream on a GPU), then read after it.
+        self._streams.call(self._apply_completed)
+        self._streams.join()
+        if self._skipped_on_device is not None:
+            self.skipped_rounds += int(self._skipped_on_device)
+            self._skipped_on_device = None
+        self._resolve()
+        return {
+            "config": self.config_dict(),
+            "iteration": self.iteration,
+            "skipped_rounds": self.skipped_rounds,
+            "errors": {name: error.detach().cpu().clone() for name, error in self.errors.items()},
+            "error_scales": {name: float(scale) for name, scale in self.error_scales.items()},
+        }
 
     def mismatch(self, state: dict[str, object]) -> str | None:
         """Name the config fields in which ``state`` differs from this run's, or ``None`` when they agree."""
@@ -360,37 +370,17 @@ class ErrorFeedbackState(CommHookState):
         if reason is not None:
             raise ValueError(f"cannot load {self.label} state: {reason}")
         self.load_shared_state_dict(state)
-        self._load_errors(state)
-
-    def _errors_state_dict(self) -> dict[str, object]:
-        """The step counter, the skipped rounds and the errors with their loss scales (tensors on the CPU)."""
-        # Committed where the errors live (the hook's side stream on a GPU), then read after it.
-        self._streams.call(self._apply_completed)
-        self._streams.join()
-        self._count_skipped()
-        self._resolve()
-        return {
-            "iteration": self.iteration,
-            "skipped_rounds": self.skipped_rounds,
-            "errors": {name: error.detach().cpu().clone() for name, error in self.errors.items()},
-            "error_scales": _floats(self.error_scales),
-        }
-
-    def _load_errors(self, state: dict[str, object]) -> None:
-        """Restore :meth:`_errors_state_dict` output; tensors move to the gradients' device on first use."""
         iteration, errors, scales = state["iteration"], state["errors"], state.get("error_scales", {})
         skipped = state.get("skipped_rounds", 0)
         assert isinstance(iteration, int) and isinstance(errors, dict) and isinstance(scales, dict)
         assert isinstance(skipped, int)
+        self._drop_errors()
         self.iteration, self.skipped_rounds = iteration, skipped
         self.errors = dict(errors)
-        self._backing, self._spare = {}, {}
         self.error_scales = {name: torch.tensor(scale, dtype=torch.float32) for name, scale in scales.items()}
         # Saved by a release that did not record loss scales: each error is taken to be in the units of the first
         # round that adds it (added as it is), and kept in them (:meth:`stored_error`).
         self._scale_unknown = set() if "error_scales" in state else set(errors)
-        self._round = self._completed = self._verdict_round = None
-        self._held = {}
 
     def forget_errors(self) -> None:
         """Drop every stored and staged error (a fault-tolerant heal replaced the weights they were computed on)."""
@@ -497,12 +487,12 @@ class ErrorFeedbackState(CommHookState):
             finite = round_.verdict
             skipped = (~finite).to(torch.int64)
             self._skipped_on_device = skipped if self._skipped_on_device is None else self._skipped_on_device + skipped
-        elif not round_.finite():
+        elif not bool(round_.verdict):
             self.skipped_rounds += 1
             self._spare.update(round_.buffers)
             return
         for name, new in round_.errors.items():
-            self._put("errors", name, new, finite, lambda like: torch.zeros_like(like))
+            self._put("errors", name, new, finite, torch.zeros_like)
             if round_.scale is not None:
                 self._put("scales", name, round_.scale, finite, lambda scale: scale, in_place=False)
             else:
@@ -586,11 +576,6 @@ class ErrorFeedbackState(CommHookState):
             if not keep:
                 tables[table].pop(key, None)
 
-    def _count_skipped(self) -> None:
-        if self._skipped_on_device is not None:
-            self.skipped_rounds += int(self._skipped_on_device)
-            self._skipped_on_device = None
-
     def add_error_feedback(
         self, round_: SyncRound, names: list[str], gradients: list[torch.Tensor]
     ) -> torch.Tensor | None:
@@ -603,18 +588,9 @@ class ErrorFeedbackState(CommHookState):
             names: the gradients' parameter names (:meth:`names_in`).
             gradients: the gradients, changed in place.
         """
-        added = []
-        for name, gradient in zip(names, gradients, strict=True):
-            found = self.stored_error(round_, name, gradient)
-            if found is None:
-                continue
-            added.append(found)
-            error, ratio = found
-            if ratio is None:
-                gradient.add_(error)
-            else:
-                gradient.addcmul_(error, ratio)
-        return fed_back_sq(added) if self.measuring else None
+        feedback = [self.stored_error(round_, name, gradient) for name, gradient in zip(names, gradients, strict=True)]
+        add_feedback(gradients, feedback)
+        return fed_back_sq(feedback) if self.measuring else None
 
     def stored_error(
         self, round_: SyncRound, name: str, target: torch.Tensor
@@ -647,6 +623,19 @@ class ErrorFeedbackState(CommHookState):
         return error, ratio.to(target.dtype)
 
 
+def add_feedback(
+    targets: Iterable[torch.Tensor], feedback: Iterable[tuple[torch.Tensor, torch.Tensor | None] | None]
+) -> None:
+    """Add each stored error in ``feedback`` to its target, in place, at this round's loss scale.
+
+    ``feedback``: :meth:`ErrorFeedbackState.stored_error`'s results, one per target (``None``: nothing stored).
+    """
+    for target, found in zip(targets, feedback, strict=True):
+        if found is not None:
+            error, ratio = found
+            target.add_(error) if ratio is None else target.addcmul_(error, ratio)
+
+
 def fed_back_sq(feedback: Iterable[tuple[torch.Tensor, torch.Tensor | None] | None]) -> torch.Tensor | None:
     """The squared norm of the stored errors in ``feedback``, each at this round's loss scale; ``None`` for none.
 
@@ -671,12 +660,6 @@ def config_mismatch(hook: str, state: dict[str, object], config: dict[str, objec
         return f"the saved {hook} state has no config"
     changed = [f"{key} {saved.get(key)!r} -> {value!r}" for key, value in config.items() if saved.get(key) != value]
     return f"the {hook} config changed ({', '.join(changed)})" if changed else None
-
-
-def _floats(scales: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each scale as a float, reading each distinct tensor once (a host sync each on a GPU)."""
-    read: dict[int, float] = {}
-    return {name: read.setdefault(id(scale), float(scale)) for name, scale in scales.items()}
 
 
 class MakeTwoTierState(Protocol):

@@ -114,8 +114,7 @@ def _allreduce_mean(
     send = buffer if dtype is None or dtype == buffer.dtype else buffer.to(dtype)
     state.record_wire_bytes(bucket, send.numel() * send.element_size())
     if send is not buffer and state.measuring:
-        given_sq = squared_norm(buffer)
-        state.record_compression(bucket, given_sq, squared_norm(buffer - send.to(buffer.dtype)))
+        state.record_compression(bucket, squared_norm(buffer), squared_norm(buffer - send.to(buffer.dtype)))
     work = dist.all_reduce(send, group=state.process_group, async_op=True)
     assert work is not None
 

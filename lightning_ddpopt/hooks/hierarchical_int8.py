@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import TierStages, run_all
-from lightning_ddpopt.hooks.base import CommHookState, SyncRound, TwoTierForm, fed_back_sq, squared_norm
+from lightning_ddpopt.hooks.base import CommHookState, SyncRound, TwoTierForm, add_feedback, fed_back_sq, squared_norm
 from lightning_ddpopt.hooks.int8 import Int8State
 from lightning_ddpopt.hooks.int8_codec import (
     all_gather_async,
@@ -237,10 +237,11 @@ class _Int8TierSync:
         layout = self.layout = state.layout(self.names, [g.numel() for g in self.gradients])
         self.measuring = state.measuring
         shard = layout.shard_blocks * layout.block
-        self.values: torch.Tensor | None = None
+        # (node sum + error) / world size, then the new errors: in the error buffer kept from the round before last
         if state.config.error_feedback:
-            key = "|".join(self.names)
-            self.values = state.error_buffer(round_, key, (shard,), torch.float32, self.buffer.device)
+            self.values = state.error_buffer(round_, "|".join(self.names), (shard,), torch.float32, self.buffer.device)
+        else:
+            self.values = layout.buffer("values", (shard,), torch.float32, self.buffer.device)
         self.loops = _kernels.available() and _kernels.fits(self.buffer.view(1, -1))  # fp32 on a CPU
         self.send: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
@@ -269,49 +270,47 @@ class _Int8TierSync:
 
     def _quantize(self, node_sum: torch.Tensor) -> torch.Tensor:
         """``(node sum + error) / world size`` as int8 chunks, one per node; the new errors into the round."""
-        state, layout, round_ = self.state, self.layout, self.round
+        state, layout, round_, values = self.state, self.layout, self.round, self.values
         block, per_node, world = layout.block, layout.per_node, state.world_size
         feedback = state.config.error_feedback
-        keep = feedback or self.measuring
-        device = node_sum.device
-        values = (
-            self.values if self.values is not None else layout.buffer("values", node_sum.shape, torch.float32, device)
-        )
-        send = layout.buffer("send", (state.num_nodes, per_node * block + 4 * per_node), torch.int8, device)
-        found = {}
-        if feedback:
-            for name, slot, blocks in layout.mine:
-                found[name] = state.stored_error(round_, name, node_sum[slot * block : (slot + blocks) * block])
+        send = layout.buffer("send", (state.num_nodes, per_node * block + 4 * per_node), torch.int8, node_sum.device)
+
+        def runs(tensor: torch.Tensor) -> list[torch.Tensor]:
+            """This rank's runs of blocks in ``tensor`` (one per parameter, in :attr:`_Layout.mine`'s order)."""
+            return [tensor[slot * block : (slot + blocks) * block] for _, slot, blocks in layout.mine]
+
+        names = [name for name, _, _ in layout.mine]
+        found = [
+            state.stored_error(round_, name, part) if feedback else None
+            for name, part in zip(names, runs(node_sum), strict=True)
+        ]
         given_sq = None
         if self.measuring:  # the node's sum with the errors added
             given = node_sum.clone()
-            _add_feedback(given, layout, found)
+            add_feedback(runs(given), found)
             given_sq = squared_norm(given)
         if self.loops:
             scales = torch.zeros(state.num_nodes, per_node, dtype=torch.float32)
-            runs = [(name, slot, blocks, found.get(name)) for name, slot, blocks in layout.mine]
             mine = sum(blocks for _, _, blocks in layout.mine)
-            runs.append(("", mine, layout.shard_blocks - mine, None))  # the zero padding: zero bytes, zero scales
-            for _, slot, blocks, stored in runs:
+            padding = ("", mine, layout.shard_blocks - mine)  # the zero padding: zero bytes, zero scales
+            for (_, slot, blocks), stored in zip([*layout.mine, padding], [*found, None], strict=True):
                 if blocks == 0:
                     continue
                 part = slice(slot * block, (slot + blocks) * block)
-                errors = values[part] if keep else None
+                errors = values[part] if feedback or self.measuring else None
                 _kernels.quantize_parameter(node_sum[part], stored, world, slot, errors, send, scales, block)
             send[:, per_node * block :].copy_(scales.view(torch.int8))
         else:
-            _add_feedback(node_sum, layout, found)
+            add_feedback(runs(node_sum), found)
             torch.div(node_sum, world, out=values)
             rows = values.view(-1, block)
             dequantized = quantize_into(rows, send, per_node * block)
-            if keep:
+            if feedback or self.measuring:
                 rows.sub_(dequantized).view(-1).mul_(world)
         if feedback:
-            for name, slot, blocks in layout.mine:
-                round_.errors[name] = values[slot * block : (slot + blocks) * block]
+            round_.errors.update(zip(names, runs(values), strict=True))
         if given_sq is not None:
-            fed_back = fed_back_sq(found.values()) if feedback else None
-            state.record_compression(self.bucket, given_sq, squared_norm(values), fed_back)
+            state.record_compression(self.bucket, given_sq, squared_norm(values), fed_back_sq(found))
         return send
 
     def reduce_between(self) -> None:
@@ -354,23 +353,6 @@ class _Int8TierSync:
     def abandon(self) -> None:
         """A stage failed: never commit this round's errors."""
         self.round.check([torch.tensor(math.nan, device=self.buffer.device)])
-
-
-def _add_feedback(
-    node_sum: torch.Tensor, layout: _Layout, found: dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]
-) -> None:
-    """Add each of this rank's runs its stored error, at this round's loss scale (as the flat hook adds them)."""
-    block = layout.block
-    for name, slot, blocks in layout.mine:
-        stored = found.get(name)
-        if stored is None:
-            continue
-        error, ratio = stored
-        part = node_sum[slot * block : (slot + blocks) * block]
-        if ratio is None:
-            part.add_(error)
-        else:
-            part.addcmul_(error, ratio)
 
 
 def _two_tier_state(

@@ -67,9 +67,12 @@ class HookInstaller:
         ddp_comm_wrapper: Callable | None,
         hierarchical: bool | Literal["auto"] = "auto",
     ) -> None:
-        self._spec, self._callable = validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
-        self.hierarchical = validate_hierarchical(hierarchical, comm_hook, self._spec, ddp_comm_hook)
-        self._tiers: TierGroups | None = None
+        #: The registry entry of the hook (``"auto"``'s once it has chosen); ``None`` for a callable or none.
+        self.spec: HookSpec | None
+        self.spec, self._callable = validate_comm_hook(comm_hook, comm_state, ddp_comm_hook)
+        self.hierarchical = validate_hierarchical(hierarchical, comm_hook, self.spec, ddp_comm_hook)
+        #: The intra- and cross-node groups of a two-tier sync (``None`` for a flat one).
+        self.tiers: TierGroups | None = None
         if ddp_comm_hook is not None:
             validate_hook_callable(ddp_comm_hook, "ddp_comm_hook")
         if ddp_comm_wrapper is not None and ddp_comm_hook is None:
@@ -88,11 +91,6 @@ class HookInstaller:
         self._owns_state = False
         self._registered_state: object | None = None
         self._group: dist.ProcessGroup | None = None
-
-    @property
-    def tiers(self) -> TierGroups | None:
-        """The intra- and cross-node groups of a two-tier sync (``None`` for a flat one)."""
-        return self._tiers
 
     def install(
         self,
@@ -125,11 +123,11 @@ class HookInstaller:
         """
         self._check_post_local_sgd(device)
         if self.choosing:
-            self._spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
+            self.spec = get_hook_spec(self._choose(model, device, world_size, reused_choice).name)
         # Decided before the hook is built: a two-tier int8 sync needs no exchange group of its own.
-        tiered = self._spec is not None and self._two_tiers(topology, model, backend)
+        tiered = self.spec is not None and self._two_tiers(topology, model, backend)
         wrapped = island is not None or across is not None
-        if builtin_allreduce_suffices(self._spec, backend, tiered=tiered, island=wrapped, observed=observed):
+        if builtin_allreduce_suffices(self.spec, backend, tiered=tiered, island=wrapped, observed=observed):
             rank_zero_info(
                 f"ddpopt: comm_hook='allreduce' on {backend}: DDP's own C++ allreduce syncs the gradients (nothing "
                 "needs a hook of ours: no measuring callback, manual optimization, two-tier sync or local "
@@ -137,40 +135,45 @@ class HookInstaller:
             )
             return
         hook = self._build(model, backend, ledger, device, loss_scale, own_group, beside_backward=not tiered)
-        if hook is not None and self._spec is None:
+        if hook is not None and self.spec is None:
             self._two_tiers(topology, model, backend)  # says why a user's hook stays flat
-        fp16 = self._spec is not None and self._spec.name == "fp16"
-        note = flat_fp16_note(world_size, chosen_by_auto=self.auto) if fp16 else None
-        if hook is not None and not tiered and note is not None:
-            rank_zero_warn(note)
-        if hook is not None and tiered:
-            assert topology is not None and self._spec is not None and new_group is not None
-            self._tiers = TierGroups(topology, new_group)
-            self.comm_state = self._two_tier_state(model, ledger, loss_scale, device)
-            hook = self._two_tier_hook()
-        self._registered_state = self.comm_state
-        if island is not None:
-            # Every step syncs (inside the island, or everywhere in the warm-up): DDP's own allreduce is a hook too.
-            state = self.comm_state
-            if hook is None:
-                hook, state = allreduce_mean_hook, CommHookState(process_group=model.process_group, ledger=ledger)
-            self._registered_state = IslandState(
-                ledger=ledger, island=island[0], local=island[1], hook=hook, hook_state=state
+        if self.spec is not None and self.spec.name == "fp16" and not tiered:
+            note = flat_fp16_note(world_size, chosen_by_auto=self.auto)
+            if note is not None:
+                rank_zero_warn(note)
+        if tiered:
+            # The registry entry's two-tier form on the tiers' groups, with the flat state's config.
+            assert topology is not None and new_group is not None and isinstance(self.comm_state, CommHookState)
+            assert self.spec is not None and self.spec.two_tier is not None
+            self.tiers = TierGroups(topology, new_group)
+            state = self.spec.two_tier.make_state(
+                flat=self.comm_state, tiers=self.tiers, process_group=model.process_group, ledger=ledger, device=device
             )
-            hook = island_hook
-        if across is not None:
-            # Per step across the fault-tolerant islands: the island's sync (DDP's allreduce as a hook too), then the
-            # islands' average of its result, beside the backward pass.
-            state = self._registered_state
-            if hook is None:
-                hook, state = allreduce_mean_hook, CommHookState(process_group=model.process_group, ledger=ledger)
-            ignored: set[str] = set(getattr(model, "parameters_to_ignore", ()))
-            synced = [p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored]
-            across.bind(synced, device)
-            if across.group is None and world_size > 1:
-                across.group = own_group()
-            self._registered_state = AcrossIslandsState(ledger=ledger, hook=hook, hook_state=state, across=across)
-            hook = across_islands_hook
+            state.bind_module(model.module)
+            state.loss_scale = loss_scale
+            self.comm_state, hook = state, self.spec.two_tier.hook
+        self._registered_state = self.comm_state
+        if wrapped:
+            if hook is None:  # every step syncs (in the island, the warm-up, across islands): DDP's allreduce too
+                hook = allreduce_mean_hook
+                self._registered_state = CommHookState(process_group=model.process_group, ledger=ledger)
+            if island is not None:
+                self._registered_state = IslandState(
+                    ledger=ledger, island=island[0], local=island[1], hook=hook, hook_state=self._registered_state
+                )
+                hook = island_hook
+            if across is not None:
+                # Per step across the fault-tolerant islands: the island's sync, then the islands' average of its
+                # result, beside the backward pass.
+                ignored: set[str] = set(getattr(model, "parameters_to_ignore", ()))
+                synced = [p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored]
+                across.bind(synced, device)
+                if across.group is None and world_size > 1:
+                    across.group = own_group()
+                self._registered_state = AcrossIslandsState(
+                    ledger=ledger, hook=hook, hook_state=self._registered_state, across=across
+                )
+                hook = across_islands_hook
         if hook is None:
             return
         if backend not in TESTED_BACKENDS:
@@ -187,33 +190,10 @@ class HookInstaller:
                 f"ddpopt: registered comm hook {hook.__qualname__!r} but DDP reports {attached!r} attached"
             )
 
-    def _two_tier_state(
-        self,
-        model: DistributedDataParallel,
-        ledger: CommLedger,
-        loss_scale: Callable[[], torch.Tensor | None],
-        device: torch.device,
-    ) -> CommHookState:
-        """The state of the registry entry's two-tier form on the tiers' groups, with the flat state's config."""
-        assert self._spec is not None and self._spec.two_tier is not None and self._tiers is not None
-        assert isinstance(self.comm_state, CommHookState)
-        state = self._spec.two_tier.make_state(
-            flat=self.comm_state, tiers=self._tiers, process_group=model.process_group, ledger=ledger, device=device
-        )
-        state.bind_module(model.module)
-        state.loss_scale = loss_scale
-        return state
-
-    def _two_tier_hook(self) -> CommHook:
-        """The hook of the registry entry's two-tier form (whose state :meth:`_two_tier_state` built)."""
-        assert self._spec is not None and self._spec.two_tier is not None
-        return self._spec.two_tier.hook
-
     def _two_tiers(self, topology: Topology | None, model: DistributedDataParallel, backend: str) -> bool:
         """Whether this run's sync is hierarchical; says why on rank 0 (every rank decides alike)."""
         if self.hierarchical is False or topology is None or topology.world_size == 1:
             return False
-        name = self._spec.name if self._spec is not None else None
         why = "several nodes with several ranks each, as many on every node"
         if not topology.tiered:
             layout = "one node" if topology.num_nodes == 1 else topology.describe()
@@ -226,12 +206,13 @@ class HookInstaller:
         if dist.get_process_group_ranks(model.process_group) != sorted(r for node in topology.nodes for r in node):
             rank_zero_warn(flat + "DDP's process_group is not every rank, and the tiers are made over every rank")
             return False
-        form = self._spec.two_tier if self._spec is not None else None
+        form = self.spec.two_tier if self.spec is not None else None
         if form is None:
             # hierarchical=True with another hook is refused at construction; here: "auto"'s choice, or a hook
             # whose registry entry declares no two-tier form.
+            name = self.spec.name if self.spec is not None else self.comm_hook_name
             rank_zero_info(
-                flat + f"comm hook {name or self.comm_hook_name!r} has no hierarchical form (those with one: "
+                flat + f"comm hook {name!r} has no hierarchical form (those with one: "
                 f"{', '.join(hierarchical_hooks())})"
             )
             return False
@@ -244,10 +225,9 @@ class HookInstaller:
         if self.hierarchical == "auto" and form.flat_when_auto is not None:
             rank_zero_info(flat + form.flat_when_auto)
             return False
-        crossing = form.crossing
         rank_zero_info(
             f"ddpopt: hierarchical sync over {topology.describe()}: each bucket summed inside the node in its own "
-            f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {crossing}, gathered "
+            f"precision, 1/{topology.ranks_per_node} of it per rank sent between nodes in {form.crossing}, gathered "
             f"inside the node (hierarchical={self.hierarchical!r})"
         )
         return True
@@ -255,7 +235,7 @@ class HookInstaller:
     @property
     def choosing(self) -> bool:
         """Whether ``comm_hook="auto"`` has yet to choose (it chooses once, at the first fit's setup)."""
-        return self.auto and self._spec is None
+        return self.auto and self.spec is None
 
     @property
     def results_identical(self) -> bool:
@@ -264,11 +244,6 @@ class HookInstaller:
         A user's callable (``comm_hook`` or ``ddp_comm_hook``) may do anything (e.g. post-local SGD's skipped syncs).
         """
         return self._callable is None and self._ddp_hook is None
-
-    @property
-    def spec(self) -> HookSpec | None:
-        """The registry entry of the hook (``"auto"``'s once it has chosen); ``None`` for a callable or none."""
-        return self._spec
 
     def _check_post_local_sgd(self, device: torch.device) -> None:
         """Refuse a post-local SGD state that would fail mid-training on this device."""
@@ -321,17 +296,17 @@ class HookInstaller:
         own_group: Callable[[], dist.ProcessGroup],
         beside_backward: bool = True,
     ) -> CommHook | None:
-        if self._spec is not None:
-            reason = self._spec.unsupported_reason(backend)
+        if self.spec is not None:
+            reason = self.spec.unsupported_reason(backend)
             if reason is not None:
-                raise ValueError(f"comm_hook={self._spec.name!r} cannot run on backend {backend!r}: {reason}")
-            state = self._spec.build(model.process_group, ledger)
-            self.comm_state, self._owns_state, self.comm_hook_name = state, True, self._spec.name
+                raise ValueError(f"comm_hook={self.spec.name!r} cannot run on backend {backend!r}: {reason}")
+            state = self.spec.build(model.process_group, ledger)
+            self.comm_state, self._owns_state, self.comm_hook_name = state, True, self.spec.name
             state.loss_scale = loss_scale
             state.bind_module(model.module)
             if device.type == "cpu" and beside_backward:
                 self._group = state.run_beside_backward(own_group, model.process_group)
-            return self._spec.hook
+            return self.spec.hook
         hook: Callable | None = self._callable
         self.comm_state, self._owns_state = self._comm_state_arg, False
         if hook is None and self._ddp_hook is not None:
@@ -396,9 +371,9 @@ class HookInstaller:
             return
         state.release_group()
         destroy_owned_group(self, "_group")
-        if self._tiers is not None:
-            self._tiers.close()
-            self._tiers = None
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
 
 def builtin_allreduce_suffices(

@@ -53,6 +53,7 @@ Ordering and overlap:
 The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
 """
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -131,8 +132,6 @@ class Int8State(ErrorFeedbackState):
     label: ClassVar[str] = "int8"
 
     config: Int8Config = field(default_factory=Int8Config)
-    #: A group that only this hook uses, for point-to-point stages driven by worker threads (CPU buckets only);
-    #: ``None``: both stages as collectives on ``process_group``, driven by the hook calls.
     exchange_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _in_flight: "_BucketSync | None" = field(default=None, init=False, repr=False)
     _workers: "tuple[Worker, Worker] | None" = field(default=None, init=False, repr=False)
@@ -308,11 +307,9 @@ class _BucketSync:
         block = self.block = config.block_size
         # Every parameter starts a new block: the blocks (and so the rounding) do not depend on how DDP grouped the
         # parameters into buckets, which differs before its bucket rebuild, e.g. in the first step after a resume.
-        self.offsets, total_blocks = [], 0
-        for gradient in self.gradients:
-            self.offsets.append(total_blocks * block)
-            total_blocks += math.ceil(gradient.numel() / block)
-        self.blocks_per_rank = max(1, math.ceil(total_blocks / world_size))
+        firsts = list(itertools.accumulate((math.ceil(g.numel() / block) for g in self.gradients), initial=0))
+        self.offsets, self.total_blocks = [first * block for first in firsts[:-1]], firsts[-1]
+        self.blocks_per_rank = max(1, math.ceil(self.total_blocks / world_size))
         chunk = self.chunk = self.blocks_per_rank * block
         # Divided by the world size first: the sum of the owners' fp32 dequantised values is then the mean. With
         # error feedback the values become the errors, in a buffer kept from the round before the last.
@@ -327,10 +324,10 @@ class _BucketSync:
             if measured is not None:
                 given_sq, fed_back = measured
         else:
-            ends = [offset + g.numel() for offset, g in zip(self.offsets, self.gradients, strict=True)]
-            for offset, end, gradient, gap_end in zip(
-                self.offsets, ends, self.gradients, self.offsets[1:] + [shape[0]], strict=True
+            for offset, gradient, gap_end in zip(
+                self.offsets, self.gradients, [*self.offsets[1:], shape[0]], strict=True
             ):
+                end = offset + gradient.numel()
                 torch.div(gradient.reshape(-1), world_size, out=values[offset:end])
                 values[end:gap_end].zero_()  # the padding of a parameter's last block, and the tail
             rows = values.view(-1, block)
@@ -360,8 +357,7 @@ class _BucketSync:
         """
         state, block, per_rank = self.state, self.block, self.blocks_per_rank
         scales = torch.zeros(state.world_size, per_rank, dtype=torch.float32)
-        used = self.offsets[-1] // block + math.ceil(self.gradients[-1].numel() / block)
-        for tail in range(used, state.world_size * per_rank):  # fewer than world_size blocks past the last one
+        for tail in range(self.total_blocks, state.world_size * per_rank):  # under world_size blocks past the last
             rank, index = divmod(tail, per_rank)
             send[rank, index * block : (index + 1) * block].zero_()
         feedback = state.config.error_feedback
@@ -398,13 +394,15 @@ class _BucketSync:
 
     def reduce_and_send(self) -> None:
         """Point-to-point: wait for the ranks' chunks, sum and re-quantise this rank's, and send it to every rank."""
-        self.exchange.wait_scattered(self.state)
+        for work in self.exchange.scattered:
+            self.state.wait(work)
         own = reduce_and_requantize(self.received, self.chunk, self.block, loops=self.loops)
         self.exchange.send_reduced(own[0])
 
     def receive_gathered(self) -> None:
         """Point-to-point: wait for every reduced chunk (and this rank's sends), and dequantise into the bucket."""
-        self.exchange.wait_gathered(self.state)
+        for work in self.exchange.reduced + self.exchange.sends:
+            self.state.wait(work)
         self._dequantize_into_bucket(None, self.exchange.gathered)
 
     def _dequantize_into_bucket(self, done: torch.futures.Future[object] | None, gathered: torch.Tensor) -> None:
@@ -445,30 +443,18 @@ class _Exchange:
         self.tags = (2 * index, 2 * index + 1)
         self.gathered = torch.empty_like(send)
         # Both stages' receives before any send: each peer learns at once that it may send, in both stages.
-        self.scattered = [self._receive(received[peer], peer, self.tags[0]) for peer in self.peers]
-        self.reduced = [self._receive(self.gathered[peer], peer, self.tags[1]) for peer in self.peers]
+        self.scattered = [self._post(dist.irecv, received[peer], peer, self.tags[0]) for peer in self.peers]
+        self.reduced = [self._post(dist.irecv, self.gathered[peer], peer, self.tags[1]) for peer in self.peers]
         received[self.rank].copy_(send[self.rank])
-        self.sends = [self._send(send[peer], peer, self.tags[0]) for peer in self.peers]
+        self.sends = [self._post(dist.isend, send[peer], peer, self.tags[0]) for peer in self.peers]
         self._keep = send  # alive until its sends are done
-
-    def wait_scattered(self, state: Int8State) -> None:
-        for work in self.scattered:
-            state.wait(work)
 
     def send_reduced(self, own: torch.Tensor) -> None:
         self.gathered[self.rank].copy_(own)
-        self.sends += [self._send(self.gathered[self.rank], peer, self.tags[1]) for peer in self.peers]
+        self.sends += [self._post(dist.isend, self.gathered[self.rank], peer, self.tags[1]) for peer in self.peers]
 
-    def wait_gathered(self, state: Int8State) -> None:
-        for work in self.reduced + self.sends:
-            state.wait(work)
-
-    def _receive(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = dist.irecv(tensor, src=self.global_ranks[peer], group=self.group, tag=tag)
-        assert work is not None
-        return work
-
-    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = dist.isend(tensor, dst=self.global_ranks[peer], group=self.group, tag=tag)
-        assert work is not None
-        return work
+    def _post(
+        self, post: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int
+    ) -> dist.Work | None:
+        """Post ``dist.irecv`` or ``dist.isend`` of ``tensor`` from or to ``peer`` (its global rank: positional)."""
+        return post(tensor, self.global_ranks[peer], group=self.group, tag=tag)

@@ -48,8 +48,4 @@ def island_hook(state: IslandState, bucket: dist.GradBucket) -> torch.futures.Fu
     state.record_wire_bytes(bucket, buffer.numel() * buffer.element_size(), intra_node=True)
     work = dist.all_reduce(buffer, group=group, async_op=True)
     assert work is not None
-
-    def result(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        return future.value()[0]
-
-    return work.get_future().then(result)
+    return work.get_future().then(lambda future: future.value()[0])

@@ -77,20 +77,6 @@ class MakeState(Protocol):
         ...
 
 
-def _plain_state(process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> CommHookState:
-    return CommHookState(process_group=process_group, ledger=ledger)
-
-
-def _powersgd_state(
-    config: PowerSGDConfig, process_group: dist.ProcessGroup | None, ledger: CommLedger | None
-) -> PowerSGDState:
-    return PowerSGDState(config=config, process_group=process_group, ledger=ledger)
-
-
-def _int8_state(config: Int8Config, process_group: dist.ProcessGroup | None, ledger: CommLedger | None) -> Int8State:
-    return Int8State(config=config, process_group=process_group, ledger=ledger)
-
-
 def _bf16_backend(backend: str) -> str | None:
     if backend == "nccl":
         version = torch.cuda.nccl.version() if torch.cuda.is_available() else (0, 0, 0)
@@ -120,7 +106,7 @@ class HookSpec:
     name: str
     summary: str
     hook: CommHook
-    make_state: MakeState = _plain_state
+    make_state: MakeState = CommHookState
     unsupported_reason: Callable[[str], str | None] = _any_backend
     two_tier: TwoTierForm | None = None
 
@@ -157,7 +143,7 @@ def powersgd_spec(config: PowerSGDConfig, name: str = "powersgd") -> HookSpec:
     summary = f"{'batched ' if config.batched else ''}PowerSGD {rank} from step {config.start_iter}{dtype}"
     reason = _bf16_backend if config.matrix_dtype == "bf16" else _any_backend
     form = None if config.batched else powersgd_form(config.matrix_dtype)  # one matrix per bucket: no two tiers
-    return HookSpec(name, summary, powersgd_hook, functools.partial(_powersgd_state, config), reason, form)
+    return HookSpec(name, summary, powersgd_hook, functools.partial(PowerSGDState, config=config), reason, form)
 
 
 def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
@@ -169,7 +155,7 @@ def int8_spec(config: Int8Config, name: str = "int8") -> HookSpec:
     """
     feedback = "with" if config.error_feedback else "without"
     summary = f"block-wise int8 (blocks of {config.block_size}), {feedback} error feedback: a quarter of the bytes"
-    return HookSpec(name, summary, int8_hook, functools.partial(_int8_state, config), two_tier=int8_form())
+    return HookSpec(name, summary, int8_hook, functools.partial(Int8State, config=config), two_tier=int8_form())
 
 
 _POWERSGD_DEFAULT = PowerSGDConfig()
