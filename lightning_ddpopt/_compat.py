@@ -92,13 +92,13 @@ def check_versions() -> None:
             f"lightning_ddpopt is tested with lightning>={low},<{high}; lightning {lightning.__version__} is "
             "installed. OptimizedDDPStrategy overrides private DDPStrategy methods that may have changed.",
             category=RuntimeWarning,
-            stacklevel=6,
+            stacklevel=7,
         )
     if not _TORCH_GREATER_EQUAL_2_4:
         rank_zero_warn(
             f"lightning_ddpopt needs torch>=2.4; torch {torch.__version__} is installed.",
             category=RuntimeWarning,
-            stacklevel=6,
+            stacklevel=7,
         )
 
 
