@@ -187,10 +187,7 @@ class SavedRun:
             return None
         note = self.decision_note(world_size)
         if note is not None:
-            what = {
-                "hook_choice": "comm_hook='auto'",
-                "bucket_latency_s": "bucket_cap_mb='auto'",
-            }[name]
+            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb='auto'"
             rank_zero_info(f"ddpopt: {what} measures again: {note}")
             return None
         return getattr(self, name)
