@@ -140,27 +140,24 @@ class SavedRun:
         choice = entry.get("hook_choice")
         shards, reader, local_sgd = entry.get("shards"), None, entry.get("local_sgd")
         if shards is not None:
+            sliced = shards.get("outer_slices")
             problem = f"the file was read as a stream, not from a path beside which *{SHARDS_SUFFIX} could be"
             if path is not None:
                 reader, problem = find_shards(path, shards["directory"], shards["save_id"])
             if reader is None:
+                kept = "; local SGD's outer loop keeps its counters and anchors at the weights" if sliced else ""
                 # Every rank says it: one that cannot read its shards must not go on silently apart from the others.
                 warnings.warn(
                     f"ddpopt: rank {dist.get_rank() if dist.is_initialized() else 0}: the checkpoint's per-rank state "
                     f"(comm-hook state, local SGD's inner optimizer states and island outer state) is not to be read: "
-                    f"{problem}. The hook starts afresh and every rank takes rank 0's optimizer state"
-                    + (
-                        "; local SGD's outer loop keeps its counters and anchors at the weights"
-                        if shards["outer_slices"]
-                        else ""
-                    ),
+                    f"{problem}. The hook starts afresh and every rank takes rank 0's optimizer state{kept}",
                     stacklevel=2,
                 )
-                if local_sgd is not None and shards["outer_slices"]:
+                if local_sgd is not None and sliced:
                     local_sgd = {**local_sgd, "in_flight": None, "sharded": []}
                 shards = None
-            elif local_sgd is not None and shards.get("outer_slices"):
-                local_sgd = _sliced_outer(local_sgd, reader, shards["outer_slices"])
+            elif local_sgd is not None and sliced:
+                local_sgd = _sliced_outer(local_sgd, reader, sliced)
         return cls(
             world_size=entry["world_size"],
             comm_hook=entry.get("comm_hook"),

@@ -163,9 +163,8 @@ class StrategyCore:
 
     def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:
         """DDP's ``bucket_cap_mb`` for ``module``: as planned, or a checkpoint's measured cap that still applies."""
-        buckets = self.buckets
-        latency = self.reused_decision("bucket_latency_s") if buckets.measures(self.world_size) else None
-        return buckets.cap_for(module, self.world_size, device, latency)
+        latency = self.reused_decision("bucket_latency_s") if self.buckets.measures(self.world_size) else None
+        return self.buckets.cap_for(module, self.world_size, device, latency)
 
     def install(
         self,

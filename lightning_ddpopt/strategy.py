@@ -328,9 +328,9 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         output, records = self._core.optimizer_step(optimizer, run, self.model, self._say)
         if ft is not None:
             ft.after_step()
-        if ft is not None and ft.stats is not None and module is not None:
-            for name, value in ft.stats.metrics().items():
-                module.log(name, value, on_step=True, on_epoch=False)
+            if ft.stats is not None and module is not None:
+                for name, value in ft.stats.metrics().items():
+                    module.log(name, value, on_step=True, on_epoch=False)
         # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
         for record in records:
             self._accumulation.check_syncs_per_step(self.lightning_module, record.sync_rounds, record.micro_batches)
