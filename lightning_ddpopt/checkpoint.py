@@ -201,22 +201,20 @@ def restore_hook_state(
             f"the checkpoint holds state of comm hook {saved.comm_hook!r}, this run uses {hook_name!r}, which starts "
             "with fresh state"
         )
-    if saved.world_size != world_size:
-        first = saved.hook_state(0)
-        reason = state.mismatch(first)
-        if reason is not None:
-            return f"{reason}; comm hook {hook_name!r} starts with fresh state"
-        kept = state.load_shared_state_dict(first)
-        return (
-            f"the checkpoint was saved with world size {saved.world_size} and this run has {world_size}: "
-            f"{kept}; per-rank hook state (error feedback) cannot be mapped to the new ranks and starts afresh"
-        )
-    own = saved.hook_state(rank)
+    # Another world size: only what is the same on every rank applies, taken from rank 0's.
+    same_world = saved.world_size == world_size
+    own = saved.hook_state(rank if same_world else 0)
     reason = state.mismatch(own)
     if reason is not None:
         return f"{reason}; comm hook {hook_name!r} starts with fresh state"
-    state.load_state_dict(own)
-    return None
+    if same_world:
+        state.load_state_dict(own)
+        return None
+    kept = state.load_shared_state_dict(own)
+    return (
+        f"the checkpoint was saved with world size {saved.world_size} and this run has {world_size}: "
+        f"{kept}; per-rank hook state (error feedback) cannot be mapped to the new ranks and starts afresh"
+    )
 
 
 def write_rank_states(

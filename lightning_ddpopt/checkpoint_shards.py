@@ -177,10 +177,7 @@ class ShardReader:
 
     def _read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         stored = self._stored()
-        into: dict[str, Any] = {}
-        for name in names:
-            meta = stored[name]
-            into[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        into = {name: torch.empty(stored[name].size, dtype=stored[name].properties.dtype) for name in names}
         dcp_load_alone(into, dcp.FileSystemReader(self.directory))
         return into
 
