@@ -241,14 +241,9 @@ class StrategyCore:
         if saved is None or saved.decision_note(self.world_size) is not None:
             return
         late = []
-        choice = self.hooks.hook_choice
-        if (
-            saved.hook_choice is not None
-            and self.hooks.auto
-            and choice is not None
-            and choice.name != saved.hook_choice.name
-        ):
-            late.append(f"comm_hook='auto' chose {choice.name!r} and the checkpoint holds {saved.hook_choice.name!r}")
+        choice, saved_choice = self.hooks.hook_choice, saved.hook_choice
+        if self.hooks.auto and choice is not None and saved_choice is not None and choice.name != saved_choice.name:
+            late.append(f"comm_hook='auto' chose {choice.name!r} and the checkpoint holds {saved_choice.name!r}")
         measured = self.buckets.latency_s
         if saved.bucket_latency_s is not None and measured is not None and measured != saved.bucket_latency_s:
             saved_us = saved.bucket_latency_s * 1e6
@@ -322,7 +317,7 @@ class StrategyCore:
         return loop is not None and loop.local
 
     def gradients_identical(self, model: torch.nn.Module | None) -> bool:
-        """See :attr:`CoreViews.synced_gradients_identical`."""
+        """See :attr:`CoreStrategy.synced_gradients_identical`."""
         ignored = getattr(model, "parameters_to_ignore", None)
         # Evidence that this step's gradients went through the hook: the ledger saw a sync round since the last step.
         synced = self.ledger is not None and self.ledger.recording and self.ledger.open_sync_rounds > 0
