@@ -1,13 +1,13 @@
 """What the Trainer's and Fabric's strategies share: the components of an optimized DDP run and the order between them.
 
 Lightning has two front ends, and each has a ``DDPStrategy`` of its own: :class:`lightning_ddpopt.OptimizedDDPStrategy`
-subclasses the Trainer's, :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` Fabric's. Both hand their events to
-one :class:`StrategyCore`, which owns the components (the hook installer, the bucket controller, the ledger, the
-checkpoint gathers, local SGD's driver, the core binding) and calls them in the order their rules need, so the two
-front ends cannot drift apart. :class:`CoreStrategy`, mixed into both beside Lightning's or Fabric's ``DDPStrategy``,
-holds the steps both take alike: each strategy says *when* a step runs, :class:`CoreStrategy` *what* it does. What
-it reads of the ``DDPStrategy`` it is mixed with is :class:`_DDPStrategyLike`, whose private parts are checked at
-construction by :func:`lightning_ddpopt._compat.check_ddp_strategy_internals`.
+subclasses the Trainer's, :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` Fabric's. Both hand their events to one
+:class:`StrategyCore`, which owns the components (the hook installer, the bucket controller, the ledger, the checkpoint
+gathers, local SGD's driver, fault tolerance's steps, the core binding) and calls them in the order their rules need, so
+the two front ends cannot drift apart. :class:`CoreStrategy`, mixed into both beside Lightning's or Fabric's
+``DDPStrategy``, holds the steps both take alike: each strategy says *when* a step runs, :class:`CoreStrategy` *what* it
+does. What it reads of the ``DDPStrategy`` it is mixed with is :class:`_DDPStrategyLike`, whose private parts are
+checked at construction by :func:`lightning_ddpopt._compat.check_ddp_strategy_internals`.
 :class:`~lightning_ddpopt.measuring.CoreViews` gives both strategies the same public properties over the core.
 
 The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
@@ -53,13 +53,13 @@ __all__ = ["CoreStrategy", "StrategyCore"]
 class StrategyCore:
     """The components of one strategy, from its arguments to its teardown, whichever front end drives them.
 
+    Built first in either strategy's construction: it warns outside the tested versions before anything else.
+
     Args: those of :class:`~lightning_ddpopt.OptimizedDDPStrategy` of the same names (Lightning's ``ddp_comm_*``
     and ``model_averaging_period`` only through the Trainer's).
 
     Raises:
         ValueError, TypeError: at construction, for arguments that cannot work together, naming them.
-
-    Built first in either strategy's construction: it warns outside the tested versions before anything else.
     """
 
     def __init__(
