@@ -8,6 +8,7 @@ exercises each against the installed releases; CI runs it on the oldest and newe
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,7 @@ DDP_STRATEGY_ATTRIBUTES = ("_ddp_kwargs", "_timeout")
 #: Fabric's: those, and the backward-sync control ``fabric.no_backward_sync`` asks (the strategy sets its own).
 FABRIC_DDP_STRATEGY_ATTRIBUTES = (*DDP_STRATEGY_ATTRIBUTES, "_backward_sync_control")
 
-_TORCH_GREATER_EQUAL_2_4 = compare_version("torch", lambda a, b: a >= b, "2.4.0")
+_TORCH_GREATER_EQUAL_2_4 = compare_version("torch", operator.ge, "2.4.0")
 
 
 def _changed(package: str, api: str, what: str) -> RuntimeError:
@@ -84,21 +85,18 @@ def _changed(package: str, api: str, what: str) -> RuntimeError:
 def check_versions() -> None:
     """At construction, first: warn (on rank 0) outside the tested Lightning range and below torch 2.4."""
     low, high = LIGHTNING_TESTED_RANGE
-    in_range = compare_version("lightning", lambda a, b: a >= b, low) and not compare_version(
-        "lightning", lambda a, b: a >= b, high
-    )
-    if not in_range:
+    if not compare_version("lightning", operator.ge, low) or compare_version("lightning", operator.ge, high):
         rank_zero_warn(
             f"lightning_ddpopt is tested with lightning>={low},<{high}; lightning {lightning.__version__} is "
             "installed. OptimizedDDPStrategy overrides private DDPStrategy methods that may have changed.",
             category=RuntimeWarning,
-            stacklevel=6,
+            stacklevel=7,
         )
     if not _TORCH_GREATER_EQUAL_2_4:
         rank_zero_warn(
             f"lightning_ddpopt needs torch>=2.4; torch {torch.__version__} is installed.",
             category=RuntimeWarning,
-            stacklevel=6,
+            stacklevel=7,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 from datetime import timedelta
 from types import SimpleNamespace
@@ -12,8 +13,6 @@ import torch.distributed as dist
 from lightning_ddpopt._compat import group_backends
 
 __all__ = ["destroy_all_groups", "destroy_owned_group", "destroy_process_group_at_exit", "group_like"]
-
-_EXIT_HANDLER_REGISTERED = False
 
 
 def group_like(group: dist.ProcessGroup | None, backend: str, timeout: timedelta | None) -> dist.ProcessGroup:
@@ -47,6 +46,7 @@ def destroy_all_groups() -> None:
         destroy_owned_group(SimpleNamespace(group=dist.group.WORLD), "group")
 
 
+@functools.cache
 def destroy_process_group_at_exit() -> None:
     """Destroy the default process group at exit, while the interpreter still runs (registered once per process).
 
@@ -57,10 +57,7 @@ def destroy_process_group_at_exit() -> None:
     first, provided nothing else still holds the group (the strategy's own references are gone after teardown; a
     user's ``comm_state`` with an explicit group, or a DDP module kept alive, would keep it to shutdown).
     """
-    global _EXIT_HANDLER_REGISTERED
-    if not _EXIT_HANDLER_REGISTERED:
-        atexit.register(_destroy_at_exit)
-        _EXIT_HANDLER_REGISTERED = True
+    atexit.register(_destroy_at_exit)
 
 
 def _destroy_at_exit() -> None:

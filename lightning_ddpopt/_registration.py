@@ -57,15 +57,14 @@ def register_strategy_names(strategy: Callable[..., Any], registry: Any, what: s
 
 def register_with_lightning() -> None:
     """Register the names in each Lightning registry now if it exists, else right after its module runs."""
-    for module_name in _REGISTRIES:
+    for module_name, (registry_name, _, _) in _REGISTRIES.items():
         module = sys.modules.get(module_name)
-        registry_name = _REGISTRIES[module_name][0]
         if module is not None and getattr(module, registry_name, None) is not None:
             _register_in(module_name, module)
         elif module is None and not any(
             isinstance(finder, _AfterImport) and finder.name == module_name for finder in sys.meta_path
         ):
-            sys.meta_path.insert(0, _AfterImport(module_name, _register_in))
+            sys.meta_path.insert(0, _AfterImport(module_name))
         # A module half-way through its import now, before its registry exists (imported from within Lightning's
         # own import): the strategy module registers its names when it is imported.
 
@@ -91,15 +90,14 @@ class _Deferred:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds the module ``name`` the first time it is imported and runs ``then(name, module)`` once it has run.
+    """Finds the registry module ``name`` the first time it is imported and registers the names once it has run.
 
     It hands the import system the module's own spec with a loader of ours that runs the module's loader and then
-    ``then``; nothing of the module's loader is changed. Once it has found the module it leaves ``sys.meta_path``.
+    registers; nothing of the module's loader is changed. Once it has found the module it leaves ``sys.meta_path``.
     """
 
-    def __init__(self, name: str, then: Callable[[str, ModuleType], None]) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.then = then
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -111,22 +109,22 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _ThenLoader(spec.loader, self.then)
+        spec.loader = _ThenLoader(spec.loader)
         return spec
 
 
 class _ThenLoader(importlib.abc.Loader):
-    """A module's loader, then ``then(name, module)``; anything else (resources, source) is the loader's own."""
+    """A registry module's loader, then the names' registration; anything else (resources, source) is the loader's."""
 
-    def __init__(self, loader: importlib.abc.Loader, then: Callable[[str, ModuleType], None]) -> None:
-        self.loader, self.then = loader, then
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
 
     def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.then(module.__name__, module)
+        _register_in(module.__name__, module)
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (a copy or an unpickled one): not the wrapped loader's to answer

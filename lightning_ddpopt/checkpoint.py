@@ -140,27 +140,24 @@ class SavedRun:
         choice = entry.get("hook_choice")
         shards, reader, local_sgd = entry.get("shards"), None, entry.get("local_sgd")
         if shards is not None:
+            sliced = shards.get("outer_slices")
             problem = f"the file was read as a stream, not from a path beside which *{SHARDS_SUFFIX} could be"
             if path is not None:
                 reader, problem = find_shards(path, shards["directory"], shards["save_id"])
             if reader is None:
+                kept = "; local SGD's outer loop keeps its counters and anchors at the weights" if sliced else ""
                 # Every rank says it: one that cannot read its shards must not go on silently apart from the others.
                 warnings.warn(
                     f"ddpopt: rank {dist.get_rank() if dist.is_initialized() else 0}: the checkpoint's per-rank state "
                     f"(comm-hook state, local SGD's inner optimizer states and island outer state) is not to be read: "
-                    f"{problem}. The hook starts afresh and every rank takes rank 0's optimizer state"
-                    + (
-                        "; local SGD's outer loop keeps its counters and anchors at the weights"
-                        if shards["outer_slices"]
-                        else ""
-                    ),
+                    f"{problem}. The hook starts afresh and every rank takes rank 0's optimizer state{kept}",
                     stacklevel=2,
                 )
-                if local_sgd is not None and shards["outer_slices"]:
+                if local_sgd is not None and sliced:
                     local_sgd = {**local_sgd, "in_flight": None, "sharded": []}
                 shards = None
-            elif local_sgd is not None and shards.get("outer_slices"):
-                local_sgd = _sliced_outer(local_sgd, reader, shards["outer_slices"])
+            elif local_sgd is not None and sliced:
+                local_sgd = _sliced_outer(local_sgd, reader, sliced)
         return cls(
             world_size=entry["world_size"],
             comm_hook=entry.get("comm_hook"),
@@ -187,10 +184,7 @@ class SavedRun:
             return None
         note = self.decision_note(world_size)
         if note is not None:
-            what = {
-                "hook_choice": "comm_hook='auto'",
-                "bucket_latency_s": "bucket_cap_mb='auto'",
-            }[name]
+            what = "comm_hook='auto'" if name == "hook_choice" else "bucket_cap_mb='auto'"
             rank_zero_info(f"ddpopt: {what} measures again: {note}")
             return None
         return getattr(self, name)
@@ -207,22 +201,20 @@ def restore_hook_state(
             f"the checkpoint holds state of comm hook {saved.comm_hook!r}, this run uses {hook_name!r}, which starts "
             "with fresh state"
         )
-    if saved.world_size != world_size:
-        first = saved.hook_state(0)
-        reason = state.mismatch(first)
-        if reason is not None:
-            return f"{reason}; comm hook {hook_name!r} starts with fresh state"
-        kept = state.load_shared_state_dict(first)
-        return (
-            f"the checkpoint was saved with world size {saved.world_size} and this run has {world_size}: "
-            f"{kept}; per-rank hook state (error feedback) cannot be mapped to the new ranks and starts afresh"
-        )
-    own = saved.hook_state(rank)
+    # Another world size: only what is the same on every rank applies, taken from rank 0's.
+    same_world = saved.world_size == world_size
+    own = saved.hook_state(rank if same_world else 0)
     reason = state.mismatch(own)
     if reason is not None:
         return f"{reason}; comm hook {hook_name!r} starts with fresh state"
-    state.load_state_dict(own)
-    return None
+    if same_world:
+        state.load_state_dict(own)
+        return None
+    kept = state.load_shared_state_dict(own)
+    return (
+        f"the checkpoint was saved with world size {saved.world_size} and this run has {world_size}: "
+        f"{kept}; per-rank hook state (error feedback) cannot be mapped to the new ranks and starts afresh"
+    )
 
 
 def write_rank_states(

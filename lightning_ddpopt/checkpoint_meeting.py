@@ -36,7 +36,8 @@ class RankStates:
         self._group_timeout: timedelta | None = None
         self._run = ""
         self._saves = 0
-        self._group: dist.ProcessGroup | None = None
+        #: The saves' gloo group over every rank (``None`` with one rank, or before a save needs it).
+        self.group: dist.ProcessGroup | None = None
         self._failed: str | None = None
 
     def name_run(self, nonce: str) -> None:
@@ -68,7 +69,9 @@ class RankStates:
                     "ddpopt: saving a checkpoint needs the ranks' save meeting, which an earlier save on fewer ranks "
                     f"closed ({self._failed}); call save_checkpoint on every rank"
                 )
-            timeout = self._timeout()
+            timeout = self._group_timeout or timedelta(minutes=30)
+            if self.timeout_s is not None:
+                timeout = timedelta(seconds=self.timeout_s)
             try:
                 # Made here where setup made none (a stateless hook, or after teardown): its making is the meeting.
                 group = self._make_group(timeout)
@@ -78,9 +81,8 @@ class RankStates:
                 raise RuntimeError(
                     "ddpopt: saving a checkpoint needs every rank (each saves its own comm-hook or local SGD state), "
                     f"but not every rank called save_checkpoint within {timeout.total_seconds():g} s "
-                    f"({self._failed}). Call "
-                    "trainer.save_checkpoint on every rank, as Lightning's DDP strategies require (ModelCheckpoint "
-                    "does)."
+                    f"({self._failed}). Call trainer.save_checkpoint on every rank, as Lightning's DDP strategies "
+                    "require (ModelCheckpoint does)."
                 ) from None
         return f"{self._run}/{self._saves}"
 
@@ -107,18 +109,8 @@ class RankStates:
 
     def close(self) -> None:
         """Destroy the saves' group (at teardown); a save after it makes another, on every rank alike."""
-        destroy_owned_group(self, "_group")
+        destroy_owned_group(self, "group")
         self._failed = None
-
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The saves' gloo group over every rank (``None`` with one rank, or before a save needs it)."""
-        return self._group
-
-    def _timeout(self) -> timedelta:
-        if self.timeout_s is not None:
-            return timedelta(seconds=self.timeout_s)
-        return self._group_timeout or timedelta(minutes=30)
 
     def _make_group(self, timeout: timedelta | None) -> dist.ProcessGroup | None:
         """The saves' group, made on first need; ``timeout`` bounds its making and every wait in it but rank 0's.
@@ -127,6 +119,6 @@ class RankStates:
         save should wait); made by a save, the save's. A group made after teardown is destroyed with the default
         group at exit; it runs no Python callbacks in gloo's threads, so that is safe on every torch.
         """
-        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-        return self._group
+        if self.group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        return self.group

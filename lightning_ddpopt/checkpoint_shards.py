@@ -63,9 +63,8 @@ def find_shards(path: PathType, name: str, save_id: str) -> tuple[ShardReader | 
     ``path``, and under their saved name beside either. Returns the reader, or ``None`` and why, in words.
     """
     path = os.fspath(path)
-    places = list(dict.fromkeys([shard_directory(os.path.realpath(path)), shard_directory(path)]))
-    places += [os.path.join(os.path.dirname(place), name) for place in places]
-    places = list(dict.fromkeys(places))
+    beside = [shard_directory(os.path.realpath(path)), shard_directory(path)]
+    places = list(dict.fromkeys([*beside, *(os.path.join(os.path.dirname(place), name) for place in beside)]))
     others = []
     for place in places:
         reader = ShardReader(place)
@@ -111,7 +110,7 @@ def write_shards(
     for name, state in states.items():
         flat.update(_flatten(name, state))
     if rank == 0:
-        flat[_SAVE_ID] = _text_tensor(save_id)
+        flat[_SAVE_ID] = torch.tensor(list(save_id.encode()), dtype=torch.uint8)
     dcp.save(flat, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
     # Every rank has written when DCP returns (its coordinator writes the metadata last).
     if rank == 0:
@@ -178,10 +177,7 @@ class ShardReader:
 
     def _read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         stored = self._stored()
-        into: dict[str, Any] = {}
-        for name in names:
-            meta = stored[name]
-            into[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        into = {name: torch.empty(stored[name].size, dtype=stored[name].properties.dtype) for name in names}
         dcp_load_alone(into, dcp.FileSystemReader(self.directory))
         return into
 
@@ -213,10 +209,6 @@ class SlicedValues:
                 stored = self.reader.tensor(f"outer/{low}/{self.name}")
                 pieces.append(stored[max(start, low) - low : min(stop, high) - low])
         return torch.cat(pieces) if pieces else torch.empty(0)
-
-
-def _text_tensor(text: str) -> torch.Tensor:
-    return torch.tensor(list(text.encode()), dtype=torch.uint8)
 
 
 def _flatten(name: str, state: Any) -> dict[str, torch.Tensor]:

@@ -1,13 +1,13 @@
 """What the Trainer's and Fabric's strategies share: the components of an optimized DDP run and the order between them.
 
 Lightning has two front ends, and each has a ``DDPStrategy`` of its own: :class:`lightning_ddpopt.OptimizedDDPStrategy`
-subclasses the Trainer's, :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` Fabric's. Both hand their events to
-one :class:`StrategyCore`, which owns the components (the hook installer, the bucket controller, the ledger, the
-checkpoint gathers, local SGD's driver, the core binding) and calls them in the order their rules need, so the two
-front ends cannot drift apart. :class:`CoreStrategy`, mixed into both beside Lightning's or Fabric's ``DDPStrategy``,
-holds the steps both take alike: each strategy says *when* a step runs, :class:`CoreStrategy` *what* it does. What
-it reads of the ``DDPStrategy`` it is mixed with is :class:`_DDPStrategyLike`, whose private parts are checked at
-construction by :func:`lightning_ddpopt._compat.check_ddp_strategy_internals`.
+subclasses the Trainer's, :class:`lightning_ddpopt.fabric.OptimizedDDPStrategy` Fabric's. Both hand their events to one
+:class:`StrategyCore`, which owns the components (the hook installer, the bucket controller, the ledger, the checkpoint
+gathers, local SGD's driver, fault tolerance's steps, the core binding) and calls them in the order their rules need, so
+the two front ends cannot drift apart. :class:`CoreStrategy`, mixed into both beside Lightning's or Fabric's
+``DDPStrategy``, holds the steps both take alike: each strategy says *when* a step runs, :class:`CoreStrategy` *what* it
+does. What it reads of the ``DDPStrategy`` it is mixed with is :class:`_DDPStrategyLike`, whose private parts are
+checked at construction by :func:`lightning_ddpopt._compat.check_ddp_strategy_internals`.
 :class:`~lightning_ddpopt.measuring.CoreViews` gives both strategies the same public properties over the core.
 
 The terms used here (sync round, verdict, meeting, island, wire bytes) are defined in the design page's glossary.
@@ -27,7 +27,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddpopt._compat import PathType
+from lightning_ddpopt._compat import PathType, check_versions
 from lightning_ddpopt._groups import destroy_owned_group, group_like
 from lightning_ddpopt._validate import require_number
 from lightning_ddpopt.affinity import CoreBinding, bind_cores, validate_cpu_affinity
@@ -35,8 +35,8 @@ from lightning_ddpopt.buckets import BucketController, validate_bucket_cap_mb
 from lightning_ddpopt.checkpoint import SavedRun, write_rank_states
 from lightning_ddpopt.checkpoint_meeting import RankStates
 from lightning_ddpopt.checkpoint_shards import shards_supported
+from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
 from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
-from lightning_ddpopt.hooks.across_islands import AcrossIslands
 from lightning_ddpopt.hooks.base import CommHookState
 from lightning_ddpopt.hooks.install import HookInstaller
 from lightning_ddpopt.hooks.registry import DEFAULT_COMM_HOOK, validate_local_sgd
@@ -52,6 +52,8 @@ __all__ = ["CoreStrategy", "StrategyCore"]
 
 class StrategyCore:
     """The components of one strategy, from its arguments to its teardown, whichever front end drives them.
+
+    Built first in either strategy's construction: it warns outside the tested versions before anything else.
 
     Args: those of :class:`~lightning_ddpopt.OptimizedDDPStrategy` of the same names (Lightning's ``ddp_comm_*``
     and ``model_averaging_period`` only through the Trainer's).
@@ -73,11 +75,14 @@ class StrategyCore:
         checkpoint_timeout: float | None,
         local_sgd: LocalSGDConfig | None,
         hierarchical: bool | Literal["auto"] = "auto",
+        fault_tolerance: FaultTolerance | None = None,
         ddp_comm_hook: Callable | None = None,
         ddp_comm_state: object | None = None,
         ddp_comm_wrapper: Callable | None = None,
         model_averaging_period: int | None = None,
     ) -> None:
+        check_versions()
+        check_fault_tolerance(fault_tolerance, local_sgd)
         validate_local_sgd(
             local_sgd,
             comm_hook=comm_hook,
@@ -101,8 +106,11 @@ class StrategyCore:
             None if checkpoint_timeout is None else require_number("checkpoint_timeout", checkpoint_timeout)
         )
         self.local_sgd = LocalSGDDriver(local_sgd) if local_sgd is not None else None
-        #: Per-step fault tolerance's average across the islands, run by the hook (set by the strategy).
-        self.across_islands: AcrossIslands | None = None
+        self.fault_tolerance = (
+            FaultTolerantSteps(fault_tolerance, self.local_sgd) if fault_tolerance is not None else None
+        )
+        #: Per-step fault tolerance's average across the islands, run by the hook.
+        self.across_islands = self.fault_tolerance.across if self.fault_tolerance is not None else None
         self.model_averaging = model_averaging_period is not None  # Lightning's post-local SGD
         self.optimizer_steps = OptimizerSteps()
         self.ledger: CommLedger | None = None
@@ -155,9 +163,8 @@ class StrategyCore:
 
     def bucket_cap(self, module: torch.nn.Module, device: torch.device) -> float:
         """DDP's ``bucket_cap_mb`` for ``module``: as planned, or a checkpoint's measured cap that still applies."""
-        buckets = self.buckets
-        latency = self.reused_decision("bucket_latency_s") if buckets.measures(self.world_size) else None
-        return buckets.cap_for(module, self.world_size, device, latency)
+        latency = self.reused_decision("bucket_latency_s") if self.buckets.measures(self.world_size) else None
+        return self.buckets.cap_for(module, self.world_size, device, latency)
 
     def install(
         self,
@@ -234,14 +241,9 @@ class StrategyCore:
         if saved is None or saved.decision_note(self.world_size) is not None:
             return
         late = []
-        choice = self.hooks.hook_choice
-        if (
-            saved.hook_choice is not None
-            and self.hooks.auto
-            and choice is not None
-            and choice.name != saved.hook_choice.name
-        ):
-            late.append(f"comm_hook='auto' chose {choice.name!r} and the checkpoint holds {saved.hook_choice.name!r}")
+        choice, saved_choice = self.hooks.hook_choice, saved.hook_choice
+        if self.hooks.auto and choice is not None and saved_choice is not None and choice.name != saved_choice.name:
+            late.append(f"comm_hook='auto' chose {choice.name!r} and the checkpoint holds {saved_choice.name!r}")
         measured = self.buckets.latency_s
         if saved.bucket_latency_s is not None and measured is not None and measured != saved.bucket_latency_s:
             saved_us = saved.bucket_latency_s * 1e6
@@ -298,23 +300,15 @@ class StrategyCore:
         """
         before = self.optimizer_steps.count(optimizer) if self.local_sgd is not None else None
         output = step()
-        return output, self.after_optimizer_step(model, self.optimizer_steps.skipped(optimizer, before), say)
-
-    def after_optimizer_step(
-        self,
-        model: torch.nn.Module | None,
-        skipped: bool,
-        say: Callable[[str], None],
-    ) -> list[StepRecord]:
-        """Close the step (``skipped``: the GradScaler skipped it): see :meth:`optimizer_step`."""
         ddp = model if isinstance(model, DistributedDataParallel) else None
         if self.local_sgd is not None and self.local_sgd.loop is not None:
+            skipped = self.optimizer_steps.skipped(optimizer, before)
             self.local_sgd.after_optimizer_step(skipped, self.ledger if ddp else None, say)
         if ddp is None or self.ledger is None:
-            return []
+            return output, []
         records = self.ledger.close_step()
         self.buckets.after_step(self.ledger, say, self.local_phase)
-        return records
+        return output, records
 
     @property
     def local_phase(self) -> bool:
@@ -323,7 +317,7 @@ class StrategyCore:
         return loop is not None and loop.local
 
     def gradients_identical(self, model: torch.nn.Module | None) -> bool:
-        """See :attr:`CoreViews.synced_gradients_identical`."""
+        """See :attr:`CoreStrategy.synced_gradients_identical`."""
         ignored = getattr(model, "parameters_to_ignore", None)
         # Evidence that this step's gradients went through the hook: the ledger saw a sync round since the last step.
         synced = self.ledger is not None and self.ledger.recording and self.ledger.open_sync_rounds > 0
@@ -352,10 +346,10 @@ class StrategyCore:
         """
         rank, world_size = self.rank, self.world_size
         hook_state = self.hooks.state_dict()
-        local_sgd = self.local_sgd if self.local_sgd is not None and self.local_sgd.loop is not None else None
-        inner = local_sgd is not None and optimizers is not None
-        # An island's outer state is sharded over its ranks.
-        sharded = local_sgd is not None and local_sgd.loop is not None and local_sgd.loop.sharded
+        local_sgd = self.local_sgd
+        loop = local_sgd.loop if local_sgd is not None else None
+        inner = optimizers if loop is not None else None  # the inner optimizers whose per-rank states are saved
+        sharded = loop is not None and loop.sharded  # an island's outer state is sharded over its ranks
         run = SavedRun(
             world_size=world_size,
             comm_hook=self.hooks.comm_hook_name,
@@ -365,17 +359,14 @@ class StrategyCore:
             optimizer_steps=optimizer_steps,
         )
         # The same hook and layout on every rank, so every rank writes (or gathers) or none does.
-        if world_size > 1 and (hook_state or inner or sharded) and shards_supported(path):
-            return write_rank_states(
-                run, path, self.checkpoints, hook_state, local_sgd, optimizers if inner else None, rank=rank
-            )
+        if world_size > 1 and (hook_state or inner is not None or sharded) and shards_supported(path):
+            return write_rank_states(run, path, self.checkpoints, hook_state, local_sgd, inner, rank=rank)
         states = self.checkpoints.gather(hook_state, rank=rank, world_size=world_size) if hook_state else []
         local_states: list[dict[str, Any]] = []
-        if local_sgd is not None and optimizers is not None:
-            local_states = self.checkpoints.gather(local_sgd.rank_state(optimizers), rank=rank, world_size=world_size)
-        loop = local_sgd.loop if local_sgd is not None else None
+        if local_sgd is not None and inner is not None:
+            local_states = self.checkpoints.gather(local_sgd.rank_state(inner), rank=rank, world_size=world_size)
         # Gathering a sharded outer state is a collective, entered only once every rank has arrived.
-        if sharded and not hook_state and not inner:
+        if sharded and not hook_state and inner is None:
             self.checkpoints.agree(rank=rank, world_size=world_size)
         outer = loop.state_dict() if loop is not None and (rank == 0 or sharded) else None
         if rank != 0:
@@ -384,17 +375,18 @@ class StrategyCore:
             run, hook_states=states, local_sgd=outer, local_sgd_ranks=local_states
         ).to_checkpoint()
 
-    def name_run(self, nonce: str) -> None:
-        """Name this run's checkpoint saves (the same ``nonce`` on every rank): each save's shards get an id."""
-        self.checkpoints.name_run(nonce)
+    def stop(self) -> None:
+        """Local SGD's and fault tolerance's teardown: the SIGTERM check goes, the island leaves the quorum.
 
-    def stop_local_sgd(self) -> None:
-        """Local SGD's teardown: its SIGTERM check goes, a sync still in flight after a failure is dropped."""
+        A local SGD sync still in flight after a failure is dropped.
+        """
         if self.local_sgd is not None:
             self.local_sgd.teardown()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.teardown()
 
     def close(self) -> None:
-        """Stop the hook's threads, destroy our groups, release the cores (after :meth:`stop_local_sgd`).
+        """Stop the hook's threads, destroy our groups, release the cores (after :meth:`stop`).
 
         Nothing of ours may keep a process group alive past the exit-time ``destroy_process_group``.
         """
@@ -443,6 +435,9 @@ class _DDPStrategyLike(Protocol):
     def root_device(self) -> torch.device: ...
 
     @property
+    def model(self) -> torch.nn.Module | None: ...
+
+    @property
     def local_rank(self) -> int: ...
 
     @property
@@ -476,6 +471,17 @@ class _DDPStrategyLike(Protocol):
 class CoreStrategy(CoreViews):
     """The steps both strategies take with their :class:`~lightning_ddpopt.core.StrategyCore`, and its views."""
 
+    @property
+    def synced_gradients_identical(self: _DDPStrategyLike) -> bool:
+        """Whether a batch whose gradients DDP syncs leaves the same gradients on every rank.
+
+        It does with DDP's allreduce or a registry hook over every parameter (each rank receives the same result), once
+        the ledger has seen this step's sync; not with a user's hook or none, parameters DDP ignores, or Lightning's
+        post-local SGD (``model_averaging_period``).
+        See :func:`lightning_ddpopt.meetings.gradients_identical`.
+        """
+        return self._core.gradients_identical(self.model)
+
     def _start_core(self: _DDPStrategyLike) -> None:
         """Once the process group exists: the core learns this rank's place (cores, nodes, ledger)."""
         self._core.start(
@@ -490,7 +496,7 @@ class CoreStrategy(CoreViews):
     def _name_run(self: _DDPStrategyLike) -> None:
         """Name this run's checkpoint saves (every rank): a save's shards are told apart from an earlier run's."""
         if self.world_size > 1:
-            self._core.name_run(self.broadcast(secrets.token_hex(8)))
+            self._core.checkpoints.name_run(self.broadcast(secrets.token_hex(8)))
 
     def _install_hook(self: _DDPStrategyLike, model: DistributedDataParallel, measured: bool = True) -> None:
         """Register the hook on the freshly wrapped ``model`` (see :meth:`StrategyCore.install`)."""
@@ -503,20 +509,19 @@ class CoreStrategy(CoreViews):
             measured=measured,
         )
 
-    def _log_final_layout(self: _DDPStrategyLike, model: object, say: Callable[[str], None]) -> None:
+    def _log_final_layout(self: _DDPStrategyLike, say: Callable[[str], None]) -> None:
         """At the end of training: DDP's bucket layout, if no step logged it yet."""
-        if self.bucket_layout is None and isinstance(model, DistributedDataParallel):
+        if self.bucket_layout is None and isinstance(self.model, DistributedDataParallel):
             self._core.buckets.log_layout(self.ledger, say, self._core.local_phase, final=True)
 
     def _join_islands(
         self: _DDPStrategyLike,
-        ft: FaultTolerantSteps,
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
     ) -> None:
         """Join the fault-tolerant quorum as one island: this job's ranks, its store, its training state."""
-        environment = self.cluster_environment
-        assert environment is not None
+        environment, ft = self.cluster_environment, self._core.fault_tolerance
+        assert environment is not None and ft is not None
         ft.setup(
             self.global_rank,
             self.world_size,

@@ -67,8 +67,9 @@ class CoreViews:
 
     @property
     def fault_tolerance_stats(self) -> ReplicaStats | None:
-        """With fault tolerance: what the quorum did to this island (``None`` without)."""
-        return None
+        """With ``fault_tolerance``: the steps this island committed and dropped, its heals and quorum changes."""
+        ft = self._core.fault_tolerance
+        return ft.stats if ft is not None else None
 
     @property
     def ledger(self) -> CommLedger | None:

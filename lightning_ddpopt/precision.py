@@ -44,23 +44,12 @@ def fp16_mixed_precision(
         backoff_factor: multiplies the scale at every overflow, whose optimizer step is skipped (in (0, 1)).
         growth_interval: overflow-free steps between two growths (>= 1).
     """
-    scaler = fp16_grad_scaler(
-        device,
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-    )
+    scaler = fp16_grad_scaler(device, init_scale, growth_factor, backoff_factor, growth_interval)
     return MixedPrecision("16-mixed", device, scaler=scaler)
 
 
 def fp16_grad_scaler(
-    device: str,
-    *,
-    init_scale: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
+    device: str, init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int
 ) -> torch.amp.GradScaler:
     """A GradScaler with the given settings, each checked (see :func:`fp16_mixed_precision`)."""
     if device not in ("cuda", "cpu"):

@@ -31,7 +31,6 @@ from lightning_ddpopt._compat import (
     PathType,
     StrategyRegistryType,
     check_ddp_strategy_internals,
-    check_versions,
     say_during_training,
 )
 from lightning_ddpopt._groups import destroy_process_group_at_exit
@@ -40,10 +39,8 @@ from lightning_ddpopt.accumulation import AccumulationStep, ManualAccumulation
 from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.checkpoint_shards import remove_shards
 from lightning_ddpopt.core import CoreStrategy, StrategyCore
-from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
+from lightning_ddpopt.fault_tolerance.config import FaultTolerance
 from lightning_ddpopt.fault_tolerance.driver import CHECKPOINT_KEY as FT_CHECKPOINT_KEY
-from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
-from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import load_training_state, training_state
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
@@ -168,8 +165,6 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
         fault_tolerance: FaultTolerance | None = None,
         **kwargs: Any,
     ) -> None:
-        check_versions()
-        check_fault_tolerance(fault_tolerance, local_sgd)
         self._core = StrategyCore(
             comm_hook=comm_hook,
             comm_state=comm_state,
@@ -181,6 +176,7 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             checkpoint_timeout=checkpoint_timeout,
             local_sgd=local_sgd,
             hierarchical=hierarchical,
+            fault_tolerance=fault_tolerance,
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_state=ddp_comm_state,
             ddp_comm_wrapper=ddp_comm_wrapper,
@@ -202,29 +198,9 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
             **kwargs,
         )
         check_ddp_strategy_internals(self)
-        self._fault_tolerance = (
-            FaultTolerantSteps(fault_tolerance, self._core.local_sgd) if fault_tolerance is not None else None
-        )
-        if self._fault_tolerance is not None:
-            self._core.across_islands = self._fault_tolerance.across
+        self._fault_tolerance = self._core.fault_tolerance
         self._ddp_kwargs.update(self._core.ddp_flags)
         self._accumulation = ManualAccumulation()
-
-    @property
-    def synced_gradients_identical(self) -> bool:
-        """Whether a batch whose gradients DDP syncs leaves the same gradients on every rank.
-
-        It does with DDP's allreduce or a registry hook over every parameter (each rank receives the same result), once
-        the ledger has seen this step's sync; not with a user's hook or none, parameters DDP ignores, or Lightning's
-        post-local SGD (``model_averaging_period``).
-        See :func:`lightning_ddpopt.meetings.gradients_identical`.
-        """
-        return self._core.gradients_identical(self.model)
-
-    @property
-    def fault_tolerance_stats(self) -> ReplicaStats | None:
-        """With ``fault_tolerance``: the steps this island committed and dropped, its heals and quorum changes."""
-        return self._fault_tolerance.stats if self._fault_tolerance is not None else None
 
     @property
     @override
@@ -301,8 +277,7 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
                     "moved to the live islands' position in the epoch by reading past the batches they have passed, "
                     "and a step that reads its own batches has no position to move to; take the batch as an argument"
                 )
-            state = (lambda: training_state(trainer), lambda saved: load_training_state(trainer, saved))
-            self._join_islands(self._fault_tolerance, *state)
+            self._join_islands(lambda: training_state(trainer), lambda saved: load_training_state(trainer, saved))
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -350,17 +325,12 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
                 return take(closure)
             return ft.optimizer_step(optimizer, closure, take, [p for p in module.parameters() if p.requires_grad])
 
-        output, records = self._core.optimizer_step(
-            optimizer,
-            run,
-            self.model,
-            self._say,
-        )
+        output, records = self._core.optimizer_step(optimizer, run, self.model, self._say)
         if ft is not None:
             ft.after_step()
-        if ft is not None and ft.stats is not None and module is not None:
-            for name, value in ft.stats.metrics().items():
-                module.log(name, value, on_step=True, on_epoch=False)
+            if ft.stats is not None and module is not None:
+                for name, value in ft.stats.metrics().items():
+                    module.log(name, value, on_step=True, on_epoch=False)
         # On a GPU the steps resolved now are usually earlier ones; the checks below need no timing.
         for record in records:
             self._accumulation.check_syncs_per_step(self.lightning_module, record.sync_rounds, record.micro_batches)
@@ -431,14 +401,12 @@ class OptimizedDDPStrategy(CoreStrategy, DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        self._log_final_layout(self.model, self._say)
+        self._log_final_layout(self._say)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
-        self._core.stop_local_sgd()
-        if self._fault_tolerance is not None:
-            self._fault_tolerance.teardown()
+        self._core.stop()
         super().teardown()
         # Nothing of ours may keep a process group alive past Lightning's exit-time destroy_process_group.
         self._core.close()

@@ -14,7 +14,11 @@ and keep the same state. Where Fabric has no event of its own, the strategy make
   :class:`~lightning_ddpopt.fabric.Monitor`'s callbacks) see the gradients unscaled, as the Trainer's callbacks do;
 * :meth:`OptimizedDDPStrategy.finish` ends training (local SGD's final average), as the Trainer's end of fit does;
 * with ``fault_tolerance``, the first training forward joins the quorum and each step's starts the step's quorum;
-  ``optimizer.step()`` averages the gradients across the islands and votes before anything unscales them.
+  ``optimizer.step()`` averages the gradients across the islands and votes before anything unscales them;
+* ``fabric.save`` adds this package's state and ``fabric.load`` restores it: what every rank shares (local SGD's outer
+  loop, the measured decisions, the GradScaler's state, which Fabric does not save, and the optimizer-step count)
+  goes into the file under ``"ddpopt"``, what differs per rank into shards beside it
+  (:mod:`lightning_ddpopt.checkpoint_shards`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
@@ -46,21 +50,19 @@ from lightning_ddpopt._compat import (
     FABRIC_DDP_STRATEGY_ATTRIBUTES,
     FABRIC_DDP_STRATEGY_INTERNALS,
     BackwardSyncControl,
+    PathType,
     StrategyRegistryType,
     check_ddp_strategy_internals,
-    check_versions,
     set_ddp_sync,
     unscale_once,
 )
 from lightning_ddpopt._groups import destroy_process_group_at_exit
 from lightning_ddpopt._registration import register_strategy_names
 from lightning_ddpopt.accumulation import ExtraSyncs
+from lightning_ddpopt.checkpoint import CHECKPOINT_KEY
 from lightning_ddpopt.core import CoreStrategy, StrategyCore
-from lightning_ddpopt.fabric.checkpoints import CheckpointingDDPStrategy
-from lightning_ddpopt.fault_tolerance.config import FaultTolerance, check_fault_tolerance
+from lightning_ddpopt.fault_tolerance.config import FaultTolerance
 from lightning_ddpopt.fault_tolerance.driver import CHECKPOINT_KEY as FT_CHECKPOINT_KEY
-from lightning_ddpopt.fault_tolerance.driver import FaultTolerantSteps
-from lightning_ddpopt.fault_tolerance.replica import ReplicaStats
 from lightning_ddpopt.fault_tolerance.state import fabric_state, load_fabric_state
 from lightning_ddpopt.hooks.int8 import Int8Config
 from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
@@ -71,7 +73,7 @@ from lightning_ddpopt.precision import current_loss_scale
 __all__ = ["OptimizedDDPStrategy"]
 
 
-class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
+class OptimizedDDPStrategy(CoreStrategy, FabricDDPStrategy):
     """Fabric's ``DDPStrategy`` with the comm hooks, bucket planning, local SGD, ledger and checkpoints of this package.
 
     The keyword arguments are those of the Trainer's :class:`lightning_ddpopt.OptimizedDDPStrategy`, with the same
@@ -85,7 +87,12 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         fabric.launch()
         model, optimizer = fabric.setup(model, optimizer)
 
-    Checkpoints: see :class:`~lightning_ddpopt.fabric.checkpoints.CheckpointingDDPStrategy`, its base.
+    Checkpoints: ``fabric.save`` adds local SGD's outer loop, the measured decisions and the GradScaler's state
+    (which Fabric does not save) under ``"ddpopt"``, and each rank writes its own hook state and inner optimizer
+    states beside the file (:mod:`lightning_ddpopt.checkpoint_shards`); ``fabric.load`` restores them (before or
+    after ``fabric.setup``) and does not return that key. With local SGD, each rank's optimizer in the loaded
+    ``state`` gets its own saved state, matched by order: keep the optimizers in the same order in the saved and the
+    loaded ``state``. Every rank must call both, as Fabric requires.
 
     Fault tolerance (``fault_tolerance=FaultTolerance(...)``, see :mod:`lightning_ddpopt.fault_tolerance`): the
     Fabric job is one island. ``optimizer.step()`` averages the step's gradients over the islands of the quorum and
@@ -149,8 +156,6 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         fault_tolerance: FaultTolerance | None = None,
         **kwargs: Any,
     ) -> None:
-        check_versions()
-        check_fault_tolerance(fault_tolerance, local_sgd)
         self._core = StrategyCore(
             comm_hook=comm_hook,
             comm_state=comm_state,
@@ -162,6 +167,7 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
             checkpoint_timeout=checkpoint_timeout,
             local_sgd=local_sgd,
             hierarchical=hierarchical,
+            fault_tolerance=fault_tolerance,
         )
         super().__init__(
             accelerator=accelerator,
@@ -178,11 +184,7 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
             self, FabricDDPStrategy, FABRIC_DDP_STRATEGY_INTERNALS, FABRIC_DDP_STRATEGY_ATTRIBUTES
         )
         self._ddp_kwargs.update(self._core.ddp_flags)
-        self._fault_tolerance = (
-            FaultTolerantSteps(fault_tolerance, self._core.local_sgd) if fault_tolerance is not None else None
-        )
-        if self._fault_tolerance is not None:
-            self._core.across_islands = self._fault_tolerance.across
+        self._fault_tolerance = self._core.fault_tolerance
         #: With ``fault_tolerance``: more of the loop's state a healing island receives from a peer (see above).
         self.heal_state: dict[str, Any] = {}
         self._vote: bool | None = None  # this step's, per step, once voted (at a clip or the step)
@@ -210,11 +212,6 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         self._closed = False
 
     @property
-    def synced_gradients_identical(self) -> bool:
-        """Whether this step's synchronised gradients are the same on every rank (see the Trainer strategy's)."""
-        return self._core.gradients_identical(self.model)
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """DDP's, except with ``fault_tolerance``: this rank's shard of every island's data.
@@ -225,23 +222,6 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         if ft is None:
             return super().distributed_sampler_kwargs
         return ft.config.sampler_kwargs(self.world_size, self.global_rank)
-
-    def _extra_checkpoint_state(self) -> dict[str, Any]:
-        """With ``fault_tolerance``: torchft's manager state (the run's commits), saved beside our entry."""
-        ft = self._fault_tolerance
-        quorum = ft.checkpoint_state() if ft is not None else None
-        return {FT_CHECKPOINT_KEY: quorum} if quorum is not None else {}
-
-    def _load_extra_checkpoint_state(self, remainder: dict[str, Any]) -> None:
-        """With ``fault_tolerance``: the manager state goes back to the quorum (taken out of ``remainder``)."""
-        quorum = remainder.pop(FT_CHECKPOINT_KEY, None)
-        if self._fault_tolerance is not None and quorum is not None:
-            self._fault_tolerance.resume(quorum)
-
-    @property
-    def fault_tolerance_stats(self) -> ReplicaStats | None:
-        """With ``fault_tolerance``: the steps this island committed and dropped, its heals and quorum changes."""
-        return self._fault_tolerance.stats if self._fault_tolerance is not None else None
 
     @override
     def setup_environment(self) -> None:
@@ -261,7 +241,9 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
                 f"{type(module).__name__} would be a second one. Wrap the models in one nn.Module and set that up."
             )
         self._ddp_kwargs["bucket_cap_mb"] = self._core.bucket_cap(module, self.root_device)
-        model = self._wrap(module)
+        model = super().setup_module(module)
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self.model = model
         self._install_hook(model)
         if self.optimizers:
             self._core.fit_to_optimizers(self.optimizers)
@@ -274,6 +256,131 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         if self.model is not None:  # PowerSGD's max_error="auto" and local SGD's outer "auto" follow the optimizers
             self._core.fit_to_optimizers(self.optimizers)
         return super().setup_optimizer(optimizer)
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """Fabric's GradScaler when fp16 AMP runs with one (``None`` without, or disabled)."""
+        scaler = getattr(self.precision, "scaler", None)
+        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+    @override
+    def save_checkpoint(
+        self,
+        path: PathType,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Add local SGD's state, the GradScaler's and the step count, write what differs per rank to shards, save.
+
+        What differs per rank (comm-hook state, local SGD's inner optimizer and island outer states) goes to the
+        directory ``path + ".ddpopt"``, each rank writing its own (see :mod:`lightning_ddpopt.checkpoint_shards`).
+
+        Every rank must call it, as Fabric requires; with a stateful hook a call on fewer ranks raises once the
+        process group's timeout (or ``checkpoint_timeout``) has passed (see :mod:`lightning_ddpopt.checkpoint`).
+
+        Args:
+            path: where the checkpoint goes, as for ``fabric.save``.
+            state: what ``fabric.save`` was given; it must not hold a key ``"ddpopt"``.
+            storage_options: passed on to Fabric's checkpoint IO.
+            filter: Fabric's per-key filters of what to save.
+        """
+        if CHECKPOINT_KEY in state:
+            raise ValueError(f"the checkpoint state has a key {CHECKPOINT_KEY!r}, which OptimizedDDPStrategy uses")
+        if state and all(isinstance(value, torch.Tensor) for value in state.values()):
+            # The weights alone (fabric.save(path, model.state_dict())): a file to load into a module, as it is.
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
+        optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
+        scaler = self.grad_scaler
+        entry = self._core.checkpoint_entry(
+            optimizers or None,
+            path,
+            grad_scaler=scaler.state_dict() if scaler is not None else None,
+            optimizer_steps=self.optimizer_steps,
+        )
+        if entry is not None:
+            state = {**state, CHECKPOINT_KEY: entry}
+        if self._fault_tolerance is not None and (quorum := self._fault_tolerance.checkpoint_state()) is not None:
+            state = {**state, FT_CHECKPOINT_KEY: quorum}  # torchft's manager state (the run's commits)
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a module's weights, without our entry: said once not to be restored.
+
+        A checkpoint of the weights alone read back with ``fabric.load_raw(path, model)`` holds no entry of ours
+        (:meth:`save_checkpoint` adds none to a state of tensors alone), except one saved by an earlier release: the
+        entry is taken out, so the weights load, strictly or not.
+
+        Args:
+            module: the module to load into.
+            state_dict: its weights (a whole checkpoint, for ``fabric.load_raw``).
+            strict: whether every key must match.
+        """
+        if CHECKPOINT_KEY in state_dict:
+            state_dict = {key: value for key, value in state_dict.items() if key != CHECKPOINT_KEY}
+            self._warn_partial_load("fabric.load_raw(path, model) restores the weights alone")
+        super().load_module_state_dict(module, state_dict, strict)
+
+    def _warn_partial_load(self, what: str) -> None:
+        """Say once that a load left this package's part of the checkpoint behind, and which load restores it."""
+        if not self._warned_partial_load:
+            self._warned_partial_load = True
+            rank_zero_warn(
+                f"ddpopt: {what}: this checkpoint's comm-hook state, local SGD's outer loop, GradScaler and step "
+                "count are restored by fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: PathType,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load as Fabric does, then restore this package's part of the checkpoint (not returned to the caller).
+
+        Args:
+            path: the checkpoint, as for ``fabric.load``.
+            state: the objects to restore in place, as for ``fabric.load``.
+            strict: whether every key of ``state`` must be in the checkpoint.
+            weights_only: passed on to ``torch.load``.
+        """
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        entry = remainder.pop(CHECKPOINT_KEY, None)
+        quorum = remainder.pop(FT_CHECKPOINT_KEY, None)
+        if self._fault_tolerance is not None and quorum is not None:
+            self._fault_tolerance.resume(quorum)  # the manager state goes back to the quorum
+        if not isinstance(state, dict) or not state:  # a raw state dict, or the file read whole: nothing to restore
+            if entry is not None and not self._restored:  # (read again after a load that restored it: nothing lost)
+                self._warn_partial_load("fabric.load(path) without the objects to restore returns the checkpoint alone")
+            return remainder
+        saved = self._core.load(entry, model_wrapped=self.model is not None, path=path)
+        if saved is None:
+            return remainder
+        self._restored = True
+        scaler = self.grad_scaler
+        if saved.grad_scaler and scaler is not None:
+            scaler.load_state_dict(saved.grad_scaler)
+        if saved.optimizer_steps is not None:
+            self.optimizer_steps = saved.optimizer_steps
+            self.resumes += 1
+        if self.model is not None:
+            self._core.warn_decisions_not_reused()
+        own = self._core.saved_optimizer_states()
+        optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
+        if own is not None and optimizers:
+            if len(own) != len(optimizers):
+                rank_zero_warn(
+                    f"ddpopt: the checkpoint holds {len(own)} inner optimizer states per rank and the loaded state "
+                    f"has {len(optimizers)} optimizers; every rank keeps rank 0's optimizer state"
+                )
+            else:
+                for optimizer, optimizer_state in zip(optimizers, own, strict=True):
+                    optimizer.load_state_dict(optimizer_state)
+        return remainder
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -348,7 +455,7 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
             self._core.local_sgd.finish(rank_zero_info)
         if self._fault_tolerance is not None:
             self._fault_tolerance.teardown()  # leaves the quorum: a later training forward joins again
-        self._log_final_layout(self.model, rank_zero_info)
+        self._log_final_layout(rank_zero_info)
 
     @override
     def teardown(self) -> None:
@@ -364,12 +471,6 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         """Register ``ddp_optimized[_spawn|_fork|_notebook]`` and hook presets such as ``ddp_optimized_fp16``."""
         register_strategy_names(cls, strategy_registry, "OptimizedDDPStrategy (Fabric)")
-
-    def _wrap(self, module: Module) -> DistributedDataParallel:
-        model = super().setup_module(module)
-        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        self.model = model
-        return model
 
     def _before_forward(self, model: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A training forward starts a micro-batch; any other (validation) is a break between steps."""
@@ -388,18 +489,14 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         self._between_steps = False
         ft = self._fault_tolerance
         if ft is not None:
-            self._join_quorum(ft)
+            if ft.replica is None:  # joins at the first training forward: the model and optimizers are set up by then
+                self._join_islands(lambda: fabric_state(self), lambda state: load_fabric_state(self, state))
             if ft.replica is not None and not ft.replica.step_open:
                 self._vote = None  # a new step: a vote at a clip not followed by a step does not carry over
             ft.before_batch()
         if self._sync_blocked:  # fabric.no_backward_sync outranks local SGD's warm-up, which just allowed the sync
             assert isinstance(model, DistributedDataParallel)
             set_ddp_sync(model, gradients=False)
-
-    def _join_quorum(self, ft: FaultTolerantSteps) -> None:
-        """Join the quorum at the first training forward (the model and optimizers are set up by then)."""
-        if ft.replica is None:
-            self._join_islands(ft, lambda: fabric_state(self), lambda state: load_fabric_state(self, state))
 
     @contextmanager
     def _blocking_sync(self, model: DistributedDataParallel) -> Iterator[None]:
@@ -422,9 +519,7 @@ class OptimizedDDPStrategy(CoreStrategy, CheckpointingDDPStrategy):
         """Our threads and groups go before the process group (Fabric calls no teardown; exit does this)."""
         if not self._closed:
             self._closed = True
-            self._core.stop_local_sgd()
-            if self._fault_tolerance is not None:
-                self._fault_tolerance.teardown()
+            self._core.stop()
             self._core.close()
 
 
