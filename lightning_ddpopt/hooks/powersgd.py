@@ -72,7 +72,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt._validate import require_int
+from lightning_ddpopt._validate import is_real_number, require_int
 from lightning_ddpopt.deferred import DeferredRead, to_device
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
@@ -160,11 +160,7 @@ class PowerSGDConfig:
                 "error by raising the rank from rank up to max_rank; max_error=None keeps rank fixed)"
             )
         bound = self.max_error
-        if (
-            bound is not None
-            and bound != "auto"
-            and (isinstance(bound, bool) or not isinstance(bound, int | float) or not 0 < bound < 1)
-        ):
+        if bound is not None and bound != "auto" and not (is_real_number(bound) and 0 < bound < 1):
             raise ValueError(
                 f"PowerSGDConfig max_error={bound!r} must be a number between 0 and 1 (exclusive), 'auto' "
                 "(by the optimizer) or None for a fixed rank"
@@ -175,16 +171,14 @@ class PowerSGDConfig:
                 f"PowerSGDConfig start_iter={self.start_iter} must be at least 2 with error_feedback or warm_start: "
                 "DDP rebuilds its buckets after the first step, which would invalidate the per-bucket state"
             )
-        if not isinstance(self.min_compression_rate, int | float) or self.min_compression_rate < 1:
-            raise ValueError(f"PowerSGDConfig min_compression_rate={self.min_compression_rate!r} must be >= 1")
         if self.matrix_dtype not in MATRIX_DTYPES:
             raise ValueError(
                 f"PowerSGDConfig matrix_dtype={self.matrix_dtype!r} is not valid; choose one of {sorted(MATRIX_DTYPES)}"
             )
-        if not isinstance(self.orthogonalization_epsilon, int | float) or self.orthogonalization_epsilon < 0:
-            raise ValueError(
-                f"PowerSGDConfig orthogonalization_epsilon={self.orthogonalization_epsilon!r} must be >= 0"
-            )
+        for name, low in (("min_compression_rate", 1), ("orthogonalization_epsilon", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value < low:
+                raise ValueError(f"PowerSGDConfig {name}={value!r} must be >= {low}")
 
     def compresses(self, rows: int, cols: int, rank: int | None = None) -> bool:
         """Whether a ``rows`` x ``cols`` gradient is compressed (else it is all-reduced as it is).
@@ -544,16 +538,14 @@ def low_rank_allreduce(
     # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
     # (Q^T M^T)^T rather than M Q, and (P^T M)^T rather than M^T P below: BLAS streams the large matrix about 3x
     # faster in these forms (measured: 10 ms against 31 ms for 6 x 2048 x 2048 at rank 4 on one CPU thread).
-    feedback = [
-        state.stored_error(round_, key, m) if add_feedback else None for m, key in zip(matrices, keys, strict=True)
-    ]
     if fused:
+        feedback = [
+            state.stored_error(round_, key, m) if add_feedback else None for m, key in zip(matrices, keys, strict=True)
+        ]
         local_ps = [_kernels.add_and_project(m, q, f) for m, q, f in zip(matrices, qs, feedback, strict=True)]
+        added = fed_back_sq(feedback) if state.measuring else None
     else:
-        for m, found in zip(matrices, feedback, strict=True):
-            if found is not None:
-                error, ratio = found
-                m.add_(error) if ratio is None else m.addcmul_(error, ratio)
+        added = state.add_error_feedback(round_, keys, matrices) if add_feedback else None
         local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
     # The matrices hold the error fed back now: what the compression is given.
     measuring_error = state.ranks.measuring
@@ -604,8 +596,7 @@ def low_rank_allreduce(
                 lost = local_q.index_select(1, weakest).double().square().sum()
                 state.ranks.add(key, given, dropped, dropped + lost)
         if state.measuring:
-            fed_back = fed_back if fed_back is not None else fed_back_sq(feedback)
-            state.record_compression(bucket, given_sq, dropped_sq, fed_back)
+            state.record_compression(bucket, given_sq, dropped_sq, fed_back if fed_back is not None else added)
     if config.warm_start:
         round_.q_memories.update(zip(keys, qs, strict=True))
     return errors
