@@ -644,8 +644,8 @@ def _decompress(
     the two: M is read from memory once instead of twice. With more threads the whole-matrix kernels run instead:
     small blocks would cost an OpenMP fork and join each.
     """
-    rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1])) if blocked and not m.is_cuda else m.shape[0]
-    for start in range(0, m.shape[0], max(rows, 1)):
+    rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]) if blocked and not m.is_cuda else m.shape[0])
+    for start in range(0, m.shape[0], rows):
         block = slice(start, start + rows)
         if error is not None and local_q is not None:
             error[block].copy_(m[block]).addmm_(p[block], local_q.t(), alpha=-1)
@@ -771,11 +771,13 @@ def completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     Args:
         buffer: the bucket's synced buffer.
     """
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[buffer.device] if buffer.is_cuda else None
-    )
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=_devices(buffer))
     future.set_result(buffer)
     return future
+
+
+def _devices(tensor: torch.Tensor) -> list[int | str | torch.device] | None:
+    return [tensor.device] if tensor.is_cuda else None
 
 
 def allreduce_mean_inplace(state: PowerSGDState, bucket: dist.GradBucket, tensor: torch.Tensor) -> None:
@@ -871,9 +873,7 @@ def _regrouped_batched(
     if loose:  # in buckets that were sent uncompressed before the checkpoint: exact, whatever the grouping
         _allreduce_exact(state, round_, bucket, [name for name, _ in loose], [gradient for _, gradient in loose])
     regroup.arrived.update((name, g) for name, g in zip(names, gradients, strict=True) if name in grouped)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[buffer.device] if buffer.is_cuda else None
-    )
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=_devices(buffer))
     regroup.waiting.append((grouped, future, buffer))
     last = bucket.is_last()
     for index, group in enumerate(regroup.groups):
