@@ -41,7 +41,6 @@ The terms used here (sync round, verdict, meeting, island, wire bytes) are defin
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -71,27 +70,17 @@ class HierarchicalPowerSGDState(PowerSGDState):
 
     The strategy builds it from ``comm_hook="powersgd"`` (or a :class:`~lightning_ddpopt.hooks.PowerSGDConfig`)
     on a hierarchical run; build one yourself only to register the hook on a DDP model of your own, then call
-    :meth:`bind_module` with the wrapped module.
+    :meth:`bind_module` with the wrapped module. The other arguments are :class:`PowerSGDState`'s; ``errors`` and
+    ``q_memories`` hold those of the parameters this rank owns.
 
     Args:
         tiers: the intra- and cross-node groups.
         config: PowerSGD's settings (``batched=False``).
         process_group: ignored: the factors are averaged over ``tiers.cross``, which it is set to.
-        ledger: where the hook reports its bytes; ``None`` records nothing.
-        loss_scale: returns the current loss scale (the strategy sets it under fp16 AMP).
-        iteration: sync rounds so far (restored from a checkpoint; leave it 0).
-        skipped_rounds: rounds whose reduced values were not finite and left the state untouched.
-        errors: this rank's error feedback per parameter name, for the parameters it owns.
-        error_scales: the loss scale each error was computed at.
-        q_memories: the warm-start Q of each compressed matrix this rank owns.
-        pipelined: run the buckets' chains on a worker thread (CPU only); the strategy sets it on CPUs.
-        cpu_kernels: numba's fused loops, agreed on by every rank (the strategy sets them); ``None``: torch's.
 
     Raises:
         ValueError: without ``tiers``, or with ``config.batched``.
     """
-
-    label: ClassVar[str] = "PowerSGD"
 
     tiers: TierGroups | None = field(default=None, repr=False)
     #: Each parameter's owner among the node's local ranks.
@@ -173,9 +162,9 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
     compressing = state.iteration >= state.config.start_iter
     if compressing and bucket.index() == 0:
         state.ranks.adapt(state.iteration)
-    layout = _payload_layout(state, names, gradients, owners, compressing)
+    entries, sizes = _payload_layout(state, names, gradients, owners, compressing)
     state.record_wire_bytes(bucket, 0)  # between nodes: what it owns, if anything, is added as it is sent
-    sent_inside = _node_mean(state, gradients, owners, mine) + max(layout.sizes)  # the all-to-all, then the gather
+    sent_inside = _node_mean(state, gradients, owners, mine) + max(sizes)  # the all-to-all, then the gather
     state.record_wire_bytes(bucket, sent_inside * buffer.element_size(), intra_node=True)
     between = time.perf_counter()
     own_names, own_gradients = [names[i] for i in mine], [gradients[i] for i in mine]
@@ -188,11 +177,32 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
         allreduce_mean_inplace(state, bucket, flat)
         write_back(flat, own_gradients)
     inside = time.perf_counter()
-    gathered = _gather_results(state, layout, buffer, [gradients[i] for i in mine], factors)
+    # Every owner's payload (its factors and exact values), each zero-padded to the widest (the padding is checked
+    # for finite values with the rest), gathered inside the node.
+    payload, pending, own = buffer.new_zeros(max(sizes)), iter(factors), iter(own_gradients)
+    for owner, offset, rank in entries:
+        if owner == state.local_rank:
+            gradient = next(own)
+            for part in [gradient] if rank is None else next(pending):
+                payload[offset : offset + part.numel()].copy_(part.reshape(-1))
+                offset += part.numel()
+    gathered = payload.new_empty(state.ranks_per_node * payload.numel())  # flat: as gloo takes it
+    state.wait(all_gather_async(gathered, payload, tiers.intra_gather))
+    gathered = gathered.view(state.ranks_per_node, payload.numel())
     if round_ is not None:
         round_.check([gathered])  # every owner's factors and exact values: one verdict on every rank of the world
-    for owner, chunk in enumerate(gathered.unbind(0)):  # this rank's own matrices too: see _unpack
-        _unpack(state, layout, owner, chunk, gradients, exact=owner != state.local_rank)
+    # Every rank, the owner too, decompresses every matrix from the gathered payload, which is the same bytes at the
+    # same place on every rank: the same computation on the same memory, so the same bits, whatever the kernels
+    # (BLAS may round differently on differently aligned inputs). The owner's exact values are already in place.
+    for (owner, offset, rank), gradient in zip(entries, gradients, strict=True):
+        chunk = gathered[owner]
+        if rank is not None:
+            rows, cols = gradient.shape[0], gradient[0].numel()
+            p = chunk[offset : offset + rows * rank].view(rows, rank)
+            q = chunk[offset + rows * rank : offset + (rows + cols) * rank].view(cols, rank)
+            decompress(state, gradient.view(rows, cols), p, q)
+        elif owner != state.local_rank:
+            gradient.copy_(chunk[offset : offset + gradient.numel()].view_as(gradient))
     if not buffer.is_cuda:  # host seconds: on CUDA they would be launch times
         state.record_tier_seconds(bucket.index(), between - start + time.perf_counter() - inside, intra_node=True)
         state.record_tier_seconds(bucket.index(), inside - between, intra_node=False)
@@ -203,37 +213,27 @@ def _sync_bucket(state: HierarchicalPowerSGDState, bucket: dist.GradBucket) -> t
     return completed(buffer)
 
 
-class _Layout:
-    """Where each owner's results lie in its gathered payload: per parameter of the bucket, its offset and shapes.
-
-    A compressed matrix's payload is its P (rows x r) then its Q (cols x r); any other gradient's its values. Every
-    rank computes every owner's layout alike (from the owners, the shapes and the rank in use).
-    """
-
-    def __init__(self) -> None:
-        #: Per parameter: (owner, offset in its owner's payload, P's shape and Q's shape, or None: exact).
-        self.entries: list[tuple[int, int, tuple[tuple[int, int], tuple[int, int]] | None]] = []
-        self.sizes: list[int] = []
-
-
 def _payload_layout(
     state: HierarchicalPowerSGDState,
     names: list[str],
     gradients: list[torch.Tensor],
     owners: list[int],
     compressing: bool,
-) -> _Layout:
-    layout = _Layout()
-    layout.sizes = [0] * state.ranks_per_node
+) -> tuple[list[tuple[int, int, int | None]], list[int]]:
+    """Where each parameter's results lie in its owner's gathered payload, and each owner's payload size.
+
+    Per parameter: its owner, its offset in the owner's payload and the rank it is compressed at (``None``: exact).
+    A compressed matrix's payload is its P (rows x r) then its Q (cols x r); any other gradient's its values. Every
+    rank computes every owner's layout alike (from the owners, the shapes and the rank in use).
+    """
+    entries, sizes = [], [0] * state.ranks_per_node
     for name, gradient, owner in zip(names, gradients, owners, strict=True):
         rows, cols = gradient.shape[0] if gradient.dim() else 1, gradient[0].numel() if gradient.dim() else 1
-        shapes = None
-        if compressing and gradient.dim() > 1 and state.config.compresses(rows, cols, state.rank_of(name)):
-            rank = min(rows, cols, state.rank_of(name))
-            shapes = ((rows, rank), (cols, rank))
-        layout.entries.append((owner, layout.sizes[owner], shapes))
-        layout.sizes[owner] += (rows + cols) * shapes[0][1] if shapes is not None else gradient.numel()
-    return layout
+        compressed = compressing and gradient.dim() > 1 and state.config.compresses(rows, cols, state.rank_of(name))
+        rank = min(rows, cols, state.rank_of(name)) if compressed else None
+        entries.append((owner, sizes[owner], rank))
+        sizes[owner] += (rows + cols) * rank if rank is not None else gradient.numel()
+    return entries, sizes
 
 
 def _node_mean(
@@ -245,15 +245,12 @@ def _node_mean(
     """
     assert state.tiers is not None
     per_node = state.ranks_per_node
-    sizes = [0] * per_node
-    for gradient, owner in zip(gradients, owners, strict=True):
-        sizes[owner] += gradient.numel()
-    width = max(sizes)
-    send = gradients[0].new_empty(per_node, width)
-    filled = [0] * per_node
-    for gradient, owner in zip(gradients, owners, strict=True):
-        send[owner, filled[owner] : filled[owner] + gradient.numel()].copy_(gradient.reshape(-1))
-        filled[owner] += gradient.numel()
+    rows = [[g.reshape(-1) for g, o in zip(gradients, owners, strict=True) if o == owner] for owner in range(per_node)]
+    sizes = [sum(part.numel() for part in row) for row in rows]
+    send = gradients[0].new_empty(per_node, max(sizes))
+    for owner, row in enumerate(rows):
+        if row:
+            torch.cat(row, out=send[owner, : sizes[owner]])
     received = torch.empty_like(send)
     state.wait(dist.all_to_all_single(received, send, group=state.tiers.intra, async_op=True))
     mean = received[0, : sizes[state.local_rank]].to(torch.float32, copy=True)  # summed in fp32 whatever the bucket
@@ -261,63 +258,6 @@ def _node_mean(
         mean.add_(received[rank, : sizes[state.local_rank]])
     write_back(mean.div_(per_node), [gradients[i] for i in mine])
     return send.numel()
-
-
-def _gather_results(
-    state: HierarchicalPowerSGDState,
-    layout: _Layout,
-    buffer: torch.Tensor,
-    own_gradients: list[torch.Tensor],
-    factors: list[tuple[torch.Tensor, torch.Tensor]],
-) -> torch.Tensor:
-    """Every owner's payload (its factors and exact values), gathered inside the node: ``ranks_per_node`` x width.
-
-    Each payload is zero-padded to the widest: the padding is checked for finite values with the rest.
-    """
-    assert state.tiers is not None
-    payload = buffer.new_zeros(max(layout.sizes))
-    pending = iter(factors)
-    own = iter(own_gradients)
-    for owner, offset, shapes in layout.entries:
-        if owner != state.local_rank:
-            continue
-        gradient = next(own)
-        if shapes is None:
-            payload[offset : offset + gradient.numel()].copy_(gradient.reshape(-1))
-            continue
-        p, q = next(pending)
-        payload[offset : offset + p.numel()].copy_(p.reshape(-1))
-        payload[offset + p.numel() : offset + p.numel() + q.numel()].copy_(q.reshape(-1))
-    gathered = payload.new_empty(state.ranks_per_node * payload.numel())  # flat: as gloo takes it
-    state.wait(all_gather_async(gathered, payload, state.tiers.intra_gather))
-    return gathered.view(state.ranks_per_node, payload.numel())
-
-
-def _unpack(
-    state: HierarchicalPowerSGDState,
-    layout: _Layout,
-    owner: int,
-    chunk: torch.Tensor,
-    gradients: list[torch.Tensor],
-    exact: bool,
-) -> None:
-    """Write ``owner``'s results into its gradients: its matrices decompressed, and with ``exact`` its exact values.
-
-    Every rank, the owner too, decompresses every matrix from the gathered payload, which is the same bytes at the
-    same place on every rank: the same computation on the same memory, so the same bits, whatever the kernels
-    (BLAS may round differently on differently aligned inputs). The owner's exact values are already in place.
-    """
-    for (entry_owner, offset, shapes), gradient in zip(layout.entries, gradients, strict=True):
-        if entry_owner != owner:
-            continue
-        if shapes is None:
-            if exact:
-                gradient.copy_(chunk[offset : offset + gradient.numel()].view_as(gradient))
-            continue
-        (rows, rank), (cols, _) = shapes
-        p = chunk[offset : offset + rows * rank].view(rows, rank)
-        q = chunk[offset + rows * rank : offset + (rows + cols) * rank].view(cols, rank)
-        decompress(state, gradient.view(rows, cols), p, q)
 
 
 def _two_tier_state(

@@ -72,7 +72,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_ddpopt._validate import require_int
+from lightning_ddpopt._validate import is_real_number, require_int
 from lightning_ddpopt.deferred import DeferredRead, to_device
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
@@ -159,17 +159,10 @@ class PowerSGDConfig:
                 f"PowerSGDConfig max_rank={self.max_rank} must be at least rank={self.rank} (max_error bounds the "
                 "error by raising the rank from rank up to max_rank; max_error=None keeps rank fixed)"
             )
-        if (
-            self.max_error is not None
-            and self.max_error != "auto"
-            and (
-                isinstance(self.max_error, bool)
-                or not isinstance(self.max_error, int | float)
-                or not 0 < self.max_error < 1
-            )
-        ):
+        bound = self.max_error
+        if bound is not None and bound != "auto" and not (is_real_number(bound) and 0 < bound < 1):
             raise ValueError(
-                f"PowerSGDConfig max_error={self.max_error!r} must be a number between 0 and 1 (exclusive), 'auto' "
+                f"PowerSGDConfig max_error={bound!r} must be a number between 0 and 1 (exclusive), 'auto' "
                 "(by the optimizer) or None for a fixed rank"
             )
         require_int("PowerSGDConfig start_iter", self.start_iter, 0)
@@ -178,16 +171,14 @@ class PowerSGDConfig:
                 f"PowerSGDConfig start_iter={self.start_iter} must be at least 2 with error_feedback or warm_start: "
                 "DDP rebuilds its buckets after the first step, which would invalidate the per-bucket state"
             )
-        if not isinstance(self.min_compression_rate, int | float) or self.min_compression_rate < 1:
-            raise ValueError(f"PowerSGDConfig min_compression_rate={self.min_compression_rate!r} must be >= 1")
         if self.matrix_dtype not in MATRIX_DTYPES:
             raise ValueError(
                 f"PowerSGDConfig matrix_dtype={self.matrix_dtype!r} is not valid; choose one of {sorted(MATRIX_DTYPES)}"
             )
-        if not isinstance(self.orthogonalization_epsilon, int | float) or self.orthogonalization_epsilon < 0:
-            raise ValueError(
-                f"PowerSGDConfig orthogonalization_epsilon={self.orthogonalization_epsilon!r} must be >= 0"
-            )
+        for name, low in (("min_compression_rate", 1), ("orthogonalization_epsilon", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value < low:
+                raise ValueError(f"PowerSGDConfig {name}={value!r} must be >= {low}")
 
     def compresses(self, rows: int, cols: int, rank: int | None = None) -> bool:
         """Whether a ``rows`` x ``cols`` gradient is compressed (else it is all-reduced as it is).
@@ -266,6 +257,7 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float, loops: bool = False) -> 
     matrix.copy_(work)
 
 
+@dataclass
 class _Regroup:
     """Batched PowerSGD's first round after a resume: compress the groups the saved state was made with.
 
@@ -275,12 +267,10 @@ class _Regroup:
     DDP's bucket order, the same on every rank; a bucket's future completes when all of its gradients are done.
     """
 
-    def __init__(self, groups: list[tuple[str, ...]]) -> None:
-        self.groups = groups
-        self.group_of = {name: index for index, group in enumerate(groups) for name in group}
-        self.arrived: dict[str, torch.Tensor] = {}
-        self.done: set[int] = set()
-        self.waiting: list[tuple[set[str], torch.futures.Future[torch.Tensor], torch.Tensor]] = []
+    groups: list[tuple[str, ...]]
+    arrived: dict[str, torch.Tensor] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    waiting: list[tuple[set[str], torch.futures.Future[torch.Tensor], torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -541,31 +531,26 @@ def low_rank_allreduce(
         if q is not None and q.shape[0] == shape[0] and q.shape[1] > shape[1]:
             q = strongest_columns(q, shape[1])  # the matrix's rank fell: start from what it kept
         if q is None or q.shape != shape:
-            # Drawn on the CPU (the same bits on every rank, whatever its GPU) and copied without a host wait.
-            q = to_device(random_q(config, state.iteration, key, shape, fused), matrix.device)
-        elif q.device != matrix.device:  # restored on the CPU: copied without a host wait
-            q = to_device(q, matrix.device)
-        qs.append(q.to(matrix))
+            q = random_q(config, state.iteration, key, shape, fused)
+        # Drawn (the same bits on every rank, whatever its GPU) or restored on the CPU: copied without a host wait.
+        qs.append(to_device(q, matrix.device).to(matrix))
 
     # P = M Q averaged over ranks (the scale is irrelevant: P is orthogonalised next).
     # (Q^T M^T)^T rather than M Q, and (P^T M)^T rather than M^T P below: BLAS streams the large matrix about 3x
     # faster in these forms (measured: 10 ms against 31 ms for 6 x 2048 x 2048 at rank 4 on one CPU thread).
-    feedback = [
-        state.stored_error(round_, key, m) if add_feedback else None for m, key in zip(matrices, keys, strict=True)
-    ]
     if fused:
+        feedback = [
+            state.stored_error(round_, key, m) if add_feedback else None for m, key in zip(matrices, keys, strict=True)
+        ]
         local_ps = [_kernels.add_and_project(m, q, f) for m, q, f in zip(matrices, qs, feedback, strict=True)]
+        added = fed_back_sq(feedback) if state.measuring else None
     else:
-        for m, found in zip(matrices, feedback, strict=True):
-            if found is not None:
-                error, ratio = found
-                m.add_(error) if ratio is None else m.addcmul_(error, ratio)
+        added = state.add_error_feedback(round_, keys, matrices) if add_feedback else None
         local_ps = [(q.t() @ m.t()).t() for m, q in zip(matrices, qs, strict=True)]
     # The matrices hold the error fed back now: what the compression is given.
     measuring_error = state.ranks.measuring
     # Each matrix's squared norm, summed in order: the same bits as squared_norm(*matrices).
-    given_each = [squared_norm(m) for m in matrices] if state.measuring or measuring_error else None
-    given_sq = sum(given_each, torch.zeros_like(given_each[0])) if given_each else None
+    given_each = [squared_norm(m) for m in matrices] if state.measuring or measuring_error else []
     ps = _allreduce_matrices(state, bucket, local_ps, wire_dtype)
     finite = round_.check(ps)
     for p in ps:
@@ -584,16 +569,16 @@ def low_rank_allreduce(
         factors.extend(zip(ps, qs, strict=True))
     errors = []
     for m, p, q, local_q, key in zip(matrices, ps, qs, local_qs, keys, strict=True):
-        if config.error_feedback:
-            errors.append(state.error_buffer(round_, key, tuple(m.shape), m.dtype, m.device))
-            if fused and _kernels.fits(errors[-1]):
-                _kernels.error_and_decompress(m, p, local_q, q, errors[-1])
-            else:
-                _error_and_decompress(m, p, local_q, q, errors[-1], blocked=state.kernels() != "blas")
-        else:
+        if not config.error_feedback:
             torch.matmul(p, q.t(), out=m)
-    if given_sq is not None:
-        assert given_each is not None
+            continue
+        errors.append(state.error_buffer(round_, key, tuple(m.shape), m.dtype, m.device))
+        if fused and _kernels.fits(errors[-1]):
+            _kernels.error_and_decompress(m, p, local_q, q, errors[-1])
+        else:
+            _decompress(m, p, q, state.kernels() != "blas", local_q, errors[-1])
+    if given_each:
+        given_sq = sum(given_each, torch.zeros_like(given_each[0]))
         # Without error feedback no error is formed: M - P P^T M is orthogonal to P P^T M, whose norm is local Q's.
         dropped_each = [squared_norm(e) for e in errors]  # summed in order: the bits of squared_norm(*errors)
         if errors:
@@ -601,10 +586,17 @@ def low_rank_allreduce(
         else:
             dropped_sq = (given_sq - squared_norm(*local_qs)).clamp_(min=0)
         if measuring_error:
-            _measure_ranks(state, matrices, keys, qs, local_qs, dropped_each, given_each)
+            # Each matrix's squared norms for its rank: given, dropped, and dropped were its rank halved. Halving
+            # keeps the columns of P whose reduced Q columns are strongest (as the next round's warm start would);
+            # what this rank's approximation loses with the others is its M^T P columns' energy (P is orthonormal).
+            for index, (m, key, q, local_q) in enumerate(zip(matrices, keys, qs, local_qs, strict=True)):
+                given = given_each[index]
+                dropped = dropped_each[index] if errors else (given - squared_norm(local_q)).clamp_(min=0)
+                weakest = _strongest_first(q)[state.ranks.halved(key, m.shape[0], m.shape[1]) :]
+                lost = local_q.index_select(1, weakest).double().square().sum()
+                state.ranks.add(key, given, dropped, dropped + lost)
         if state.measuring:
-            fed_back = fed_back if fed_back is not None else fed_back_sq(feedback)
-            state.record_compression(bucket, given_sq, dropped_sq, fed_back)
+            state.record_compression(bucket, given_sq, dropped_sq, fed_back if fed_back is not None else added)
     if config.warm_start:
         round_.q_memories.update(zip(keys, qs, strict=True))
     return errors
@@ -620,28 +612,6 @@ def _strongest_first(q: torch.Tensor) -> torch.Tensor:
     return torch.sort(q.norm(dim=0), descending=True, stable=True).indices
 
 
-def _measure_ranks(
-    state: PowerSGDState,
-    matrices: list[torch.Tensor],
-    keys: list[str],
-    qs: list[torch.Tensor],
-    local_qs: list[torch.Tensor],
-    dropped_each: list[torch.Tensor],
-    given_each: list[torch.Tensor],
-) -> None:
-    """Each matrix's squared norms for its rank: given, dropped, and dropped were its rank halved.
-
-    Halving keeps the columns of P whose reduced Q columns are strongest (as the next round's warm start would); what
-    this rank's approximation loses with the others is its ``M^T P`` columns' energy (P is orthonormal).
-    """
-    for index, (m, key, q, local_q, given) in enumerate(zip(matrices, keys, qs, local_qs, given_each, strict=True)):
-        dropped = dropped_each[index] if dropped_each else (given - squared_norm(local_q)).clamp_(min=0)
-        keep = state.ranks.halved(key, m.shape[0], m.shape[1])
-        weakest = _strongest_first(q)[keep:]
-        lost = local_q.index_select(1, weakest).double().square().sum() if weakest.numel() else torch.zeros_like(given)
-        state.ranks.add(key, given, dropped, dropped + lost)
-
-
 def decompress(state: PowerSGDState, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
     """``M = P Q^T`` as :func:`low_rank_allreduce` computes it with ``state``'s settings: the same bits.
 
@@ -653,37 +623,33 @@ def decompress(state: PowerSGDState, m: torch.Tensor, p: torch.Tensor, q: torch.
         p: its reduced, orthogonalised P (rows x r).
         q: its reduced Q (cols x r).
     """
-    if not state.config.error_feedback:
-        torch.matmul(p, q.t(), out=m)
-    elif state.kernels() == "numba" and _kernels.fits(m, p):
+    error_feedback, kernels = state.config.error_feedback, state.kernels()
+    if error_feedback and kernels == "numba" and _kernels.fits(m, p):
         _kernels.decompress(m, p, q)
-    elif m.is_cuda or state.kernels() == "blas":
-        torch.matmul(p, q.t(), out=m)
     else:
-        rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
-        for start in range(0, m.shape[0], rows):
-            torch.mm(p[start : start + rows], q.t(), out=m[start : start + rows])
+        _decompress(m, p, q, blocked=error_feedback and kernels != "blas")
 
 
-def _error_and_decompress(
-    m: torch.Tensor, p: torch.Tensor, local_q: torch.Tensor, q: torch.Tensor, error: torch.Tensor, blocked: bool
+def _decompress(
+    m: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    blocked: bool,
+    local_q: torch.Tensor | None = None,
+    error: torch.Tensor | None = None,
 ) -> None:
-    """``error = M - P local_Q^T`` (this rank's compression error), then ``M = P Q^T``, through torch.
+    """``M = P Q^T`` through torch, after ``error = M - P local_Q^T`` (this rank's compression error) if given.
 
     ``blocked`` (one CPU thread): both are done a block of rows at a time, small enough to stay in the cache between
     the two: M is read from memory once instead of twice. With more threads the whole-matrix kernels run instead:
     small blocks would cost an OpenMP fork and join each.
     """
-    q_t, local_q_t = q.t(), local_q.t()
-    if m.is_cuda or not blocked:
-        error.copy_(m).addmm_(p, local_q_t, alpha=-1)
-        torch.matmul(p, q_t, out=m)
-        return
-    rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]))
+    rows = max(1, _CACHE_BLOCK_ELEMENTS // max(1, m.shape[1]) if blocked and not m.is_cuda else m.shape[0])
     for start in range(0, m.shape[0], rows):
-        m_rows, p_rows = m[start : start + rows], p[start : start + rows]
-        error[start : start + rows].copy_(m_rows).addmm_(p_rows, local_q_t, alpha=-1)
-        torch.mm(p_rows, q_t, out=m_rows)
+        block = slice(start, start + rows)
+        if error is not None and local_q is not None:
+            error[block].copy_(m[block]).addmm_(p[block], local_q.t(), alpha=-1)
+        torch.mm(p[block], q.t(), out=m[block])
 
 
 def _allreduce_matrices(
@@ -699,12 +665,8 @@ def _allreduce_matrices(
     flat = torch.cat([m.reshape(-1) for m in matrices]).div_(state.world_size).to(wire_dtype)
     state.record_wire_bytes(bucket, flat.numel() * flat.element_size())
     state.wait(dist.all_reduce(flat, group=state.process_group, async_op=True))
-    flat = flat.to(matrices[0].dtype)
-    out, offset = [], 0
-    for m in matrices:
-        out.append(flat[offset : offset + m.numel()].view_as(m))
-        offset += m.numel()
-    return out
+    parts = flat.to(matrices[0].dtype).split([m.numel() for m in matrices])
+    return [part.view_as(m) for part, m in zip(parts, matrices, strict=True)]
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -726,6 +688,10 @@ def dispatch(
 ) -> torch.futures.Future[torch.Tensor]:
     """Run ``sync`` for the bucket where the state runs its chains: its worker thread, its side stream or here.
 
+    On the worker thread the returned future completes with the chain's result (or its error). After a failure the
+    worker runs nothing more: each later bucket fails at once, without a collective (this rank would issue them out
+    of step with the others), and buckets waiting for a regrouped round fail too.
+
     Args:
         state: the hook's state.
         bucket: the gradient bucket DDP hands the hook.
@@ -734,30 +700,12 @@ def dispatch(
     if not state.pipelined or bucket.buffer().device.type != "cpu":
         # On CUDA on the state's side stream (lightning_ddpopt.hooks.streams); on a CPU here, on the backward thread.
         return state._streams.run(bucket.buffer(), lambda: sync(state, bucket))
-    if state._worker is None or not state._worker.alive():
-        if state._worker is not None and state._worker.failed is not None:
-            raise RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {state._worker.failed!r}")
-        state._worker = Worker("ddpopt-powersgd")
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state._worker.submit(lambda: _forward(sync, state, bucket, future))
-    return future
-
-
-def _forward(
-    sync: Callable[[PowerSGDState, dist.GradBucket], torch.futures.Future[torch.Tensor]],
-    state: PowerSGDState,
-    bucket: dist.GradBucket,
-    future: torch.futures.Future[torch.Tensor],
-) -> None:
-    """Run ``sync`` for the bucket and complete ``future`` with its result (or its error) once that is done.
-
-    After a failure the worker runs nothing more: each later bucket fails at once, without a collective (this rank
-    would issue them out of step with the others), and buckets waiting for a regrouped round fail too.
-    """
     worker = state._worker
-    if worker is not None and worker.failed is not None:
-        future.set_exception(RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {worker.failed!r}"))  # type: ignore[arg-type]
-        return
+    if worker is None or not worker.alive():
+        if worker is not None and worker.failed is not None:
+            raise RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {worker.failed!r}")
+        worker = state._worker = Worker("ddpopt-powersgd")
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def complete(done: torch.futures.Future[torch.Tensor]) -> None:
         try:
@@ -765,32 +713,48 @@ def _forward(
         except Exception as error:  # DDP waits on the future: never leave it pending
             future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the result
 
-    try:
-        inner = sync(state, bucket)
-    except Exception as error:
-        if worker is not None:
+    def run() -> None:
+        if worker.failed is not None:
+            future.set_exception(RuntimeError(f"PowerSGD stopped after an earlier bucket failed: {worker.failed!r}"))  # type: ignore[arg-type]
+            return
+        try:
+            inner = sync(state, bucket)
+        except Exception as error:
             worker.failed = error
-        future.set_exception(error)  # type: ignore[arg-type]
-        regroup, state._regroup = state._regroup, None
-        for _, pending, _ in regroup.waiting if regroup is not None else ():
-            if not pending.done():
-                pending.set_exception(error)  # type: ignore[arg-type]
-        return
-    # Not waited for here: a regrouped bucket completes when later buckets (behind it in this queue) have run.
-    inner.add_done_callback(complete)
+            future.set_exception(error)  # type: ignore[arg-type]
+            regroup, state._regroup = state._regroup, None
+            for _, pending, _ in regroup.waiting if regroup is not None else ():
+                if not pending.done():
+                    pending.set_exception(error)  # type: ignore[arg-type]
+            return
+        # Not waited for here: a regrouped bucket completes when later buckets (behind it in this queue) have run.
+        inner.add_done_callback(complete)
+
+    worker.submit(run)
+    return future
 
 
 def _sync_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The bucket's whole chain, here and now; the returned future is complete (or completes with later buckets)."""
     start = time.perf_counter()
-    buffer = bucket.buffer()
-    if state.iteration < state.config.start_iter:
+    buffer, config = bucket.buffer(), state.config
+    regrouped = None
+    if state.iteration < config.start_iter:
         allreduce_mean_inplace(state, bucket, buffer)
-        future = completed(buffer)
     else:
         if bucket.index() == 0:
             state.ranks.adapt(state.iteration)
-        future = _compress_and_allreduce(state, bucket, buffer)
+        round_, names, gradients = state.open_round(), state.names_in(bucket), bucket.gradients()
+        fed_back = None
+        if config.batched and config.error_feedback:  # per parameter, before the bucket becomes one matrix
+            fed_back = state.add_error_feedback(round_, names, gradients)
+        if not config.batched:
+            compress_listed(state, round_, bucket, names, gradients)
+        elif state._regroup is not None:
+            regrouped = _regrouped_batched(state, round_, bucket, buffer, names, gradients)
+        else:  # the gradients are views into the bucket's buffer: compress it as it lies
+            _compress_as_square(state, round_, bucket, names, gradients, buffer, fed_back)
+    future = completed(buffer) if regrouped is None else regrouped
     if bucket.is_last():
         state.send_measurement()
         state.close_round()
@@ -827,26 +791,6 @@ def allreduce_mean_inplace(state: PowerSGDState, bucket: dist.GradBucket, tensor
     tensor.div_(state.world_size)
     state.record_wire_bytes(bucket, tensor.numel() * tensor.element_size())
     state.wait(dist.all_reduce(tensor, group=state.process_group, async_op=True))
-
-
-def _compress_and_allreduce(
-    state: PowerSGDState, bucket: dist.GradBucket, buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    config = state.config
-    round_ = state.open_round()
-    names = state.names_in(bucket)
-    gradients = bucket.gradients()
-    if config.batched:
-        fed_back = None
-        if config.error_feedback:  # per parameter, before the bucket becomes one matrix
-            fed_back = state.add_error_feedback(round_, names, gradients)
-        if state._regroup is not None:
-            return _regrouped_batched(state, round_, bucket, buffer, names, gradients)
-        # The gradients are views into the bucket's buffer: compress it as it lies.
-        _compress_as_square(state, round_, bucket, buffer, names, gradients, in_place=True, fed_back=fed_back)
-        return completed(buffer)
-    compress_listed(state, round_, bucket, names, gradients)
-    return completed(buffer)
 
 
 def compress_listed(
@@ -909,10 +853,8 @@ def write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         flat: the values, end to end.
         tensors: where they go, in order.
     """
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
+    for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        tensor.copy_(part.view_as(tensor))
 
 
 def _regrouped_batched(
@@ -926,10 +868,10 @@ def _regrouped_batched(
     """One bucket of the first round after a resume: see :class:`_Regroup`."""
     regroup = state._regroup
     assert regroup is not None
-    loose = [(name, gradient) for name, gradient in zip(names, gradients, strict=True) if name not in regroup.group_of]
+    grouped = {name for group in regroup.groups for name in group}.intersection(names)
+    loose = [(name, gradient) for name, gradient in zip(names, gradients, strict=True) if name not in grouped]
     if loose:  # in buckets that were sent uncompressed before the checkpoint: exact, whatever the grouping
         _allreduce_exact(state, round_, bucket, [name for name, _ in loose], [gradient for _, gradient in loose])
-    grouped = {name for name in names if name in regroup.group_of}
     regroup.arrived.update((name, g) for name, g in zip(names, gradients, strict=True) if name in grouped)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=_devices(buffer))
     regroup.waiting.append((grouped, future, buffer))
@@ -939,18 +881,13 @@ def _regrouped_batched(
         if index in regroup.done or not (len(arrived) == len(group) or (last and arrived)):
             continue
         regroup.done.add(index)
-        group_gradients = [regroup.arrived.pop(name) for name in arrived]
-        flat = torch.cat([g.reshape(-1) for g in group_gradients])
-        _compress_as_square(state, round_, bucket, flat, arrived, group_gradients, in_place=False)
+        _compress_as_square(state, round_, bucket, arrived, [regroup.arrived.pop(name) for name in arrived])
     finished = {name for index in regroup.done for name in regroup.groups[index]}
-    still_waiting = []
-    for pending_names, pending, pending_buffer in regroup.waiting:
-        if pending_names <= finished:
-            pending.set_result(pending_buffer)
-        else:
-            still_waiting.append((pending_names, pending, pending_buffer))
-    regroup.waiting = still_waiting
-    assert not (last and still_waiting), "every gradient has arrived by the last bucket"
+    ready = [entry for entry in regroup.waiting if entry[0] <= finished]
+    regroup.waiting = [entry for entry in regroup.waiting if not entry[0] <= finished]
+    for _, pending, pending_buffer in ready:
+        pending.set_result(pending_buffer)
+    assert not (last and regroup.waiting), "every gradient has arrived by the last bucket"
     return future
 
 
@@ -958,49 +895,32 @@ def _compress_as_square(
     state: PowerSGDState,
     round_: SyncRound,
     bucket: dist.GradBucket,
-    flat: torch.Tensor,
     names: list[str],
     gradients: list[torch.Tensor],
-    in_place: bool,
+    flat: torch.Tensor | None = None,
     fed_back: torch.Tensor | None = None,
 ) -> None:
-    """Compress ``flat`` (the ``gradients`` of ``names`` end to end) as one zero-padded square matrix.
+    """Compress the ``gradients`` of ``names``, end to end, as one zero-padded square matrix; small ones exactly.
 
-    Small ones are all-reduced exactly. ``in_place``: the gradients are views into ``flat`` (the bucket's buffer);
-    otherwise ``flat`` is a copy and the result is written back into them. ``fed_back``: the squared norm of the
-    error feedback added to the gradients, for the ledger.
+    ``flat``: the buffer the gradients are views into, compressed as it lies; ``None``: a copy is compressed and the
+    result written back into them. ``fed_back``: the squared norm of the error feedback added to the gradients,
+    for the ledger. The matrix's error is kept per parameter, as views into it.
     """
-    numel = flat.numel()
-    side = _square_side(numel)
-    if not state.config.compresses(side, side, state.rank_of("|".join(names))):
-        allreduce_mean_inplace(state, bucket, flat)
-        round_.check([flat])
-        round_.sent_exactly.update(names)
-    else:
-        square = flat if side * side == numel else torch.cat([flat, flat.new_zeros(side * side - numel)])
-        matrix, key = square.view(side, side), "|".join(names)
-        if fed_back is None and state.config.error_feedback:  # added elsewhere (a regrouped round): not known here
-            fed_back = torch.full((), math.nan, dtype=torch.float64, device=matrix.device)
-        (error,) = low_rank_allreduce(state, round_, bucket, [matrix], [key], add_feedback=False, fed_back=fed_back)
-        if square is not flat:
-            flat.copy_(square[:numel])
-        _stage_batched_errors(state, round_, error, names, [g.shape for g in gradients])
-    if not in_place:
-        write_back(flat, gradients)
-
-
-def _stage_batched_errors(
-    state: PowerSGDState, round_: SyncRound, error: torch.Tensor, names: list[str], shapes: list[torch.Size]
-) -> None:
-    """Split a batched matrix's error into per-parameter views (the parameters lie in it in ``names`` order)."""
-    if not state.config.error_feedback:
+    key, numel = "|".join(names), sum(g.numel() for g in gradients)
+    side = math.isqrt(numel - 1) + 1 if numel > 1 else 1
+    if not state.config.compresses(side, side, state.rank_of(key)):
+        _allreduce_exact(state, round_, bucket, names, gradients)
         return
-    flat_error, offset = error.reshape(-1), 0
-    for name, shape in zip(names, shapes, strict=True):
-        size = math.prod(shape)
-        round_.errors[name] = flat_error[offset : offset + size].view(shape)
-        offset += size
-
-
-def _square_side(numel: int) -> int:
-    return math.isqrt(numel - 1) + 1 if numel > 1 else 1
+    work = torch.cat([g.reshape(-1) for g in gradients]) if flat is None else flat
+    square = work if side * side == numel else torch.cat([work, work.new_zeros(side * side - numel)])
+    if fed_back is None and state.config.error_feedback:  # added elsewhere (a regrouped round): not known here
+        fed_back = torch.full((), math.nan, dtype=torch.float64, device=square.device)
+    matrix = square.view(side, side)
+    errors = low_rank_allreduce(state, round_, bucket, [matrix], [key], add_feedback=False, fed_back=fed_back)
+    if square is not work:
+        work.copy_(square[:numel])
+    if flat is None:
+        write_back(work, gradients)
+    for error in errors:  # none without error feedback
+        parts = error.reshape(-1)[:numel].split([g.numel() for g in gradients])
+        round_.errors.update((name, part.view_as(g)) for name, part, g in zip(names, parts, gradients, strict=True))

@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ddpopt.deferred import DeferredRead
+
+if TYPE_CHECKING:
+    from lightning_ddpopt.hooks.powersgd import PowerSGDConfig
 
 __all__ = [
     "ADAPTIVE_OPTIMIZERS",
@@ -70,20 +73,6 @@ FALL_PATIENCE = 2
 EXACT_PATIENCE = 3
 #: The most measurements in a row a fall may wait for.
 _MAX_PATIENCE = 64
-
-
-class _Settings(Protocol):
-    """What the controller reads of PowerSGD's settings (a :class:`~lightning_ddpopt.hooks.powersgd.PowerSGDConfig`)."""
-
-    rank: int
-    max_error: float | Literal["auto"] | None
-    max_rank: int
-    start_iter: int
-    batched: bool
-
-    def compresses(self, rows: int, cols: int, rank: int | None = None) -> bool:
-        """Whether a ``rows`` x ``cols`` gradient is compressed at ``rank`` (``None``: the config's)."""
-        ...
 
 
 def is_adaptive(optimizer: object) -> bool:
@@ -124,7 +113,7 @@ class RankController:
             bound (``max_error``) and the highest rank (``max_rank``).
     """
 
-    config: _Settings
+    config: PowerSGDConfig
     #: The rank of a matrix without a rank of its own (``config.rank``; a state of an earlier release: its rank).
     default_rank: int = field(default=0, init=False)
     #: Each measured matrix's rank, by key; the same on every rank.
@@ -147,9 +136,10 @@ class RankController:
     _names: list[str] = field(default_factory=list, init=False, repr=False)
     #: Each parameter's gradient as the hook sees it compressed: ``(rows, columns)``, in ``_names`` order.
     _shapes: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
-    #: This round's table while it measures (``None`` before its first matrix); ``_measuring`` marks the round.
+    #: Whether the open round measures its compression errors (set at its first bucket).
+    measuring: bool = field(default=False, init=False, repr=False)
+    #: This round's table while it measures (``None`` before its first matrix).
     _table: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _measuring: bool = field(default=False, init=False, repr=False)
     #: A measurement on its way: the table summed over the ranks, and the sync round that applies its verdict.
     _pending: tuple[DeferredRead, int] | None = field(default=None, init=False, repr=False)
 
@@ -191,11 +181,6 @@ class RankController:
         """The lowest rank in use (for reports)."""
         return min(self.matrix_ranks.values(), default=self.default_rank)
 
-    @property
-    def measuring(self) -> bool:
-        """Whether the open round measures its compression errors (set at its first bucket)."""
-        return self._measuring
-
     def halved(self, key: str, rows: int, cols: int) -> int:
         """The columns a matrix would keep if its rank fell now.
 
@@ -234,8 +219,8 @@ class RankController:
             device: where a rank that compressed nothing makes its zeros (a two-tier sync: every rank takes part);
                 without it such a round gives ``None`` (a flat sync compresses the same matrices on every rank).
         """
-        table, measuring = self._table, self._measuring
-        self._table, self._measuring = None, False
+        table, measuring = self._table, self.measuring
+        self._table, self.measuring = None, False
         if not measuring:
             return None
         if table is None and device is not None:
@@ -257,7 +242,7 @@ class RankController:
         Args:
             iteration: the round.
         """
-        self._measuring = self._due(iteration)
+        self.measuring = self._due(iteration)
         if self._pending is None or iteration < self._pending[1]:
             return
         read, _ = self._pending
@@ -350,7 +335,7 @@ class RankController:
         changes = state.get("rank_changes", [])
         assert isinstance(saved, int) and isinstance(changes, list)
         self.changes = [_saved_change(change) for change in changes]
-        self._table, self._measuring, self._pending = None, False, None
+        self._table, self.measuring, self._pending = None, False, None
         self.matrix_ranks, self.calm, self.patience, self.fell_from, self.over = {}, {}, {}, {}, {}
         if config.max_error is None:
             self.default_rank = config.rank
@@ -363,13 +348,11 @@ class RankController:
         ranks = state.get("matrix_ranks", {})
         assert isinstance(ranks, dict)
         self.matrix_ranks = {key: clamp(rank) for key, rank in ranks.items()}
-        for name, table in (("rank_calm", self.calm), ("rank_patience", self.patience), ("rank_over", self.over)):
+        tables = (self.calm, self.patience, self.fell_from, self.over)
+        for name, table in zip(("rank_calm", "rank_patience", "rank_fell_from", "rank_over"), tables, strict=True):
             found = state.get(name, {})
             assert isinstance(found, dict)
             table.update(found)
-        fell_from = state.get("rank_fell_from", {})
-        assert isinstance(fell_from, dict)
-        self.fell_from.update(fell_from)
         probe = state.get("rank_probe")
         unchanged = self.default_rank == saved and all(ranks[key] == rank for key, rank in self.matrix_ranks.items())
         if isinstance(probe, dict) and "table" in probe and unchanged:  # measured at other ranks: decides nothing here
