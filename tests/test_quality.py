@@ -412,3 +412,24 @@ def test_adaptive_optimizers_are_recognised_by_name_and_base_class():
     assert is_adaptive(torch.optim.AdamW(parameters)) and is_adaptive(Custom(parameters))
     assert is_adaptive("FusedAdam") and is_adaptive("AdamW8bit") and is_adaptive(torch.optim.RMSprop(parameters))
     assert not is_adaptive(torch.optim.SGD(parameters, lr=0.1)) and not is_adaptive("SGD")
+
+
+@pytest.mark.quick
+def test_batched_powersgd_without_error_feedback_compresses_as_with_it_on_the_first_round(gloo_group):
+    # The first compressed round has no stored error to add, so both configurations send and hand back the same.
+    torch.manual_seed(0)
+    bucket = _ProbeBucket([(64, 48), (300,)], torch.device("cpu"))
+    values = [torch.randn(64 * 48 + 300) for _ in range(3)]
+    outputs = {}
+    for feedback in (True, False):
+        config = PowerSGDConfig(rank=2, max_error=None, batched=True, error_feedback=feedback, start_iter=2)
+        ledger = CommLedger()
+        state = _powersgd(config, ledger, bucket)
+        outputs[feedback] = []
+        for value in values:
+            record = _sync(powersgd_hook, state, ledger, bucket, value)
+            outputs[feedback].append((bucket.buffer().clone(), record.wire_bytes))
+        assert (state.errors != {}) is feedback
+    assert torch.equal(outputs[True][0][0], outputs[False][0][0])
+    assert [sent for _, sent in outputs[True]] == [sent for _, sent in outputs[False]]
+    assert not torch.equal(outputs[True][1][0], outputs[False][1][0])  # from the second round the errors count
