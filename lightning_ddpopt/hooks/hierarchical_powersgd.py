@@ -70,13 +70,21 @@ class HierarchicalPowerSGDState(PowerSGDState):
 
     The strategy builds it from ``comm_hook="powersgd"`` (or a :class:`~lightning_ddpopt.hooks.PowerSGDConfig`)
     on a hierarchical run; build one yourself only to register the hook on a DDP model of your own, then call
-    :meth:`bind_module` with the wrapped module. The other arguments are :class:`PowerSGDState`'s; ``errors`` and
-    ``q_memories`` hold those of the parameters this rank owns.
+    :meth:`bind_module` with the wrapped module.
 
     Args:
         tiers: the intra- and cross-node groups.
         config: PowerSGD's settings (``batched=False``).
         process_group: ignored: the factors are averaged over ``tiers.cross``, which it is set to.
+        ledger: where the hook reports its bytes; ``None`` records nothing.
+        loss_scale: returns the current loss scale (the strategy sets it under fp16 AMP).
+        iteration: sync rounds so far (restored from a checkpoint; leave it 0).
+        skipped_rounds: rounds whose reduced values were not finite and left the state untouched.
+        errors: this rank's error feedback per parameter name, for the parameters it owns.
+        error_scales: the loss scale each error was computed at.
+        q_memories: the warm-start Q of each compressed matrix this rank owns.
+        pipelined: run the buckets' chains on a worker thread (CPU only); the strategy sets it on CPUs.
+        cpu_kernels: numba's fused loops, agreed on by every rank (the strategy sets them); ``None``: torch's.
 
     Raises:
         ValueError: without ``tiers``, or with ``config.batched``.
