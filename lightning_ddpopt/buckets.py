@@ -8,8 +8,6 @@ the plan and, once DDP has settled it, the layout DDP built.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_ze
 
 from lightning_ddpopt._compat import bucket_assignment
 from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.timing import median_seconds
 from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = [
@@ -132,17 +131,8 @@ def measure_latency(device: torch.device, group: dist.ProcessGroup | None = None
         group: the group to time (``None``: the default group).
     """
     probe = torch.zeros(1, device=device)
-    times = []
-    for index in range(3 + LATENCY_PROBES):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dist.all_reduce(probe, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if index >= 3:
-            times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    median = median_seconds(lambda: dist.all_reduce(probe, group=group), device, LATENCY_PROBES, warmup=3)
+    slowest = torch.tensor([median], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     rounded = 2.0 ** round(math.log2(max(float(slowest), 1e-9) / 1e-6)) * 1e-6
     low, high = AUTO_LATENCY_BOUNDS_S
