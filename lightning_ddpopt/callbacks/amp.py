@@ -152,7 +152,8 @@ class AMPMonitor(MeasuringCallback):
         self._patched_module: pl.LightningModule | None = None
         self._exchange = Exchange()  # every rank's verdict, in flight from a meeting in passing to the next check
         self._in_flight: _Found | None = None
-        self._deferred: _Deferred | None = None  # on a GPU, the last check's verdict, read at the next one
+        # On a GPU, the last check's verdict on its way to the host, read at the next check, and what it found.
+        self._deferred: tuple[DeferredRead, _Found] | None = None
 
     @property
     def last_step_skipped(self) -> bool:
@@ -398,7 +399,7 @@ class AMPMonitor(MeasuringCallback):
         if verdict.is_cuda and log:
             # On a GPU the verdict is read at the next check, a step later, when the device has long computed it:
             # no host sync (at the end of fit, ``log=False``, it is read at once).
-            self._deferred = _Deferred(DeferredRead(verdict.reshape(()).bool()), found)
+            self._deferred = (DeferredRead(verdict.reshape(()).bool()), found)
         elif bool(verdict.item()):
             self._report_nonfinite(trainer, found)
         self._log_count(pl_module, log)
@@ -406,8 +407,8 @@ class AMPMonitor(MeasuringCallback):
     def _decide_deferred(self, trainer: pl.Trainer) -> None:
         """Act on the previous check's verdict, deferred on a GPU (every rank defers alike)."""
         deferred, self._deferred = self._deferred, None
-        if deferred is not None and deferred.read():
-            self._report_nonfinite(trainer, deferred.found)
+        if deferred is not None and bool(deferred[0].read()):
+            self._report_nonfinite(trainer, deferred[1])
 
     def _decide_in_flight(self, trainer: pl.Trainer) -> None:
         """Act on the verdicts exchanged in passing at the previous check, every rank alike."""
@@ -460,17 +461,6 @@ class _Found:
     parameters: bool
     alike: bool = False  # every rank checked the same values (no exchange of names needed)
     checked: str = ""  # when checks come, for the report: with the parameters, a check covers several steps
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """A check's verdict on its way to the host (a GPU's), with what the check found."""
-
-    verdict: DeferredRead
-    found: _Found
-
-    def read(self) -> bool:
-        return bool(self.verdict.read())
 
 
 def _sum(parameter: torch.nn.Parameter, with_values: bool) -> torch.Tensor:

@@ -284,10 +284,7 @@ class StragglerDetector(MeasuringCallback):
             if any(t is None for t in times):
                 return
             self._unresolved.popleft()
-            data = gap_wait = busy = optimizer = 0.0
-            for t in times:
-                assert t is not None
-                data, gap_wait, busy, optimizer = data + t[0], gap_wait + t[1], busy + t[2], optimizer + t[3]
+            data, gap_wait, busy, optimizer = (sum(t[i] for t in times if t is not None) for i in range(4))
             # The exposed sync, not its span: backward compute that overlaps the sync is this rank's own work.
             sync = self._records.popleft().exposed_time_s if self._cursor.ledger is not None else 0.0
             step = [data, max(busy - sync, 0.0), sync + gap_wait, optimizer, 1.0]
@@ -305,23 +302,23 @@ class StragglerDetector(MeasuringCallback):
         gathered = self._exchange.gather(local, trainer.world_size, in_passing, final=final)
         if gathered is None:
             self._in_flight_step = trainer.global_step
-        else:
-            self._decide(trainer, pl_module, gathered, trainer.global_step, final=final, log=not final)
+        self._decide(trainer, pl_module, gathered, trainer.global_step, final=final, log=not final)
 
     def _decide_in_flight(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
-        gathered = self._exchange.arrived()
-        if gathered is not None:
-            self._decide(trainer, pl_module, gathered, self._in_flight_step, final=False, log=log)
+        self._decide(trainer, pl_module, self._exchange.arrived(), self._in_flight_step, final=False, log=log)
 
     def _decide(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        gathered: torch.Tensor,
+        gathered: torch.Tensor | None,
         step: int,
         final: bool,
         log: bool,
     ) -> None:
+        """Name the straggler of a window from every rank's sums, if they have arrived."""
+        if gathered is None:
+            return
         # (world, phases + 1): every rank's sums over the steps it resolved in the window.
         assert self._totals is not None  # made in setup
         per_rank = gathered.double().cpu()
