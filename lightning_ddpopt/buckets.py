@@ -198,7 +198,6 @@ class BucketController:
         self.plan: BucketPlan | None = None
         self.layout: tuple[int, ...] | None = None
         self._world_size = 1
-        self._device = torch.device("cpu")
         self._backend = ""
         self._hook_name: str | None = None
         #: "auto"'s measured all-reduce latency (from AUTO_MEASURED_FROM_RANKS ranks), ``None`` when not measured.
@@ -231,7 +230,7 @@ class BucketController:
             reused_latency_s: the latency ``"auto"`` measured, from a checkpoint of this world size: the cap follows
                 from it and this model.
         """
-        self._world_size, self._device = world_size, device
+        self._world_size = world_size
         if self.measures(world_size):
             self.latency_s = reused_latency_s if reused_latency_s is not None else measure_latency(device)
             self.plan = plan_buckets(module, self.requested, world_size, self.latency_s)
