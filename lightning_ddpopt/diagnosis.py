@@ -337,14 +337,13 @@ def _compression(summary: dict[str, Any]) -> Finding:
         return Finding("compression", "problem", evidence, advice)
     if error <= limit:
         return Finding("compression", "ok", evidence)
-    who = ", ".join(optimizers) or "this optimizer"
+    evidence += f"; above {limit:g} with {', '.join(optimizers) or 'this optimizer'}"
     if family != "powersgd":
-        return Finding("compression", "problem", evidence + f"; above {limit:g} with {who}", _LOSSY_ADVICE[family])
+        return Finding("compression", "problem", evidence, _LOSSY_ADVICE[family])
     rank, bound, top = (powersgd["rank"], powersgd["max_error"], powersgd["max_rank"]) if powersgd else (4, None, 4)
     if bound is not None and bound <= limit and rank < top:  # the bound is at work
-        evidence += f"; above {limit:g} with {who}, and the rank rises while the error is above max_error {bound:g}"
+        evidence += f", and the rank rises while the error is above max_error {bound:g}"
         return Finding("compression", "ok", evidence)
-    evidence += f"; above {limit:g} with {who}"
     if bound is None:
         advice = (
             f"raise PowerSGD's rank (PowerSGDConfig(rank={2 * rank})) or let it rise with the error "

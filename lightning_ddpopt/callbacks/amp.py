@@ -246,11 +246,7 @@ class AMPMonitor(MeasuringCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-            "growth_events": self.growth_events,
-            "backoff_events": self.backoff_events,
-            "nonfinite_steps": self.nonfinite_steps,
+            **{name: getattr(self, name) for name in _COUNTS},
             "skipped_step_indices": list(self.skipped_step_indices),
             "recent": list(self._recent),
             "last_scale": self._last_scale,
@@ -261,11 +257,8 @@ class AMPMonitor(MeasuringCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps = state_dict["steps"]
-        self.skipped_steps = state_dict["skipped_steps"]
-        self.growth_events = state_dict["growth_events"]
-        self.backoff_events = state_dict["backoff_events"]
-        self.nonfinite_steps = state_dict["nonfinite_steps"]
+        for name in _COUNTS:
+            setattr(self, name, state_dict[name])
         # The steps a check every ``nonfinite_every`` had not covered yet at the save (older states: none).
         self._checked_through = state_dict.get("checked_through", self.steps)
         self.skipped_step_indices = list(state_dict["skipped_step_indices"])
@@ -449,6 +442,8 @@ class AMPMonitor(MeasuringCallback):
 
 
 _AT_SYNCS = "local SGD: checked at each parameter sync"
+#: The counters a checkpoint keeps under their own names.
+_COUNTS = ("steps", "skipped_steps", "growth_events", "backoff_events", "nonfinite_steps")
 
 
 @dataclass(frozen=True)

@@ -259,38 +259,36 @@ class CommProfiler(MeasuringCallback):
         """Add resolved records; the sync figures count only from the strategy's ledger, not our step clock."""
         for record in records:
             assert ledger is not None
+            synced = ledger is self._cursor.ledger
+            self._fit_steps += 1
+            jitter = self._fit_steps > self.jitter_skip_steps  # one-time work in a fit's first steps is not jitter
             # On a GPU a record resolves a step or so after the host took it: place it at its own step.
-            step = trainer.global_step - (ledger.closed_steps - record.step)
-            self._add_step(float(step), record.step_time_s, record if ledger is self._cursor.ledger else None)
-
-    def _add_step(self, step: float, step_time: float | None, record: StepRecord | None) -> None:
-        self._fit_steps += 1
-        jitter = self._fit_steps > self.jitter_skip_steps  # one-time work in a fit's first steps is not jitter
-        self._series["step"].append(step)
-        self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
-        error = record.compression_error if record is not None else None
-        self._series["compression_error"].append(error if error is not None else math.nan)
-        if step_time is not None:
-            if jitter:
-                self._step_times.append(step_time)
-            self._interval["step_time"].append(step_time)
-        if record is not None:
-            if jitter:
-                self._sync_times.append(record.sync_time_s)
-            for name, attribute in _RECORD_FIELDS.items():
-                value = getattr(record, attribute)
-                if value is not None:
-                    self._interval[name].append(float(value))
-            for name in QUALITY_FIELDS:
-                value = getattr(record, name)
-                if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
-                    self._interval[name].append(value)
-                    self._quality[name][0] += value
-                    self._quality[name][1] += 1
-            self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
-            self._series["exposed_time_ms"].append(record.exposed_time_s * 1e3)
-            self._series["bytes_sent"].append(float(record.wire_bytes or 0))
-        _thin(self._series, self.max_series_points)
+            self._series["step"].append(float(trainer.global_step - (ledger.closed_steps - record.step)))
+            step_time = record.step_time_s
+            self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
+            error = record.compression_error if synced else None
+            self._series["compression_error"].append(error if error is not None else math.nan)
+            if step_time is not None:
+                if jitter:
+                    self._step_times.append(step_time)
+                self._interval["step_time"].append(step_time)
+            if synced:
+                if jitter:
+                    self._sync_times.append(record.sync_time_s)
+                for name, attribute in _RECORD_FIELDS.items():
+                    value = getattr(record, attribute)
+                    if value is not None:
+                        self._interval[name].append(float(value))
+                for name in QUALITY_FIELDS:
+                    value = getattr(record, name)
+                    if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
+                        self._interval[name].append(value)
+                        self._quality[name][0] += value
+                        self._quality[name][1] += 1
+                self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
+                self._series["exposed_time_ms"].append(record.exposed_time_s * 1e3)
+                self._series["bytes_sent"].append(float(record.wire_bytes or 0))
+            _thin(self._series, self.max_series_points)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

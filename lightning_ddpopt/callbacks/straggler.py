@@ -150,7 +150,6 @@ class StragglerDetector(MeasuringCallback):
         self._fetch_start: Mark | None = None
         self._fetches: list[tuple[Mark, Mark]] = []
         self._timed_fetcher: Callable[[], None] | None = None
-        self._fetch_timing = True
         self._step_batches: list[_Batch] = []
         self._unresolved: deque[list[_Batch]] = deque()  # host-closed steps, oldest first
         self._records: deque[StepRecord] = deque()  # ledger records not yet matched with their batches
@@ -198,7 +197,7 @@ class StragglerDetector(MeasuringCallback):
         if not self._active:
             return
         self._time_fetches(trainer)
-        self._batch_fetches = tuple(self._fetches) if self._fetch_timing else None
+        self._batch_fetches = tuple(self._fetches) if self._timed_fetcher is not None else None
         self._fetches.clear()
         self._before_optimizer = None
         self._batch_start = self._cursor.timeline.mark()
@@ -274,7 +273,6 @@ class StragglerDetector(MeasuringCallback):
                 self._fetch_start = None
 
         self._timed_fetcher = time_fetches(trainer, on_start, on_stop, self._timed_fetcher)
-        self._fetch_timing = self._timed_fetcher is not None
 
     def _resolve(self, wait: bool) -> None:
         """Add the host-closed steps whose marks (and ledger record) have resolved to the window's totals."""
