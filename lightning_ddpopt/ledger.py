@@ -335,8 +335,14 @@ class CommLedger:
 
         @functools.wraps(hook)
         def recorded(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            buffer = bucket.buffer()
-            entry = self._open_bucket(bucket.index(), buffer.numel(), buffer.numel() * buffer.element_size())
+            buffer, index = bucket.buffer(), bucket.index()
+            entry = _OpenBucket(index, buffer.numel(), buffer.numel() * buffer.element_size(), self.timeline.mark())
+            with self._lock:
+                # DDP launches buckets strictly in index order, so bucket 0 starts a new round.
+                if index == 0 or not self._rounds:
+                    self._rounds.append([])
+                    self._rounds_opened += 1
+                self._rounds[-1].append(entry)
             future = hook(state, bucket)
 
             def finish(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -558,13 +564,3 @@ class CommLedger:
         self.total_logical_bytes += record.logical_bytes
         self.total_wire_bytes += record.wire_bytes or 0
         return record
-
-    def _open_bucket(self, index: int, num_elements: int, logical_bytes: int) -> _OpenBucket:
-        entry = _OpenBucket(index, num_elements, logical_bytes, self.timeline.mark())
-        with self._lock:
-            # DDP launches buckets strictly in index order, so bucket 0 starts a new round.
-            if index == 0 or not self._rounds:
-                self._rounds.append([])
-                self._rounds_opened += 1
-            self._rounds[-1].append(entry)
-        return entry
