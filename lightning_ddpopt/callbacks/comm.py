@@ -426,8 +426,7 @@ class CommProfiler(MeasuringCallback):
                 # sync time: no bandwidth follows from that.
                 if sent and busy and not mean("transfer_hidden"):
                     out["algbw_gbps"] = sent / busy / 1e9
-                    busbw = bus_bandwidth(out["algbw_gbps"], self._ring_ranks) * self._rings_per_link
-                    out["busbw_gbps"] = busbw
+                    out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], self._ring_ranks) * self._rings_per_link
         for name in ("compression_error", "error_feedback"):
             if not math.isnan(mean(name)):
                 out[name] = mean(name)
