@@ -214,23 +214,18 @@ def _network(summary: dict[str, Any]) -> Finding:
     """
     comm = summary.get("comm") or {}
     share = comm.get("exposed_share")
-    if share is None and comm.get("transfer_share") is not None:  # a report of an earlier release: the span only
-        return Finding(
-            "network",
-            "unknown",
-            f"this report measured the sync's span only ({comm['transfer_share']:.0%} of the step), which counts "
-            "backward compute that overlaps the sync",
-            "re-run with this release's CommProfiler: it measures the exposed sync, what the step waits for",
-        )
-    if share is None and (across := across_islands_finding(summary, COMM_SHARE_PROBLEM)) is not None:
-        return across
     if share is None:
-        return Finding(
-            "network",
-            "unknown",
-            "no sync time measured",
-            "add CommProfiler() and train with OptimizedDDPStrategy on more than one process",
-        )
+        if comm.get("transfer_share") is not None:  # a report of an earlier release: the span only
+            return Finding(
+                "network",
+                "unknown",
+                f"this report measured the sync's span only ({comm['transfer_share']:.0%} of the step), which counts "
+                "backward compute that overlaps the sync",
+                "re-run with this release's CommProfiler: it measures the exposed sync, what the step waits for",
+            )
+        advice = "add CommProfiler() and train with OptimizedDDPStrategy on more than one process"
+        across = across_islands_finding(summary, COMM_SHARE_PROBLEM)
+        return across if across is not None else Finding("network", "unknown", "no sync time measured", advice)
     hook = summary.get("comm_hook") or "none"
     sync_ms, exposed_ms = comm["sync_time_ms"], comm["exposed_time_min_rank_ms"]
     evidence = f"sync {sync_ms:.1f} ms per step, of which {exposed_ms:.1f} ms exposed ({share:.0%} of the step)"
@@ -405,14 +400,11 @@ def _amp(summary: dict[str, Any]) -> Finding:
         problems.append(f"loss scale {scale:g} below {amp['underflow_threshold']:g}: gradients underflow")
     if amp["skip_rate"] > amp["skip_rate_threshold"]:
         problems.append(f"{amp['skip_rate']:.0%} of the last {recent} steps skipped")
-    if problems:
-        return Finding(
-            "amp",
-            "problem",
-            f"{evidence}; " + "; ".join(problems),
-            "use precision='bf16-mixed' if the hardware has bf16",
-        )
-    return Finding("amp", "ok", evidence)
+    if not problems:
+        return Finding("amp", "ok", evidence)
+    return Finding(
+        "amp", "problem", f"{evidence}; " + "; ".join(problems), "use precision='bf16-mixed' if the hardware has bf16"
+    )
 
 
 def _accumulation(summary: dict[str, Any]) -> Finding:
@@ -439,14 +431,9 @@ def _accumulation(summary: dict[str, Any]) -> Finding:
         )
         return Finding("accumulation", "problem", evidence, f"sync only on the last micro-batch: {how}")
     comm = summary.get("comm") or {}
-    if micro <= 1 and (comm.get("exposed_share") or 0) >= COMM_SHARE_PROBLEM:
-        return Finding(
-            "accumulation",
-            "ok",
-            evidence,
-            "accumulating K micro-batches per step would cut the sync cost per sample by K (scale the LR with it)",
-        )
-    return Finding("accumulation", "ok", evidence)
+    advice = "accumulating K micro-batches per step would cut the sync cost per sample by K (scale the LR with it)"
+    synced_often = micro <= 1 and (comm.get("exposed_share") or 0) >= COMM_SHARE_PROBLEM
+    return Finding("accumulation", "ok", evidence, advice if synced_often else "")
 
 
 def _stragglers(summary: dict[str, Any]) -> Finding:
