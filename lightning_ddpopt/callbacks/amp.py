@@ -239,8 +239,7 @@ class AMPMonitor(MeasuringCallback):
                     trainer, pl_module, parameters=True, log=False, checked="checked at the end of fit"
                 )
             else:
-                self._decide_in_flight(trainer)
-                self._decide_deferred(trainer)
+                self._decide_earlier(trainer)
         report_if_last(trainer, self)
 
     @override
@@ -354,8 +353,7 @@ class AMPMonitor(MeasuringCallback):
         check where the ranks meet only in passing (``in_passing``). ``checked``: when such checks come, for the
         report.
         """
-        self._decide_in_flight(trainer)
-        self._decide_deferred(trainer)
+        self._decide_earlier(trainer)
         steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
         self._checked_through = self.steps
         alike = trainer.world_size == 1 or (not parameters and gradients_identical(trainer))
@@ -397,18 +395,15 @@ class AMPMonitor(MeasuringCallback):
             self._report_nonfinite(trainer, found)
         self._log_count(pl_module, log)
 
-    def _decide_deferred(self, trainer: pl.Trainer) -> None:
-        """Act on the previous check's verdict, deferred on a GPU (every rank defers alike)."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None and bool(deferred[0].read()):
-            self._report_nonfinite(trainer, deferred[1])
-
-    def _decide_in_flight(self, trainer: pl.Trainer) -> None:
-        """Act on the verdicts exchanged in passing at the previous check, every rank alike."""
+    def _decide_earlier(self, trainer: pl.Trainer) -> None:
+        """Act on the previous check's verdicts, every rank alike: exchanged in passing, or deferred on a GPU."""
         flags, found = self._exchange.arrived(), self._in_flight
         self._in_flight = None
         if flags is not None and found is not None and bool(flags.max().item()):
             self._report_nonfinite(trainer, found)
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and bool(deferred[0].read()):
+            self._report_nonfinite(trainer, deferred[1])
 
     def _log_count(self, pl_module: pl.LightningModule, log: bool) -> None:
         if log:

@@ -238,7 +238,8 @@ class StragglerDetector(MeasuringCallback):
             return
         self._records.extend(self._cursor.new_records(wait=True))
         self._resolve(wait=True)
-        self._decide_in_flight(trainer, pl_module, log=False)  # the end of fit is a meeting
+        # The end of fit is a meeting: the gather in flight arrives.
+        self._decide(trainer, pl_module, self._exchange.arrived(), self._in_flight_step, final=False, log=False)
         # The steps since the last window (all of a run shorter than one window) get a verdict too. Host step
         # counts and gathered figures decide, so every rank takes this branch or none does.
         if self._steps_in_window > 0 or self._undecided:
@@ -291,7 +292,7 @@ class StragglerDetector(MeasuringCallback):
 
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
         """Gather every rank's sums since the last gather, and decide (in passing: at the next gather)."""
-        self._decide_in_flight(trainer, pl_module, log=not final)
+        self._decide(trainer, pl_module, self._exchange.arrived(), self._in_flight_step, final=False, log=not final)
         assert self._totals is not None  # made in setup
         local = to_device(self._totals.clone(), pl_module.device)
         self._totals.zero_()
@@ -301,9 +302,6 @@ class StragglerDetector(MeasuringCallback):
         if gathered is None:
             self._in_flight_step = trainer.global_step
         self._decide(trainer, pl_module, gathered, trainer.global_step, final=final, log=not final)
-
-    def _decide_in_flight(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
-        self._decide(trainer, pl_module, self._exchange.arrived(), self._in_flight_step, final=False, log=log)
 
     def _decide(
         self,
