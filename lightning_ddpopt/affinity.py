@@ -10,6 +10,7 @@ local rank's GPU reports one.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -167,12 +168,8 @@ def plan_core_sets(
 def _contiguous(items: list[Any], parts: int) -> list[list[Any]]:
     """``items`` in ``parts`` contiguous runs as equal in length as possible, the longer ones first."""
     base, extra = divmod(len(items), parts)
-    runs, start = [], 0
-    for index in range(parts):
-        size = base + (1 if index < extra else 0)
-        runs.append(items[start : start + size])
-        start += size
-    return runs
+    bounds = [index * base + min(index, extra) for index in range(parts + 1)]
+    return [items[start:end] for start, end in itertools.pairwise(bounds)]
 
 
 def plan_given_cores(

@@ -8,8 +8,6 @@ the plan and, once DDP has settled it, the layout DDP built.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_ze
 
 from lightning_ddpopt._compat import bucket_assignment
 from lightning_ddpopt.ledger import CommLedger
+from lightning_ddpopt.timing import median_seconds
 from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = [
@@ -132,17 +131,8 @@ def measure_latency(device: torch.device, group: dist.ProcessGroup | None = None
         group: the group to time (``None``: the default group).
     """
     probe = torch.zeros(1, device=device)
-    times = []
-    for index in range(3 + LATENCY_PROBES):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dist.all_reduce(probe, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if index >= 3:
-            times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    median = median_seconds(lambda: dist.all_reduce(probe, group=group), device, LATENCY_PROBES, warmup=3)
+    slowest = torch.tensor([median], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     rounded = 2.0 ** round(math.log2(max(float(slowest), 1e-9) / 1e-6)) * 1e-6
     low, high = AUTO_LATENCY_BOUNDS_S
@@ -208,7 +198,6 @@ class BucketController:
         self.plan: BucketPlan | None = None
         self.layout: tuple[int, ...] | None = None
         self._world_size = 1
-        self._device = torch.device("cpu")
         self._backend = ""
         self._hook_name: str | None = None
         #: "auto"'s measured all-reduce latency (from AUTO_MEASURED_FROM_RANKS ranks), ``None`` when not measured.
@@ -241,7 +230,7 @@ class BucketController:
             reused_latency_s: the latency ``"auto"`` measured, from a checkpoint of this world size: the cap follows
                 from it and this model.
         """
-        self._world_size, self._device = world_size, device
+        self._world_size = world_size
         if self.measures(world_size):
             self.latency_s = reused_latency_s if reused_latency_s is not None else measure_latency(device)
             self.plan = plan_buckets(module, self.requested, world_size, self.latency_s)

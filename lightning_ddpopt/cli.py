@@ -26,7 +26,6 @@ from lightning_ddpopt.costmodel import (
     PLAN_HOOKS,
     POWERSGD_SETTLED_RANK,
     POWERSGD_START_RANK,
-    HookEstimate,
     Link,
     codec_rate,
     estimate_hooks,
@@ -186,9 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _codec_defaults(hooks: Sequence[str] = PLAN_HOOKS, rates: dict[str, float] = CODEC_BYTES_PER_S) -> str:
+def _codec_defaults(rates: dict[str, float] = CODEC_BYTES_PER_S) -> str:
     """Each compressing hook's rate in GB/s of fp32 gradient, as the plan prints them."""
-    return ", ".join(f"{hook} {rates[hook] / 1e9:.3g}" for hook in hooks if hook in rates)
+    return ", ".join(f"{hook} {rates[hook] / 1e9:.3g}" for hook in PLAN_HOOKS if hook in rates)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -196,8 +195,13 @@ def _plan(args: argparse.Namespace) -> int:
         if args.params is None:
             raise ValueError("--params is required: the model's parameter count, e.g. 100M or 1.3B")
         params = parse_count(args.params)
-        if params < 1000:
-            raise ValueError(_missing_suffix(args.params, params))
+        if params < 1000:  # almost surely a missing suffix
+            cleaned = args.params.strip()
+            guess = f"did you mean {cleaned}M? " if cleaned.replace(".", "", 1).isdigit() else "too few for a model; "
+            raise ValueError(
+                f"--params {cleaned} reads as {params} parameters: {guess}give the count with its suffix, e.g. 350M "
+                "or 1.3B"
+            )
         world_size, ranks = _world_size(args)
         if args.link is not None and args.gbps is not None:
             raise ValueError(f"give --link or --gbps, not both (--link {args.link}, --gbps {args.gbps:g})")
@@ -257,8 +261,9 @@ def _plan(args: argparse.Namespace) -> int:
         overlap = "-" if e.efficiency_full_overlap is None else f"{e.efficiency_full_overlap:.1%}"
         codec = "-" if e.codec_bytes_per_s is None else f"{e.codec_s * 1e3:.1f}"
         two_tier = "-" if e.hierarchical_comm_s is None else f"{e.hierarchical_comm_s * 1e3:.1f}"
+        label = e.hook if e.powersgd_rank is None else f"{e.hook} r{e.powersgd_rank}"
         print(
-            f"{_row_label(e):<13}{format_bytes(e.payload_bytes):>10}{format_bytes(e.sent_bytes_per_rank):>16}"
+            f"{label:<13}{format_bytes(e.payload_bytes):>10}{format_bytes(e.sent_bytes_per_rank):>16}"
             f"{codec:>10}{e.comm_s * 1e3:>10.1f}{no_overlap:>17}{overlap:>14}" + (f"{two_tier:>16}" if tiered else "")
         )
     notes = ["sent/rank/step: what each rank sends per step, 2(n-1)/n x the payload (the hook's compressed gradient)"]
@@ -285,17 +290,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 #: The plan's notes and recommendation are wrapped to this many columns, as its table is about as wide.
 _WIDTH = 118
-
-
-def _missing_suffix(text: str, params: int) -> str:
-    """The error for a parameter count under a thousand: almost surely a missing suffix."""
-    cleaned = text.strip()
-    guess = f"did you mean {cleaned}M? " if cleaned.replace(".", "", 1).isdigit() else "too few for a model; "
-    return f"--params {cleaned} reads as {params} parameters: {guess}give the count with its suffix, e.g. 350M or 1.3B"
-
-
-def _row_label(estimate: HookEstimate) -> str:
-    return estimate.hook if estimate.powersgd_rank is None else f"{estimate.hook} r{estimate.powersgd_rank}"
 
 
 def _codec_source(device: str, codec_gb_per_s: float | None) -> str:

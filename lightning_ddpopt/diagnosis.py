@@ -75,6 +75,8 @@ NETWORK_ADVICE: dict[str, str] = {
         "near-lossless)"
     ),
 }
+#: The :data:`NETWORK_ADVICE` key of each hook known by its name alone.
+_HOOK_ADVICE_KEYS = {"none": "allreduce", "allreduce": "allreduce", "fp16": "cast", "bf16": "cast", "int8": "int8"}
 #: Step-time coefficient of variation above this is reported as jitter.
 JITTER_CV = 0.2
 #: Relative compression errors above which a lossy hook is reported as costing quality, by hook family, with an
@@ -85,6 +87,11 @@ COMPRESSION_ERROR_LIMITS = {
     "powersgd": (ERROR_BOUNDS["adaptive"], ERROR_BOUNDS["other"]),
     "int8": (0.05, 0.05),
     "cast": (0.01, 0.01),
+}
+#: What the compression finding advises when int8's or a cast's error is above its limit.
+_LOSSY_ADVICE = {
+    "int8": "gradients with outliers: use Int8Config(block_size=...) smaller, or comm_hook='bf16'",
+    "cast": "gradients under- or overflow the cast: use comm_hook='bf16' (fp32's range) or 'allreduce'",
 }
 #: The compression finding advises int8 where flat PowerSGD sends more than this many times int8's bytes (its
 #: estimate leaves out the rounding of a bucket's blocks to the world size).
@@ -190,12 +197,8 @@ def network_advice_key(summary: dict[str, Any]) -> str:
     hook = summary.get("comm_hook") or "none"
     if summary.get("local_sgd") is not None:
         return "local_sgd"
-    if hook in ("none", "allreduce"):
-        return "allreduce"
-    if hook in ("fp16", "bf16"):
-        return "cast"
-    if hook == "int8":
-        return "int8"
+    if hook in _HOOK_ADVICE_KEYS:
+        return _HOOK_ADVICE_KEYS[hook]
     powersgd = summary.get("powersgd")
     if "powersgd" in hook and powersgd is not None:  # our PowerSGD state: its rank and bound are known
         return "powersgd" if powersgd["max_error"] is not None else "powersgd_fixed_rank"
@@ -211,23 +214,18 @@ def _network(summary: dict[str, Any]) -> Finding:
     """
     comm = summary.get("comm") or {}
     share = comm.get("exposed_share")
-    if share is None and comm.get("transfer_share") is not None:  # a report of an earlier release: the span only
-        return Finding(
-            "network",
-            "unknown",
-            f"this report measured the sync's span only ({comm['transfer_share']:.0%} of the step), which counts "
-            "backward compute that overlaps the sync",
-            "re-run with this release's CommProfiler: it measures the exposed sync, what the step waits for",
-        )
-    if share is None and (across := across_islands_finding(summary, COMM_SHARE_PROBLEM)) is not None:
-        return across
     if share is None:
-        return Finding(
-            "network",
-            "unknown",
-            "no sync time measured",
-            "add CommProfiler() and train with OptimizedDDPStrategy on more than one process",
-        )
+        if comm.get("transfer_share") is not None:  # a report of an earlier release: the span only
+            return Finding(
+                "network",
+                "unknown",
+                f"this report measured the sync's span only ({comm['transfer_share']:.0%} of the step), which counts "
+                "backward compute that overlaps the sync",
+                "re-run with this release's CommProfiler: it measures the exposed sync, what the step waits for",
+            )
+        advice = "add CommProfiler() and train with OptimizedDDPStrategy on more than one process"
+        across = across_islands_finding(summary, COMM_SHARE_PROBLEM)
+        return across if across is not None else Finding("network", "unknown", "no sync time measured", advice)
     hook = summary.get("comm_hook") or "none"
     sync_ms, exposed_ms = comm["sync_time_ms"], comm["exposed_time_min_rank_ms"]
     evidence = f"sync {sync_ms:.1f} ms per step, of which {exposed_ms:.1f} ms exposed ({share:.0%} of the step)"
@@ -334,19 +332,13 @@ def _compression(summary: dict[str, Any]) -> Finding:
         return Finding("compression", "problem", evidence, advice)
     if error <= limit:
         return Finding("compression", "ok", evidence)
-    who = ", ".join(optimizers) or "this optimizer"
+    evidence += f"; above {limit:g} with {', '.join(optimizers) or 'this optimizer'}"
     if family != "powersgd":
-        evidence += f"; above {limit:g} with {who}"
-        if family == "int8":
-            advice = "gradients with outliers: use Int8Config(block_size=...) smaller, or comm_hook='bf16'"
-        else:
-            advice = "gradients under- or overflow the cast: use comm_hook='bf16' (fp32's range) or 'allreduce'"
-        return Finding("compression", "problem", evidence, advice)
+        return Finding("compression", "problem", evidence, _LOSSY_ADVICE[family])
     rank, bound, top = (powersgd["rank"], powersgd["max_error"], powersgd["max_rank"]) if powersgd else (4, None, 4)
     if bound is not None and bound <= limit and rank < top:  # the bound is at work
-        evidence += f"; above {limit:g} with {who}, and the rank rises while the error is above max_error {bound:g}"
+        evidence += f", and the rank rises while the error is above max_error {bound:g}"
         return Finding("compression", "ok", evidence)
-    evidence += f"; above {limit:g} with {who}"
     if bound is None:
         advice = (
             f"raise PowerSGD's rank (PowerSGDConfig(rank={2 * rank})) or let it rise with the error "
@@ -361,11 +353,8 @@ def _compression(summary: dict[str, Any]) -> Finding:
 
 def _error_family(hook: str) -> str | None:
     """Which of :data:`COMPRESSION_ERROR_LIMITS` judges ``hook``'s error; ``None`` for a hook that is not ours."""
-    if "powersgd" in hook:
-        return "powersgd"
-    if "int8" in hook:
-        return "int8"
-    return "cast" if hook in ("fp16", "bf16") else None
+    family = next((name for name in ("powersgd", "int8") if name in hook), None)  # a two-tier form counts too
+    return family or ("cast" if hook in ("fp16", "bf16") else None)
 
 
 def _heavier_than_int8(summary: dict[str, Any], comm: dict[str, Any]) -> int | None:
@@ -411,14 +400,11 @@ def _amp(summary: dict[str, Any]) -> Finding:
         problems.append(f"loss scale {scale:g} below {amp['underflow_threshold']:g}: gradients underflow")
     if amp["skip_rate"] > amp["skip_rate_threshold"]:
         problems.append(f"{amp['skip_rate']:.0%} of the last {recent} steps skipped")
-    if problems:
-        return Finding(
-            "amp",
-            "problem",
-            f"{evidence}; " + "; ".join(problems),
-            "use precision='bf16-mixed' if the hardware has bf16",
-        )
-    return Finding("amp", "ok", evidence)
+    if not problems:
+        return Finding("amp", "ok", evidence)
+    return Finding(
+        "amp", "problem", f"{evidence}; " + "; ".join(problems), "use precision='bf16-mixed' if the hardware has bf16"
+    )
 
 
 def _accumulation(summary: dict[str, Any]) -> Finding:
@@ -445,14 +431,9 @@ def _accumulation(summary: dict[str, Any]) -> Finding:
         )
         return Finding("accumulation", "problem", evidence, f"sync only on the last micro-batch: {how}")
     comm = summary.get("comm") or {}
-    if micro <= 1 and (comm.get("exposed_share") or 0) >= COMM_SHARE_PROBLEM:
-        return Finding(
-            "accumulation",
-            "ok",
-            evidence,
-            "accumulating K micro-batches per step would cut the sync cost per sample by K (scale the LR with it)",
-        )
-    return Finding("accumulation", "ok", evidence)
+    advice = "accumulating K micro-batches per step would cut the sync cost per sample by K (scale the LR with it)"
+    synced_often = micro <= 1 and (comm.get("exposed_share") or 0) >= COMM_SHARE_PROBLEM
+    return Finding("accumulation", "ok", evidence, advice if synced_often else "")
 
 
 def _stragglers(summary: dict[str, Any]) -> Finding:
@@ -479,16 +460,18 @@ def _stragglers(summary: dict[str, Any]) -> Finding:
         f"{per_rank.get('optimizer', 0.0):.0f} ms per step); the other ranks wait for it; named in {named} of "
         f"{stragglers.get('windows', 0)} windows"
     )
-    if phase == "data":
-        advice = f"rank {rank} waits for data: raise num_workers (and pin_memory) there, check its storage and CPU load"
-    elif phase == "optimizer":
-        advice = (
-            f"rank {rank} is slow after its backward pass: check what runs there only on that rank (callbacks in "
-            "on_before_optimizer_step, gradient clipping, an optimizer with state offloaded) and its device load"
-        )
-    else:
-        advice = (
-            f"rank {rank} computes slowly: check its device for throttling or other processes; on CPUs try "
-            "cpu_affinity=True"
-        )
+    advice = _STRAGGLER_ADVICE.get(phase, _STRAGGLER_ADVICE["compute"]).format(rank=rank)
     return Finding("stragglers", "problem", evidence, advice)
+
+
+#: What the stragglers finding advises, by the phase the slowest rank is slow in.
+_STRAGGLER_ADVICE = {
+    "data": "rank {rank} waits for data: raise num_workers (and pin_memory) there, check its storage and CPU load",
+    "optimizer": (
+        "rank {rank} is slow after its backward pass: check what runs there only on that rank (callbacks in "
+        "on_before_optimizer_step, gradient clipping, an optimizer with state offloaded) and its device load"
+    ),
+    "compute": (
+        "rank {rank} computes slowly: check its device for throttling or other processes; on CPUs try cpu_affinity=True"
+    ),
+}

@@ -19,7 +19,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -211,46 +211,32 @@ def run_quality(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
     return out
 
 
+@dataclass(slots=True, eq=False)
 class _OpenBucket:
-    __slots__ = (
-        "index",
-        "num_elements",
-        "logical_bytes",
-        "wire_bytes",
-        "intra_node_bytes",
-        "intra_node_s",
-        "cross_node_s",
-        "start",
-        "end",
-        "hidden",
-        "compression",
-        "drift",
-    )
+    """A bucket of the current step as its hook reports it; its marks resolve into a :class:`BucketRecord`."""
 
-    def __init__(self, index: int, num_elements: int, logical_bytes: int, start: Mark) -> None:
-        self.index = index
-        self.num_elements = num_elements
-        self.logical_bytes = logical_bytes
-        self.wire_bytes: int | None = None
-        self.intra_node_bytes = 0
-        self.intra_node_s = 0.0
-        self.cross_node_s = 0.0
-        self.start = start
-        self.end: Mark | None = None
-        self.hidden = False
-        self.compression: list[DeferredRead] = []
-        self.drift: DeferredRead | None = None
+    index: int
+    num_elements: int
+    logical_bytes: int
+    start: Mark
+    wire_bytes: int | None = None
+    intra_node_bytes: int = 0
+    intra_node_s: float = 0.0
+    cross_node_s: float = 0.0
+    end: Mark | None = None
+    hidden: bool = False
+    compression: list[DeferredRead] = field(default_factory=list)
+    drift: DeferredRead | None = None
 
     def marks(self) -> tuple[Mark, ...]:
         return (self.start,) if self.end is None else (self.start, self.end)
 
     def freeze(self, seconds: dict[int, float]) -> BucketRecord:
         start = seconds[id(self.start)]
-        end = seconds[id(self.end)] if self.end is not None else start
         compression = None
         if self.compression:
-            sums = [sum(values) for values in zip(*(read.read().tolist() for read in self.compression), strict=True)]
-            compression = (sums[0], sums[1], sums[2])
+            given, dropped, fed_back = map(sum, zip(*(read.read().tolist() for read in self.compression), strict=True))
+            compression = (given, dropped, fed_back)
         drift = None
         if self.drift is not None:
             own, mean = self.drift.read().tolist()
@@ -261,7 +247,7 @@ class _OpenBucket:
             self.logical_bytes,
             self.wire_bytes,
             start,
-            end,
+            seconds[id(self.end)] if self.end is not None else start,
             intra_node_bytes=self.intra_node_bytes,
             intra_node_s=self.intra_node_s,
             cross_node_s=self.cross_node_s,
@@ -349,8 +335,14 @@ class CommLedger:
 
         @functools.wraps(hook)
         def recorded(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            buffer = bucket.buffer()
-            entry = self._open_bucket(bucket.index(), buffer.numel(), buffer.numel() * buffer.element_size())
+            buffer, index = bucket.buffer(), bucket.index()
+            entry = _OpenBucket(index, buffer.numel(), buffer.numel() * buffer.element_size(), self.timeline.mark())
+            with self._lock:
+                # DDP launches buckets strictly in index order, so bucket 0 starts a new round.
+                if index == 0 or not self._rounds:
+                    self._rounds.append([])
+                    self._rounds_opened += 1
+                self._rounds[-1].append(entry)
             future = hook(state, bucket)
 
             def finish(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -418,11 +410,7 @@ class CommLedger:
         """
         values = DeferredRead(torch.stack([given_sq, dropped_sq, fed_back_sq]).detach().double())
         with self._lock:
-            for entry in self._rounds[-1] if self._rounds else ():
-                if entry.index == bucket_index:
-                    entry.compression.append(values)
-                    return
-        raise RuntimeError(f"no open bucket {bucket_index} in the ledger: add_compression called outside a hook")
+            self._open_entry(bucket_index, "add_compression").compression.append(values)
 
     def add_parameter_sync(
         self,
@@ -446,9 +434,7 @@ class CommLedger:
             drift: squared norms (0-dim tensors) of this rank's parameter change and of the ranks' mean change, or
                 ``None`` when not measured.
         """
-        entry = _OpenBucket(0, num_elements, logical_bytes, start)
-        entry.wire_bytes = wire_bytes
-        entry.hidden = transfer_hidden
+        entry = _OpenBucket(0, num_elements, logical_bytes, start, wire_bytes=wire_bytes, hidden=transfer_hidden)
         if drift is not None:
             entry.drift = DeferredRead(torch.stack(drift).detach().double())
         entry.end = end = self.timeline.mark()
@@ -538,13 +524,9 @@ class CommLedger:
     def _record(self, closed: _ClosedStep, seconds: dict[int, float]) -> StepRecord:
         frozen = [[entry.freeze(seconds) for entry in round_] for round_ in closed.rounds if round_]
         buckets = [record for round_ in frozen for record in round_]
-        wire: int | None = sum(b.wire_bytes or 0 for b in buckets)
-        if any(b.wire_bytes is None for b in buckets):
-            wire = None
+        wire = None if any(b.wire_bytes is None for b in buckets) else sum(b.wire_bytes or 0 for b in buckets)
         compression = [b.compression for b in buckets if b.compression is not None]
-        given = sum(norms[0] for norms in compression)
-        dropped = sum(norms[1] for norms in compression)
-        fed_back = sum(norms[2] for norms in compression)
+        given, dropped, fed_back = (sum(norms[i] for norms in compression) for i in range(3))
         drifts = [b.drift for b in buckets if b.drift is not None]
         start = seconds[id(closed.start)] if closed.start is not None else None
         end = seconds[id(closed.end)]
@@ -582,13 +564,3 @@ class CommLedger:
         self.total_logical_bytes += record.logical_bytes
         self.total_wire_bytes += record.wire_bytes or 0
         return record
-
-    def _open_bucket(self, index: int, num_elements: int, logical_bytes: int) -> _OpenBucket:
-        entry = _OpenBucket(index, num_elements, logical_bytes, self.timeline.mark())
-        with self._lock:
-            # DDP launches buckets strictly in index order, so bucket 0 starts a new round.
-            if index == 0 or not self._rounds:
-                self._rounds.append([])
-                self._rounds_opened += 1
-            self._rounds[-1].append(entry)
-        return entry

@@ -17,6 +17,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -54,23 +55,19 @@ class HostTimeline:
         return time.perf_counter()
 
     def seconds(self, mark: float) -> float:
-        """The mark itself."""
+        """The mark itself: known the moment it is taken, so reading it never waits."""
         return mark
 
-    def wait(self, mark: float) -> float:
-        """The mark itself."""
-        return mark
+    wait = seconds
 
 
+@dataclass(slots=True, eq=False)
 class _Anchor:
     """A reference event and, once resolved, its distance in seconds from the timeline's first reference."""
 
-    __slots__ = ("event", "host_s", "offset_s")
-
-    def __init__(self, event: torch.cuda.Event, host_s: float, offset_s: float | None) -> None:
-        self.event = event
-        self.host_s = host_s
-        self.offset_s = offset_s
+    event: torch.cuda.Event
+    host_s: float
+    offset_s: float | None
 
 
 class CudaTimeline:
@@ -157,9 +154,10 @@ def timeline_for(device: torch.device) -> Timeline:
     return HostTimeline()
 
 
-def median_seconds(work: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median host seconds of ``work`` (run to completion on ``device``) over ``repeats`` calls after a warm-up call."""
-    work()
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median host seconds of ``work`` (run to completion on ``device``) over ``repeats`` calls after ``warmup``."""
+    for _ in range(warmup):
+        work()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":

@@ -177,6 +177,5 @@ class TierGroups:
 
     def close(self) -> None:
         """Destroy both groups (every rank of the topology calls it, at teardown)."""
-        destroy_owned_group(self, "intra")
-        destroy_owned_group(self, "intra_gather")
-        destroy_owned_group(self, "cross")
+        for name in ("intra", "intra_gather", "cross"):
+            destroy_owned_group(self, name)

@@ -27,30 +27,24 @@ class LedgerCursor:
         self.ledger: CommLedger | None = None
         self.timeline: Timeline = HostTimeline()
         self._seen_records = 0
-        self._seen_global_step: int | None = None
+        self._seen_global_step = 0
 
-    @staticmethod
-    def ledger_of(trainer: pl.Trainer) -> CommLedger | None:
-        """The strategy's ledger when a comm hook reports to it.
+    def start(self, trainer: pl.Trainer) -> None:
+        """Begin at the trainer's and ledger's present position (a resumed run starts mid-way).
 
-        ``None`` with any strategy other than :class:`~lightning_ddpopt.OptimizedDDPStrategy` (Lightning's stock
-        ``DDPStrategy``), and with ``comm_hook=None``, where DDP's built-in allreduce runs unseen.
+        :attr:`ledger` is the strategy's when a comm hook reports to it; ``None`` with any strategy other than
+        :class:`~lightning_ddpopt.OptimizedDDPStrategy` (Lightning's stock ``DDPStrategy``), and with
+        ``comm_hook=None``, where DDP's built-in allreduce runs unseen.
         """
         strategy = trainer.strategy
         ledger = strategy.ledger if isinstance(strategy, CoreViews) else None
-        return ledger if ledger is not None and ledger.recording else None
-
-    def start(self, trainer: pl.Trainer) -> None:
-        """Begin at the trainer's and ledger's present position (a resumed run starts mid-way)."""
-        self.ledger = self.ledger_of(trainer)
+        self.ledger = ledger if ledger is not None and ledger.recording else None
         self.timeline = self.ledger.timeline if self.ledger is not None else timeline_for(trainer.strategy.root_device)
         self._seen_global_step = trainer.global_step
         self._seen_records = self.ledger.total_steps if self.ledger is not None else 0
 
     def new_steps(self, trainer: pl.Trainer) -> int:
         """Optimizer steps the host took since the previous call."""
-        if self._seen_global_step is None:
-            self._seen_global_step = 0
         count = trainer.global_step - self._seen_global_step
         self._seen_global_step = trainer.global_step
         return max(count, 0)
@@ -60,12 +54,7 @@ class LedgerCursor:
         ledger = self.ledger
         if ledger is None:
             return []
-        if wait:
-            ledger.flush()
-        else:
-            ledger.poll()
+        ledger.flush() if wait else ledger.poll()
         count = ledger.total_steps - self._seen_records
         self._seen_records = ledger.total_steps
-        if count <= 0:
-            return []
-        return list(ledger.steps)[-count:]
+        return list(ledger.steps)[-count:] if count > 0 else []

@@ -36,13 +36,11 @@ def charts(section: str, prefix: str, keys_per_chart: dict[str, list[str]]) -> C
 
     A key starting with ``/`` is a whole tag of its own (e.g. the strategy's ``/ddpopt/effective_batch_size``).
     """
-
-    def tag(key: str) -> str:
-        return key[1:] if key.startswith("/") else f"{prefix}/{key}"
-
-    return section, {
-        chart: [f"^({'|'.join(re.escape(tag(key)) for key in keys)})$"] for chart, keys in keys_per_chart.items()
+    tags = {
+        chart: [key[1:] if key.startswith("/") else f"{prefix}/{key}" for key in keys]
+        for chart, keys in keys_per_chart.items()
     }
+    return section, {chart: [f"^({'|'.join(map(re.escape, keys))})$"] for chart, keys in tags.items()}
 
 
 def _writers(trainer: pl.Trainer) -> list[Any]:
@@ -70,10 +68,7 @@ def write_layout_if_first(trainer: pl.Trainer, callback: object) -> bool:
 
 def write_findings(trainer: pl.Trainer, findings: Sequence[Finding]) -> None:
     """Write the findings as a Markdown table under :data:`FINDINGS_TAG` at the current step."""
-    writers = _writers(trainer)
-    if not writers:
-        return
-    for writer in writers:
+    for writer in _writers(trainer):
         writer.add_text(FINDINGS_TAG, findings_markdown(findings), global_step=trainer.global_step)
         writer.flush()
 

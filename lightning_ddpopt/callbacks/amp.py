@@ -152,7 +152,8 @@ class AMPMonitor(MeasuringCallback):
         self._patched_module: pl.LightningModule | None = None
         self._exchange = Exchange()  # every rank's verdict, in flight from a meeting in passing to the next check
         self._in_flight: _Found | None = None
-        self._deferred: _Deferred | None = None  # on a GPU, the last check's verdict, read at the next one
+        # On a GPU, the last check's verdict on its way to the host, read at the next check, and what it found.
+        self._deferred: tuple[DeferredRead, _Found] | None = None
 
     @property
     def last_step_skipped(self) -> bool:
@@ -238,18 +239,13 @@ class AMPMonitor(MeasuringCallback):
                     trainer, pl_module, parameters=True, log=False, checked="checked at the end of fit"
                 )
             else:
-                self._decide_in_flight(trainer)
-                self._decide_deferred(trainer)
+                self._decide_earlier(trainer)
         report_if_last(trainer, self)
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-            "growth_events": self.growth_events,
-            "backoff_events": self.backoff_events,
-            "nonfinite_steps": self.nonfinite_steps,
+            **{name: getattr(self, name) for name in _COUNTS},
             "skipped_step_indices": list(self.skipped_step_indices),
             "recent": list(self._recent),
             "last_scale": self._last_scale,
@@ -260,11 +256,8 @@ class AMPMonitor(MeasuringCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps = state_dict["steps"]
-        self.skipped_steps = state_dict["skipped_steps"]
-        self.growth_events = state_dict["growth_events"]
-        self.backoff_events = state_dict["backoff_events"]
-        self.nonfinite_steps = state_dict["nonfinite_steps"]
+        for name in _COUNTS:
+            setattr(self, name, state_dict[name])
         # The steps a check every ``nonfinite_every`` had not covered yet at the save (older states: none).
         self._checked_through = state_dict.get("checked_through", self.steps)
         self.skipped_step_indices = list(state_dict["skipped_step_indices"])
@@ -360,8 +353,7 @@ class AMPMonitor(MeasuringCallback):
         check where the ranks meet only in passing (``in_passing``). ``checked``: when such checks come, for the
         report.
         """
-        self._decide_in_flight(trainer)
-        self._decide_deferred(trainer)
+        self._decide_earlier(trainer)
         steps = list(range(self._checked_through + 1, self.steps + 1)) or [self.steps]
         self._checked_through = self.steps
         alike = trainer.world_size == 1 or (not parameters and gradients_identical(trainer))
@@ -398,23 +390,20 @@ class AMPMonitor(MeasuringCallback):
         if verdict.is_cuda and log:
             # On a GPU the verdict is read at the next check, a step later, when the device has long computed it:
             # no host sync (at the end of fit, ``log=False``, it is read at once).
-            self._deferred = _Deferred(DeferredRead(verdict.reshape(()).bool()), found)
+            self._deferred = (DeferredRead(verdict.reshape(()).bool()), found)
         elif bool(verdict.item()):
             self._report_nonfinite(trainer, found)
         self._log_count(pl_module, log)
 
-    def _decide_deferred(self, trainer: pl.Trainer) -> None:
-        """Act on the previous check's verdict, deferred on a GPU (every rank defers alike)."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None and deferred.read():
-            self._report_nonfinite(trainer, deferred.found)
-
-    def _decide_in_flight(self, trainer: pl.Trainer) -> None:
-        """Act on the verdicts exchanged in passing at the previous check, every rank alike."""
+    def _decide_earlier(self, trainer: pl.Trainer) -> None:
+        """Act on the previous check's verdicts, every rank alike: exchanged in passing, or deferred on a GPU."""
         flags, found = self._exchange.arrived(), self._in_flight
         self._in_flight = None
         if flags is not None and found is not None and bool(flags.max().item()):
             self._report_nonfinite(trainer, found)
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and bool(deferred[0].read()):
+            self._report_nonfinite(trainer, deferred[1])
 
     def _log_count(self, pl_module: pl.LightningModule, log: bool) -> None:
         if log:
@@ -448,6 +437,8 @@ class AMPMonitor(MeasuringCallback):
 
 
 _AT_SYNCS = "local SGD: checked at each parameter sync"
+#: The counters a checkpoint keeps under their own names.
+_COUNTS = ("steps", "skipped_steps", "growth_events", "backoff_events", "nonfinite_steps")
 
 
 @dataclass(frozen=True)
@@ -460,17 +451,6 @@ class _Found:
     parameters: bool
     alike: bool = False  # every rank checked the same values (no exchange of names needed)
     checked: str = ""  # when checks come, for the report: with the parameters, a check covers several steps
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """A check's verdict on its way to the host (a GPU's), with what the check found."""
-
-    verdict: DeferredRead
-    found: _Found
-
-    def read(self) -> bool:
-        return bool(self.verdict.read())
 
 
 def _sum(parameter: torch.nn.Parameter, with_values: bool) -> torch.Tensor:

@@ -31,22 +31,22 @@ from lightning_ddpopt.units import MIB, format_bytes
 
 __all__ = ["CommProfiler"]
 
-_INTERVAL_FIELDS = (
-    "step_time",
-    "sync_time",
-    "exposed_time",
-    "busy_time",
-    "bytes_sent",
-    "bytes_sent_intra_node",
-    "intra_node_time",
-    "cross_node_time",
-    "bytes_uncompressed",
-    "sync_rounds",
-    "transfer_hidden",
-    "compression_error",
-    "error_feedback",
-    "drift_ratio",
-)
+#: The interval's per-step figures taken from the strategy's ledger, each from its :class:`StepRecord` attribute.
+_RECORD_FIELDS = {
+    "sync_time": "sync_time_s",
+    "exposed_time": "exposed_time_s",
+    "busy_time": "busy_time_s",
+    "bytes_sent": "wire_bytes",  # None from a hook that does not report them: left out
+    "bytes_sent_intra_node": "intra_node_bytes",
+    "intra_node_time": "intra_node_s",
+    "cross_node_time": "cross_node_s",
+    "bytes_uncompressed": "logical_bytes",
+    "sync_rounds": "sync_rounds",
+    "transfer_hidden": "transfer_hidden",
+}
+_INTERVAL_FIELDS = ("step_time", *_RECORD_FIELDS, *QUALITY_FIELDS)
+#: The per-step series each rank keeps for the report's plot.
+_SERIES = ("step", "step_time_ms", "sync_time_ms", "exposed_time_ms", "bytes_sent", "compression_error")
 
 
 class CommProfiler(MeasuringCallback):
@@ -177,14 +177,7 @@ class CommProfiler(MeasuringCallback):
         self._since_log = 0
         self._step_times: deque[float] = deque(maxlen=window)
         self._sync_times: deque[float] = deque(maxlen=window)
-        self._series: dict[str, list[float]] = {
-            "step": [],
-            "step_time_ms": [],
-            "sync_time_ms": [],
-            "exposed_time_ms": [],
-            "bytes_sent": [],
-            "compression_error": [],
-        }
+        self._series: dict[str, list[float]] = {name: [] for name in _SERIES}
         # The run's quality figures (sum, count), for the report: the logged ones cover an interval only.
         self._quality: dict[str, list[float]] = {name: [0.0, 0] for name in QUALITY_FIELDS}
         #: The quality figures over the whole run and every rank (set at the end of fit; see :func:`_run_quality`).
@@ -266,45 +259,36 @@ class CommProfiler(MeasuringCallback):
         """Add resolved records; the sync figures count only from the strategy's ledger, not our step clock."""
         for record in records:
             assert ledger is not None
+            synced = ledger is self._cursor.ledger
+            self._fit_steps += 1
+            jitter = self._fit_steps > self.jitter_skip_steps  # one-time work in a fit's first steps is not jitter
             # On a GPU a record resolves a step or so after the host took it: place it at its own step.
-            step = trainer.global_step - (ledger.closed_steps - record.step)
-            self._add_step(float(step), record.step_time_s, record if ledger is self._cursor.ledger else None)
-
-    def _add_step(self, step: float, step_time: float | None, record: StepRecord | None) -> None:
-        self._fit_steps += 1
-        jitter = self._fit_steps > self.jitter_skip_steps  # one-time work in a fit's first steps is not jitter
-        self._series["step"].append(step)
-        self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
-        error = record.compression_error if record is not None else None
-        self._series["compression_error"].append(error if error is not None else math.nan)
-        if step_time is not None:
-            if jitter:
-                self._step_times.append(step_time)
-            self._interval["step_time"].append(step_time)
-        if record is not None:
-            if jitter:
-                self._sync_times.append(record.sync_time_s)
-            self._interval["sync_time"].append(record.sync_time_s)
-            self._interval["exposed_time"].append(record.exposed_time_s)
-            self._interval["busy_time"].append(record.busy_time_s)
-            self._interval["bytes_uncompressed"].append(float(record.logical_bytes))
-            self._interval["sync_rounds"].append(float(record.sync_rounds))
-            self._interval["transfer_hidden"].append(float(record.transfer_hidden))
-            if record.wire_bytes is not None:
-                self._interval["bytes_sent"].append(float(record.wire_bytes))
-            self._interval["bytes_sent_intra_node"].append(float(record.intra_node_bytes))
-            self._interval["intra_node_time"].append(record.intra_node_s)
-            self._interval["cross_node_time"].append(record.cross_node_s)
-            for name in QUALITY_FIELDS:
-                value = getattr(record, name)
-                if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
-                    self._interval[name].append(value)
-                    self._quality[name][0] += value
-                    self._quality[name][1] += 1
-            self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
-            self._series["exposed_time_ms"].append(record.exposed_time_s * 1e3)
-            self._series["bytes_sent"].append(float(record.wire_bytes or 0))
-        _thin(self._series, self.max_series_points)
+            self._series["step"].append(float(trainer.global_step - (ledger.closed_steps - record.step)))
+            step_time = record.step_time_s
+            self._series["step_time_ms"].append(step_time * 1e3 if step_time is not None else math.nan)
+            error = record.compression_error if synced else None
+            self._series["compression_error"].append(error if error is not None else math.nan)
+            if step_time is not None:
+                if jitter:
+                    self._step_times.append(step_time)
+                self._interval["step_time"].append(step_time)
+            if synced:
+                if jitter:
+                    self._sync_times.append(record.sync_time_s)
+                for name, attribute in _RECORD_FIELDS.items():
+                    value = getattr(record, attribute)
+                    if value is not None:
+                        self._interval[name].append(float(value))
+                for name in QUALITY_FIELDS:
+                    value = getattr(record, name)
+                    if value is not None and math.isfinite(value):  # an overflowing step's error is not a figure
+                        self._interval[name].append(value)
+                        self._quality[name][0] += value
+                        self._quality[name][1] += 1
+                self._series["sync_time_ms"].append(record.sync_time_s * 1e3)
+                self._series["exposed_time_ms"].append(record.exposed_time_s * 1e3)
+                self._series["bytes_sent"].append(float(record.wire_bytes or 0))
+            _thin(self._series, self.max_series_points)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -314,7 +298,7 @@ class CommProfiler(MeasuringCallback):
         self._take_records(trainer, self._cursor.ledger, self._cursor.new_records(wait=True))
         if self._step_clock is not None:
             self._take_records(trainer, self._step_clock, self._step_clock.flush())
-        self._use_arrived(trainer.world_size, pl_module, log=False)  # the end of fit is a meeting
+        self._use(self._exchange.arrived(), pl_module, log=False)  # the end of fit is a meeting
         # Steps since the last log point, or records that resolved after it on some rank: one more aggregation, if
         # they synced (local SGD's steps after its last sync would stand for its whole run with nothing sent) or
         # nothing was aggregated yet.
@@ -370,19 +354,15 @@ class CommProfiler(MeasuringCallback):
 
     def _aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_passing: bool, log: bool) -> None:
         """Gather every rank's figures since the last aggregation and derive the logged ones (in passing: later)."""
-        self._use_arrived(trainer.world_size, pl_module, log)
+        self._use(self._exchange.arrived(), pl_module, log)
         local = self._local_figures(pl_module.device)
-        gathered = self._exchange.gather(local, trainer.world_size, in_passing, final=not log)
-        if gathered is not None:
-            self._use(gathered, trainer.world_size, pl_module, log)
+        self._use(self._exchange.gather(local, trainer.world_size, in_passing, final=not log), pl_module, log)
 
-    def _use_arrived(self, world_size: int, pl_module: pl.LightningModule, log: bool) -> None:
-        gathered = self._exchange.arrived()
-        if gathered is not None:
-            self._use(gathered, world_size, pl_module, log)
-
-    def _use(self, gathered: torch.Tensor, world_size: int, pl_module: pl.LightningModule, log: bool) -> None:
-        self.last_metrics = self._figures(gathered.double().cpu(), world_size)
+    def _use(self, gathered: torch.Tensor | None, pl_module: pl.LightningModule, log: bool) -> None:
+        """Derive (and log) the figures from every rank's rows, if they have arrived."""
+        if gathered is None:
+            return
+        self.last_metrics = self._figures(gathered.double().cpu())
         if log:
             for key, value in self.last_metrics.items():
                 pl_module.log(f"ddpopt/comm/{key}", value, on_step=True, on_epoch=False)
@@ -400,7 +380,7 @@ class CommProfiler(MeasuringCallback):
             local.extend([*recent, *[math.nan] * (self.window - len(recent))])
         return to_device(torch.tensor(local, dtype=torch.float64), device)
 
-    def _figures(self, gathered: torch.Tensor, world_size: int) -> dict[str, float]:
+    def _figures(self, gathered: torch.Tensor) -> dict[str, float]:
         """The logged figures from every rank's row of :meth:`_local_figures`."""
         width = len(_INTERVAL_FIELDS) + 1
         per_rank = gathered[:, :width]
@@ -446,8 +426,7 @@ class CommProfiler(MeasuringCallback):
                 # sync time: no bandwidth follows from that.
                 if sent and busy and not mean("transfer_hidden"):
                     out["algbw_gbps"] = sent / busy / 1e9
-                    busbw = bus_bandwidth(out["algbw_gbps"], self._ring_ranks) * self._rings_per_link
-                    out["busbw_gbps"] = busbw
+                    out["busbw_gbps"] = bus_bandwidth(out["algbw_gbps"], self._ring_ranks) * self._rings_per_link
         for name in ("compression_error", "error_feedback"):
             if not math.isnan(mean(name)):
                 out[name] = mean(name)

@@ -150,7 +150,6 @@ class StragglerDetector(MeasuringCallback):
         self._fetch_start: Mark | None = None
         self._fetches: list[tuple[Mark, Mark]] = []
         self._timed_fetcher: Callable[[], None] | None = None
-        self._fetch_timing = True
         self._step_batches: list[_Batch] = []
         self._unresolved: deque[list[_Batch]] = deque()  # host-closed steps, oldest first
         self._records: deque[StepRecord] = deque()  # ledger records not yet matched with their batches
@@ -198,7 +197,7 @@ class StragglerDetector(MeasuringCallback):
         if not self._active:
             return
         self._time_fetches(trainer)
-        self._batch_fetches = tuple(self._fetches) if self._fetch_timing else None
+        self._batch_fetches = tuple(self._fetches) if self._timed_fetcher is not None else None
         self._fetches.clear()
         self._before_optimizer = None
         self._batch_start = self._cursor.timeline.mark()
@@ -239,7 +238,8 @@ class StragglerDetector(MeasuringCallback):
             return
         self._records.extend(self._cursor.new_records(wait=True))
         self._resolve(wait=True)
-        self._decide_in_flight(trainer, pl_module, log=False)  # the end of fit is a meeting
+        # The end of fit is a meeting: the gather in flight arrives.
+        self._decide(trainer, pl_module, self._exchange.arrived(), self._in_flight_step, final=False, log=False)
         # The steps since the last window (all of a run shorter than one window) get a verdict too. Host step
         # counts and gathered figures decide, so every rank takes this branch or none does.
         if self._steps_in_window > 0 or self._undecided:
@@ -274,7 +274,6 @@ class StragglerDetector(MeasuringCallback):
                 self._fetch_start = None
 
         self._timed_fetcher = time_fetches(trainer, on_start, on_stop, self._timed_fetcher)
-        self._fetch_timing = self._timed_fetcher is not None
 
     def _resolve(self, wait: bool) -> None:
         """Add the host-closed steps whose marks (and ledger record) have resolved to the window's totals."""
@@ -284,10 +283,7 @@ class StragglerDetector(MeasuringCallback):
             if any(t is None for t in times):
                 return
             self._unresolved.popleft()
-            data = gap_wait = busy = optimizer = 0.0
-            for t in times:
-                assert t is not None
-                data, gap_wait, busy, optimizer = data + t[0], gap_wait + t[1], busy + t[2], optimizer + t[3]
+            data, gap_wait, busy, optimizer = (sum(t[i] for t in times if t is not None) for i in range(4))
             # The exposed sync, not its span: backward compute that overlaps the sync is this rank's own work.
             sync = self._records.popleft().exposed_time_s if self._cursor.ledger is not None else 0.0
             step = [data, max(busy - sync, 0.0), sync + gap_wait, optimizer, 1.0]
@@ -296,7 +292,7 @@ class StragglerDetector(MeasuringCallback):
 
     def _analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
         """Gather every rank's sums since the last gather, and decide (in passing: at the next gather)."""
-        self._decide_in_flight(trainer, pl_module, log=not final)
+        self._decide(trainer, pl_module, self._exchange.arrived(), self._in_flight_step, final=False, log=not final)
         assert self._totals is not None  # made in setup
         local = to_device(self._totals.clone(), pl_module.device)
         self._totals.zero_()
@@ -305,23 +301,20 @@ class StragglerDetector(MeasuringCallback):
         gathered = self._exchange.gather(local, trainer.world_size, in_passing, final=final)
         if gathered is None:
             self._in_flight_step = trainer.global_step
-        else:
-            self._decide(trainer, pl_module, gathered, trainer.global_step, final=final, log=not final)
-
-    def _decide_in_flight(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
-        gathered = self._exchange.arrived()
-        if gathered is not None:
-            self._decide(trainer, pl_module, gathered, self._in_flight_step, final=False, log=log)
+        self._decide(trainer, pl_module, gathered, trainer.global_step, final=final, log=not final)
 
     def _decide(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        gathered: torch.Tensor,
+        gathered: torch.Tensor | None,
         step: int,
         final: bool,
         log: bool,
     ) -> None:
+        """Name the straggler of a window from every rank's sums, if they have arrived."""
+        if gathered is None:
+            return
         # (world, phases + 1): every rank's sums over the steps it resolved in the window.
         assert self._totals is not None  # made in setup
         per_rank = gathered.double().cpu()
