@@ -180,7 +180,8 @@ class CommProfiler(MeasuringCallback):
         self._series: dict[str, list[float]] = {name: [] for name in _SERIES}
         # The run's quality figures (sum, count), for the report: the logged ones cover an interval only.
         self._quality: dict[str, list[float]] = {name: [0.0, 0] for name in QUALITY_FIELDS}
-        #: The quality figures over the whole run and every rank (set at the end of fit; see :func:`_run_quality`).
+        #: The quality figures over the whole run and every rank (set at the end of fit; see
+        #: :func:`~lightning_ddpopt.ledger.run_quality`).
         self.run_quality: dict[str, float] = {}
         self._interval: dict[str, list[float]] = {name: [] for name in _INTERVAL_FIELDS}
         self._exchange = Exchange()  # every rank's figures, in flight from a meeting in passing to the next one
