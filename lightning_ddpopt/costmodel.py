@@ -155,8 +155,6 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
-# int8's elements per block with its own 4-byte scale (``Int8Config``'s default ``block_size``).
-_INT8_BLOCK = 1024
 #: The hooks ``ddpopt plan`` compares unless told otherwise.
 DEFAULT_PLAN_HOOKS = ("allreduce", "fp16", "int8", "powersgd")
 #: Every hook the cost model knows.
@@ -280,6 +278,7 @@ def estimate_hooks(
     *,
     powersgd_rank: int | None = None,
     matrix_width: int = 4096,
+    int8_block: int = 1024,
     device: Device = "cpu",
     codec_bytes_per_s: float | None = None,
     hooks: tuple[str, ...] = DEFAULT_PLAN_HOOKS,
@@ -290,9 +289,9 @@ def estimate_hooks(
     PowerSGD's bytes assume the parameters are square ``matrix_width`` matrices: ``2 w r`` elements (its P and Q
     allreduces) instead of ``w^2`` each. ``powersgd_rank`` prices a fixed rank; ``None`` prices the default PowerSGD,
     whose rank rises under its error bound, at both ends, one estimate each: :data:`POWERSGD_START_RANK` and
-    :data:`POWERSGD_SETTLED_RANK`. int8 sends one byte per element plus a 4-byte scale per block of 1024 elements
-    (``Int8Config``'s default), with a ring all-reduce's traffic (a reduce-scatter then an all-gather). Every hook's
-    rank sends ``2 (n-1)/n`` of its payload.
+    :data:`POWERSGD_SETTLED_RANK`. int8 sends one byte per element plus a 4-byte scale per ``int8_block`` elements,
+    with a ring all-reduce's traffic (a reduce-scatter then an all-gather). Every hook's rank sends ``2 (n-1)/n`` of
+    its payload.
 
     The compression's own compute (``codec_s``) is the fp32 gradient bytes over ``codec_bytes_per_s`` (default:
     :func:`codec_rate` per hook on ``device``; given, it applies to every hook that compresses); allreduce has none.
@@ -319,7 +318,7 @@ def estimate_hooks(
         if hook == "powersgd":
             rows += [(hook, bytes_fp32 * min(1.0, 2 * rank / matrix_width), rank) for rank in ranks]
             continue
-        per_element = {"allreduce": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / _INT8_BLOCK}[hook]
+        per_element = {"allreduce": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / int8_block}[hook]
         rows.append((hook, params * per_element, None))
     estimates = []
     for hook, nbytes, rank in rows:
@@ -422,6 +421,7 @@ def recommend(
     nodes: tuple[int, int, Link] | None = None,
     device: Device = "cpu",
     codec_bytes_per_s: float | None = None,
+    int8_block: int = 1024,
 ) -> Recommendation:
     """The comm hook, two tiers or not, or DiLoCo with its H, for ``params`` parameters on this world and link.
 
@@ -448,6 +448,7 @@ def recommend(
         world_size,
         link,
         step_compute_s,
+        int8_block=int8_block,
         device=device,
         codec_bytes_per_s=codec_bytes_per_s,
         hooks=RECOMMENDED_HOOKS,
