@@ -121,6 +121,8 @@ class Probe(pl.Callback):
             if strategy.local_sgd and strategy.local_sgd.anchor is not None
             else None,
             "local_sgd_syncs": strategy.local_sgd.syncs if strategy.local_sgd else None,
+            "sync_every": strategy.local_sgd.sync_every if strategy.local_sgd else None,
+            "sync_every_chosen": strategy.local_sgd.sync_every_choice is not None if strategy.local_sgd else None,
         }
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, StragglerDetector | CommProfiler | AMPMonitor):
@@ -181,7 +183,7 @@ def main(launcher: str, out: Path, slow_rank: int) -> None:
         callbacks=[CommProfiler(every_n_steps=4, report=False), StragglerDetector(every_n_steps=100), AMPMonitor()],
         samples=192,
     )
-    if launcher != "spawn":
+    if launcher != "spawn":  # each spawned fit starts fresh interpreters (about 10 s); int8 has no state to share
         fit(launcher, out, "int8", {"comm_hook": "int8"})
     powersgd = {"comm_hook": PowerSGDConfig(rank=2, start_iter=2)}
     # PowerSGD (with error feedback) two epochs straight, saving at each epoch's end, then resumed from the first
@@ -189,13 +191,9 @@ def main(launcher: str, out: Path, slow_rank: int) -> None:
     fit(launcher, out, "powersgd", powersgd, optimizer="adam", max_epochs=2, save_every_epoch=True)
     checkpoint = out / "powersgd" / "epoch=0.ckpt"
     fit(launcher, out, "powersgd_resumed", powersgd, optimizer="adam", max_epochs=2, ckpt_path=checkpoint)
-    if launcher == "spawn":
-        # Each spawned fit starts its ranks as fresh interpreters (about 10 s here): spawn runs the fits whose state
-        # a parent could share with its ranks (the callbacks', a stateful hook's across a resume), the other
-        # launchers run int8 and local SGD as well.
-        (out / "done_rank0").write_text("ok")
-        return
-    last = fit(launcher, out, "localsgd", {"local_sgd": LocalSGDConfig.diloco(sync_every=2)}, samples=96)
+    # DiLoCo choosing H: 20 steps of 2 ranks x 8 samples, the first sync after the provisional window of 16 steps,
+    # where the ranks agree on H.
+    last = fit(launcher, out, "localsgd", {"local_sgd": LocalSGDConfig.diloco(sync_every="auto")}, samples=320)
     # Under spawn and fork only the launching process gets here (as rank 0); every other launcher's ranks all do.
     (out / f"done_rank{last.global_rank}").write_text("ok")
 

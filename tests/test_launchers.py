@@ -1,7 +1,7 @@
 """Every way users start the ranks: a script (Lightning's subprocess launcher), spawn, fork, torchrun, and a
 cluster launcher that starts each "node" itself. The same training script (tests/launcher_worker.py) runs the full
-callback set with a slow rank, the int8 and PowerSGD hooks, a save and resume, and local SGD under each (spawn, whose
-every fit starts fresh interpreters, runs the callbacks and PowerSGD's save and resume)."""
+callback set with a slow rank, the int8 and PowerSGD hooks, a save and resume, and DiLoCo choosing its H
+(``sync_every="auto"``) under each (spawn, whose every fit starts fresh interpreters, leaves int8 out)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tests.launcher_worker import SLOW_MS, shared_tensors
 ROOT = Path(__file__).resolve().parents[1]
 FITS = ("callbacks", "int8", "powersgd", "powersgd_resumed", "localsgd")
 #: The fits tests/launcher_worker.py leaves out under spawn, whose every fit starts fresh interpreters.
-SPAWN_SKIPS = ("int8", "localsgd")
+SPAWN_SKIPS = ("int8",)
 #: launcher -> the rank made slow (rank 0 as well as another) and the cluster environment Lightning should detect.
 LAUNCHERS = {
     "script": (0, "LightningEnvironment"),
@@ -185,11 +185,14 @@ def test_every_launcher(tmp_path, launcher):
         assert resumed["hook_iteration"] == straight["hook_iteration"] == 8
         torch.testing.assert_close(resumed["params"], straight["params"], rtol=0, atol=0)
     if launcher == "spawn":
-        assert not (tmp_path / "int8_rank0.pt").exists() and not (tmp_path / "localsgd_rank0.pt").exists()
-        return
-    # Local SGD: 6 steps, a sync every 2: the ranks share the anchor they averaged last.
+        assert not (tmp_path / "int8_rank0.pt").exists()
+    # DiLoCo with sync_every="auto": 20 steps; after the first sync (step 16) every rank took the same H, and the
+    # ranks share the anchor they averaged last.
     localsgd = records["localsgd"]
-    assert [r["local_sgd_syncs"] for r in localsgd] == [3, 3]
+    assert [r["sync_every_chosen"] for r in localsgd] == [True, True]
+    every = localsgd[0]["sync_every"]
+    assert localsgd[1]["sync_every"] == every and every >= 1
+    assert [r["local_sgd_syncs"] for r in localsgd] == [1 + (20 - 16) // every] * 2
     torch.testing.assert_close(localsgd[0]["anchor"], localsgd[1]["anchor"], rtol=0, atol=0)
 
 

@@ -171,14 +171,14 @@ class PowerSGDConfig:
                 f"PowerSGDConfig start_iter={self.start_iter} must be at least 2 with error_feedback or warm_start: "
                 "DDP rebuilds its buckets after the first step, which would invalidate the per-bucket state"
             )
-        if self.matrix_dtype not in MATRIX_DTYPES:
-            raise ValueError(
-                f"PowerSGDConfig matrix_dtype={self.matrix_dtype!r} is not valid; choose one of {sorted(MATRIX_DTYPES)}"
-            )
         for name, low in (("min_compression_rate", 1), ("orthogonalization_epsilon", 0)):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < low:
                 raise ValueError(f"PowerSGDConfig {name}={value!r} must be >= {low}")
+        if self.matrix_dtype not in MATRIX_DTYPES:
+            raise ValueError(
+                f"PowerSGDConfig matrix_dtype={self.matrix_dtype!r} is not valid; choose one of {sorted(MATRIX_DTYPES)}"
+            )
 
     def compresses(self, rows: int, cols: int, rank: int | None = None) -> bool:
         """Whether a ``rows`` x ``cols`` gradient is compressed (else it is all-reduced as it is).
@@ -836,14 +836,23 @@ def compress_listed(
 
 
 def _allreduce_exact(
-    state: PowerSGDState, round_: SyncRound, bucket: dist.GradBucket, names: list[str], tensors: list[torch.Tensor]
+    state: PowerSGDState,
+    round_: SyncRound,
+    bucket: dist.GradBucket,
+    names: list[str],
+    tensors: list[torch.Tensor],
+    flat: torch.Tensor | None = None,
 ) -> None:
-    """Mean-allreduce ``tensors`` uncompressed (one flat collective) and note whether the result is finite."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    allreduce_mean_inplace(state, bucket, flat)
-    round_.check([flat])
+    """Mean-allreduce ``tensors`` uncompressed (one flat collective) and note whether the result is finite.
+
+    ``flat``: the buffer the tensors are views into, all-reduced in place; ``None``: a copy, written back.
+    """
+    work = torch.cat([t.reshape(-1) for t in tensors]) if flat is None else flat
+    allreduce_mean_inplace(state, bucket, work)
+    round_.check([work])
     round_.sent_exactly.update(names)
-    write_back(flat, tensors)
+    if flat is None:
+        write_back(work, tensors)
 
 
 def write_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -909,7 +918,7 @@ def _compress_as_square(
     key, numel = "|".join(names), sum(g.numel() for g in gradients)
     side = math.isqrt(numel - 1) + 1 if numel > 1 else 1
     if not state.config.compresses(side, side, state.rank_of(key)):
-        _allreduce_exact(state, round_, bucket, names, gradients)
+        _allreduce_exact(state, round_, bucket, names, gradients, flat)
         return
     work = torch.cat([g.reshape(-1) for g in gradients]) if flat is None else flat
     square = work if side * side == numel else torch.cat([work, work.new_zeros(side * side - numel)])

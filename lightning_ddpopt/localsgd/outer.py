@@ -443,8 +443,9 @@ class LocalSGD:
         drift = self._drift(own_sq, delta)
         if committed:  # a dropped sync (an island lost meanwhile) leaves the anchor: every island goes back to it
             self._outer_step(delta, outer_step)
+        report = self._load(self.layout.gather(self.anchor), 1.0, start, wire_bytes, drift)
         self.local_steps_since_sync = 0
-        return self._load(self.layout.gather(self.anchor), 1.0, start, wire_bytes, drift)
+        return report
 
     # The mean, by mode (see the class doc): each leaves the mean change in the work buffer, ``delta``.
 
@@ -562,14 +563,15 @@ class LocalSGD:
             self.anchor.copy_(model[self.layout.bounds[0] : self.layout.bounds[1]])
             if self._next_momentum is not None:
                 self.momentum, self._next_momentum = self._next_momentum, self.momentum
+        mixing = self.config.overlap_mixing
+        # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
+        report = self._load(model, 1 - mixing, start, in_flight.wire_bytes, drift, overlapped=True)
         self.syncs += 1
         # The parameters hold part of the window the sync carried and the steps since it started; only with
         # mixing 0 are they the anchor itself.
         started = in_flight.apply_at - self.config.overlap_steps
-        mixing = self.config.overlap_mixing
         self.local_steps_since_sync = self.sync_every + self.steps - started if mixing else 0
-        # In place, one pass: params + (1 - alpha) (anchor - params); exactly the anchor with alpha 0.
-        return self._load(model, 1 - mixing, start, in_flight.wire_bytes, drift, overlapped=True)
+        return report
 
     # The steps every sync shares.
 
