@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -25,6 +26,10 @@ from lightning_ddpopt import AMPMonitor, OptimizedDDPStrategy
 
 WIDTH = 256
 LAYERS = 6
+#: Fault tolerance runs on torchft (the ``[ft]`` extra, torch >= 2.7): its tests skip without it.
+needs_torchft = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None, reason="fault tolerance needs the [ft] extra (torchft)"
+)
 
 
 class StackModel(pl.LightningModule):

@@ -28,11 +28,9 @@ from lightning_ddpopt.fault_tolerance import FaultTolerance, config
 from lightning_ddpopt.fault_tolerance.replica import Replica, ReplicaStats
 from lightning_ddpopt.units import format_bytes
 from tests import ft_fabric_worker, ft_worker
+from tests.helpers import needs_torchft
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_torchft = pytest.mark.skipif(
-    importlib.util.find_spec("torchft") is None, reason="fault tolerance needs the [ft] extra (torchft)"
-)
 
 
 def _free_port() -> int:

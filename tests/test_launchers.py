@@ -23,7 +23,7 @@ from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, Optimized
 from lightning_ddpopt.affinity import available_cores, cpu_layout, plan_core_sets
 from lightning_ddpopt.fault_tolerance import FaultTolerance
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig
-from tests.helpers import user_environment
+from tests.helpers import needs_torchft, user_environment
 from tests.launcher_worker import SLOW_MS, shared_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,11 +207,20 @@ def test_every_launcher(tmp_path, launcher):
         {"comm_hook": "auto"},
         {"local_sgd": LocalSGDConfig.diloco(8, overlap_steps=2, compression="int8"), "cpu_affinity": True},
         {"local_sgd": LocalSGDConfig.diloco("auto", overlap_steps=4, replica="node")},
-        {"comm_hook": Int8Config(), "fault_tolerance": FaultTolerance(islands=2, island=0, lighthouse="host:29510")},
-        {
-            "local_sgd": LocalSGDConfig.diloco(8),
-            "fault_tolerance": FaultTolerance(islands=2, island=1, lighthouse="host:29510"),
-        },
+        pytest.param(
+            {
+                "comm_hook": Int8Config(),
+                "fault_tolerance": FaultTolerance(islands=2, island=0, lighthouse="host:29510"),
+            },
+            marks=needs_torchft,
+        ),
+        pytest.param(
+            {
+                "local_sgd": LocalSGDConfig.diloco(8),
+                "fault_tolerance": FaultTolerance(islands=2, island=1, lighthouse="host:29510"),
+            },
+            marks=needs_torchft,
+        ),
     ],
     ids=["allreduce", "powersgd", "int8", "auto", "localsgd", "localsgd_auto", "fault_tolerance", "ft_diloco"],
 )
