@@ -132,20 +132,25 @@ def _public_names() -> dict[str, object]:
     }
 
 
-def _directives() -> list[tuple[str, list[str] | None]]:
-    """Every ``::: path`` directive of the reference pages, with the members it lists (``None``: all of them)."""
-    found = []
+def _directives() -> list[tuple[str, list[str] | None, list[str]]]:
+    """Every ``::: path`` directive of the reference pages, with the members it lists (``None``: all of them) and
+    the inherited members it renders."""
+
+    def listed(options: str, option: str) -> list[str] | None:
+        found = re.search(rf"(?<!\w){option}:[ \t]*(\[[^\]]*\]|(?:\n[ \t]+- .*)+)", options)
+        return re.findall(r"[\w.]+", found.group(1)) if found else None
+
+    directives = []
     for page in (ROOT / "docs" / "reference").glob("*.md"):
         for directive in re.finditer(r"^::: (\S+)\n((?:[ \t]+.*\n?)*)", page.read_text(), re.M):
             path, options = directive.groups()
-            listed = re.search(r"members:[ \t]*(\[[^\]]*\]|(?:\n[ \t]+- .*)+)", options)
-            found.append((path, re.findall(r"[\w.]+", listed.group(1)) if listed else None))
-    return found
+            directives.append((path, listed(options, "members"), listed(options, "inherited_members") or []))
+    return directives
 
 
 def _referenced() -> set[str]:
     """Every object the reference pages render by name: the directives' paths and the members they list."""
-    return {rendered for path, members in _directives() for rendered in [path, *(f"{path}.{m}" for m in members or [])]}
+    return {rendered for path, members, _ in _directives() for rendered in [path, *(f"{path}.{m}" for m in members or [])]}
 
 
 @pytest.mark.quick
@@ -189,11 +194,23 @@ def _rendered(path: str) -> object:
     raise AssertionError(path)
 
 
+@pytest.mark.quick
+def test_every_member_a_class_inherits_is_rendered_where_listed():
+    # mkdocstrings renders an inherited member only where inherited_members names it (else nothing, silently).
+    for path, members, inherited in _directives():
+        cls = _rendered(path)
+        if not isinstance(cls, type):
+            continue
+        for name in members or []:
+            if name not in vars(cls) and hasattr(cls, name):  # an instance attribute is the class's own
+                assert name in inherited, f"{path}.{name} is inherited: list it under inherited_members too"
+
+
 def _whole_classes() -> dict[str, type]:
     """The classes the reference renders with all their public members: a directive without a members list, or a
     class listed as a module's member."""
     whole = {}
-    for path, members in _directives():
+    for path, members, _ in _directives():
         for candidate in [path] if members is None else [f"{path}.{m}" for m in members]:
             obj = _rendered(candidate)
             if isinstance(obj, type):

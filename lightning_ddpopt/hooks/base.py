@@ -131,7 +131,7 @@ class CommHookState:
         """Wait for ``work`` (a collective issued with ``async_op=True``), adding the time to :attr:`wait_seconds`.
 
         Args:
-            work: the collective's handle; ``None`` waits for nothing.
+            work: the collective's handle (typed optional as torch types it; never ``None`` with ``async_op=True``).
         """
         assert work is not None
         start = time.perf_counter()
@@ -631,9 +631,13 @@ def add_feedback(
     ``feedback``: :meth:`ErrorFeedbackState.stored_error`'s results, one per target (``None``: nothing stored).
     """
     for target, found in zip(targets, feedback, strict=True):
-        if found is not None:
-            error, ratio = found
-            target.add_(error) if ratio is None else target.addcmul_(error, ratio)
+        if found is None:
+            continue
+        error, ratio = found
+        if ratio is None:
+            target.add_(error)
+        else:
+            target.addcmul_(error, ratio)
 
 
 def fed_back_sq(feedback: Iterable[tuple[torch.Tensor, torch.Tensor | None] | None]) -> torch.Tensor | None:
