@@ -150,7 +150,9 @@ def _directives() -> list[tuple[str, list[str] | None, list[str]]]:
 
 def _referenced() -> set[str]:
     """Every object the reference pages render by name: the directives' paths and the members they list."""
-    return {rendered for path, members, _ in _directives() for rendered in [path, *(f"{path}.{m}" for m in members or [])]}
+    return {
+        rendered for path, members, _ in _directives() for rendered in [path, *(f"{path}.{m}" for m in members or [])]
+    }
 
 
 @pytest.mark.quick

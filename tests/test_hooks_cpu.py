@@ -145,6 +145,8 @@ def test_loading_state_of_another_config_is_refused(gloo_group):
         ({"min_compression_rate": 0.5}, "min_compression_rate=0.5 must be >= 1"),
         ({"matrix_dtype": "fp8"}, "matrix_dtype='fp8' is not valid; choose one of \\['bf16', 'fp16', 'fp32'\\]"),
         ({"orthogonalization_epsilon": -1.0}, "orthogonalization_epsilon=-1.0 must be >= 0"),
+        # Several wrong: the first in the signature's order is named.
+        ({"matrix_dtype": "fp8", "orthogonalization_epsilon": -1.0}, "matrix_dtype='fp8' is not valid"),
     ],
 )
 def test_bad_powersgd_configs(kwargs, message):

@@ -77,7 +77,7 @@ from lightning_ddpopt.deferred import DeferredRead, to_device
 from lightning_ddpopt.hooks import _kernels
 from lightning_ddpopt.hooks._worker import Worker
 from lightning_ddpopt.hooks.base import ErrorFeedbackState, SyncRound, config_mismatch, fed_back_sq, squared_norm
-from lightning_ddpopt.hooks.powersgd_rank import RankChange, RankController
+from lightning_ddpopt.hooks.powersgd_rank import RankChange, RankController, square_side
 
 __all__ = [
     "MATRIX_DTYPES",
@@ -171,14 +171,15 @@ class PowerSGDConfig:
                 f"PowerSGDConfig start_iter={self.start_iter} must be at least 2 with error_feedback or warm_start: "
                 "DDP rebuilds its buckets after the first step, which would invalidate the per-bucket state"
             )
-        for name, low in (("min_compression_rate", 1), ("orthogonalization_epsilon", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or value < low:
-                raise ValueError(f"PowerSGDConfig {name}={value!r} must be >= {low}")
+        if not isinstance(self.min_compression_rate, int | float) or self.min_compression_rate < 1:
+            raise ValueError(f"PowerSGDConfig min_compression_rate={self.min_compression_rate!r} must be >= 1")
         if self.matrix_dtype not in MATRIX_DTYPES:
             raise ValueError(
                 f"PowerSGDConfig matrix_dtype={self.matrix_dtype!r} is not valid; choose one of {sorted(MATRIX_DTYPES)}"
             )
+        epsilon = self.orthogonalization_epsilon
+        if not isinstance(epsilon, int | float) or epsilon < 0:
+            raise ValueError(f"PowerSGDConfig orthogonalization_epsilon={epsilon!r} must be >= 0")
 
     def compresses(self, rows: int, cols: int, rank: int | None = None) -> bool:
         """Whether a ``rows`` x ``cols`` gradient is compressed (else it is all-reduced as it is).
@@ -916,7 +917,7 @@ def _compress_as_square(
     for the ledger. The matrix's error is kept per parameter, as views into it.
     """
     key, numel = "|".join(names), sum(g.numel() for g in gradients)
-    side = math.isqrt(numel - 1) + 1 if numel > 1 else 1
+    side = square_side(numel)
     if not state.config.compresses(side, side, state.rank_of(key)):
         _allreduce_exact(state, round_, bucket, names, gradients, flat)
         return

@@ -51,6 +51,7 @@ __all__ = [
     "RankChange",
     "RankController",
     "is_adaptive",
+    "square_side",
 ]
 
 #: Optimizers that scale each coordinate by its own history (Adam and its kin): a compression error costs them more.
@@ -297,8 +298,7 @@ class RankController:
         names = key.split("|")
         if not self.config.batched:
             return self._shapes[self._slot_of[key]]
-        numel = sum(math.prod(self._shapes[self._slot_of[name]]) for name in names)
-        side = math.isqrt(numel - 1) + 1 if numel > 1 else 1
+        side = square_side(sum(math.prod(self._shapes[self._slot_of[name]]) for name in names))
         return side, side
 
     def _change(self, change: RankChange) -> RankChange:
@@ -364,3 +364,8 @@ def _saved_change(saved: tuple | list) -> RankChange:
     """A saved change; one of an earlier release (one rank for every matrix) has no key: ``"*"``."""
     step, error, old, new, *key = saved
     return RankChange(int(step), float(error), int(old), int(new), str(key[0]) if key else "*")
+
+
+def square_side(numel: int) -> int:
+    """The side of the smallest square matrix that holds ``numel`` values (batched PowerSGD's zero-padded matrix)."""
+    return math.isqrt(numel - 1) + 1 if numel > 1 else 1
