@@ -75,6 +75,11 @@ def shared_tensors(root: object, name: str, shared_only: bool = True) -> list[st
         if not module.startswith(("lightning_ddpopt", "torchmetrics")):
             return
         fields = dict(vars(value)) if hasattr(value, "__dict__") else {}
+        for cls in type(value).__mro__:  # slotted classes (the ledger's records) keep their fields in slots
+            slots = cls.__dict__.get("__slots__", ())
+            for slot in (slots,) if isinstance(slots, str) else slots:
+                if hasattr(value, slot):
+                    fields[slot] = getattr(value, slot)
         if isinstance(value, torch.nn.Module):
             fields.update(value.named_buffers())
         for key, item in fields.items():

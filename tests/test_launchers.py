@@ -21,8 +21,10 @@ import torch
 
 from lightning_ddpopt import AMPMonitor, CommProfiler, LocalSGDConfig, OptimizedDDPStrategy, StragglerDetector
 from lightning_ddpopt.affinity import available_cores, cpu_layout, plan_core_sets
+from lightning_ddpopt.deferred import DeferredRead
 from lightning_ddpopt.fault_tolerance import FaultTolerance
 from lightning_ddpopt.hooks import Int8Config, PowerSGDConfig
+from lightning_ddpopt.ledger import _OpenBucket
 from tests.helpers import needs_torchft, user_environment
 from tests.launcher_worker import SLOW_MS, shared_tensors
 
@@ -234,3 +236,11 @@ def test_no_tensor_exists_before_the_ranks_start(options):
     }
     for name, value in objects.items():
         assert shared_tensors(value, name, shared_only=False) == []
+
+
+@pytest.mark.quick
+def test_the_tensor_search_reaches_slotted_objects():
+    # The search the test above relies on finds a tensor held in a slot (the ledger keeps its open buckets so).
+    bucket = _OpenBucket(index=0, num_elements=1, logical_bytes=4, start=0.0, drift=DeferredRead(torch.zeros(())))
+    assert not hasattr(bucket, "__dict__")
+    assert shared_tensors({"open": [bucket]}, "ledger", shared_only=False) == ["ledger['open'][0].drift._tensor"]
